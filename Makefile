@@ -1,0 +1,17 @@
+# The torch pin takes the local CPU wheel; an unpinned torch would pull GBs of CUDA packages.
+PYTHON ?= python3
+
+.PHONY: install test example speed
+
+install:
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e '.[test]'
+
+test: install
+	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q
+
+example: install
+	HF_HUB_OFFLINE=1 memcheck examples/gpt2_small.py --max-len 1024 --device cpu
+
+speed: install
+	HF_HUB_OFFLINE=1 $(PYTHON) benchmarks/speed.py

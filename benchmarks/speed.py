@@ -1,0 +1,107 @@
+"""Time memcheck against torch's MemTracker on the same meta-device work, side by side.
+
+    python benchmarks/speed.py            # all workloads, prints a table of ratios
+    python benchmarks/speed.py --quick    # GPT-2 only
+
+Each (tool, workload) runs in a fresh subprocess so that its wall time and its
+peak host RSS (ru_maxrss) are its own. Both tools trace two full training steps
+(forward, loss, backward, AdamW step, zero_grad) of a model built on the meta
+device. The batch has no attention_mask, because MemTracker cannot get past
+transformers' data-dependent mask check on meta tensors; memcheck can, but runs
+the same batch here so that the work is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+WORKLOADS = {
+    "gpt2-small fp32 8x1024": ("gpt2", 8, 1024),
+    "llama-7b-shaped 1x2048": ("llama", 1, 2048),
+}
+
+
+def _build(kind, batch_size, seq_len):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config()) if kind == "gpt2" else LlamaForCausalLM(LlamaConfig())
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def run_one(tool: str, kind: str, batch_size: int, seq_len: int) -> dict:
+    import torch
+
+    model, batch = _build(kind, batch_size, seq_len)
+    start = time.perf_counter()
+    if tool == "memcheck":
+        import memcheck
+
+        est = memcheck.estimate(model, batch, device="cuda", optimizer="adamw")
+        peak = est.peak_bytes
+    else:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        optim = torch.optim.AdamW(model.parameters(), foreach=True)
+        tracker = MemTracker()
+        tracker.track_external(model, optim)
+        with tracker:
+            for _ in range(2):
+                loss = model(**batch).loss
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+                tracker.reset_mod_stats()
+        peak = None  # MemTracker reports per-device dicts; only its time and RSS are compared here
+    seconds = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"seconds": seconds, "max_rss_bytes": rss, "peak_bytes": peak}
+
+
+def main(argv):
+    if argv[:1] == ["--one"]:
+        tool, kind, b, s = argv[1], argv[2], int(argv[3]), int(argv[4])
+        print(json.dumps(run_one(tool, kind, b, s)))
+        return 0
+    workloads = dict(list(WORKLOADS.items())[:1]) if "--quick" in argv else WORKLOADS
+    rows = []
+    for label, (kind, b, s) in workloads.items():
+        result = {}
+        for tool in ("memcheck", "memtracker"):
+            proc = subprocess.run(
+                [sys.executable, __file__, "--one", tool, kind, str(b), str(s)],
+                capture_output=True, text=True,
+            )
+            if proc.returncode != 0:
+                result[tool] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+            else:
+                result[tool] = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows.append((label, result))
+    print(f"{'workload':26s} {'memcheck s':>11s} {'MemTracker s':>13s} {'ratio':>7s} {'memcheck RSS':>13s} {'MemTracker RSS':>15s}")
+    for label, r in rows:
+        m, t = r["memcheck"], r["memtracker"]
+        if "error" in m or "error" in t:
+            print(f"{label:26s} memcheck: {m.get('error', 'ok')} | MemTracker: {t.get('error', 'ok')}")
+            continue
+        ratio = m["seconds"] / t["seconds"]
+        print(
+            f"{label:26s} {m['seconds']:11.2f} {t['seconds']:13.2f} {ratio:7.2f} "
+            f"{m['max_rss_bytes'] / 2**30:9.2f} GiB {t['max_rss_bytes'] / 2**30:11.2f} GiB"
+        )
+    print("ratio = memcheck time / MemTracker time (below 1 means memcheck is faster); RSS is the whole process's peak, Python and torch included")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,128 @@
+"""The command line: parse, call the library, render, map errors to exit codes.
+
+Exit codes:
+    0  the job fits (or no budget was given)
+    1  the job does not fit the budget
+    2  bad input: a flag, the model file, the config, an op memcheck cannot trace
+    3  a bug in memcheck itself (please report it with --debug output)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import click
+
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+class _DefaultGroup(click.Group):
+    """A group whose first argument, when it is not a subcommand, goes to ``estimate``."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
+            args = ["estimate", *args]
+        return super().parse_args(ctx, args)
+
+
+def _fail(exc: BaseException, debug: bool, code: int) -> None:
+    if debug:
+        traceback.print_exception(exc)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    click.echo(f"memcheck: error: {first}", err=True)
+    sys.exit(code)
+
+
+def _quiet_transformers() -> None:
+    """transformers logs warnings about configs it builds; the CLI's output is memcheck's alone."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+
+
+@click.group(cls=_DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="memcheck", prog_name="memcheck")
+def main():
+    """Will this PyTorch training job fit in memory? memcheck traces one real
+    training step on the meta device (no GPU, no weights) at the worst-case
+    padded batch and reports the peak and where it goes.
+
+    \b
+    memcheck MODEL [OPTIONS]        same as: memcheck estimate MODEL [OPTIONS]
+
+    Exit codes: 0 fits (or no budget given), 1 does not fit, 2 bad input, 3 internal error.
+    """
+
+
+@main.command()
+@click.argument("model", metavar="MODEL")
+@click.option("--max-len", type=int, default=None,
+              help="Pad every sequence to this length (the worst case). Default for hf: models: the position limit.")
+@click.option("--target-len", type=int, default=None, help="Label length for seq2seq models.")
+@click.option("-b", "--batch-size", type=int, default=1, show_default=True, help="Micro-batch size per step.")
+@click.option("--task", default=None, metavar="TASK",
+              help="Override the architecture's task: causal-lm, masked-lm, seq2seq, classification, image-classification.")
+@click.option("--attn", default=None, metavar="IMPL", help="transformers attention implementation: eager or sdpa.")
+@click.option("--device", default="cuda", show_default=True, metavar="DEVICE",
+              help="Target device of the estimate: cpu or cuda.")
+@click.option("--precision", default="fp32", show_default=True, metavar="PREC",
+              help="fp32, or pure bf16 / fp16 weights.")
+@click.option("--optimizer", default=None, metavar="NAME",
+              help="adamw (default), adam, sgd, sgd-momentum; a model file's make_optimizer wins unless this is given.")
+@click.option("--steps", default=2, show_default=True, type=int,
+              help="Training steps to trace; the peak is taken from step 2 on.")
+@click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE",
+              help="Memory budget such as 24GiB; exit code 1 when the peak exceeds it.")
+@click.option("--top", default=8, show_default=True, type=int, help="Modules to list in the table.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise).")
+@click.option("--debug", is_flag=True, help="Show the full traceback of errors.")
+def estimate(model, max_len, target_len, batch_size, task, attn, device, precision, optimizer, steps,
+             gpu_memory, top, as_json, allow_download, debug):
+    """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
+
+    \b
+    A model file defines build_model() (or a module-level `model`) and may define
+    make_batch(batch_size, max_len), compute_loss(model, batch), make_optimizer(params).
+    memcheck runs the file's code (on the meta device).
+    """
+    if not allow_download:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from memcheck.errors import MemcheckError
+    from memcheck.estimate import estimate as run_estimate
+    from memcheck.model_source import load_workload
+    from memcheck.render import render_json
+    from memcheck.units import parse_size
+
+    _quiet_transformers()
+    try:
+        budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
+        if top < 0:
+            raise click.BadParameter(f"--top must be 0 or more, got {top}")
+        work = load_workload(
+            model, batch_size=batch_size, max_len=max_len, target_len=target_len,
+            task=task, attn=attn, allow_download=allow_download,
+        )
+        result = run_estimate(
+            work.model, work.batch, device=device, precision=precision,
+            optimizer=optimizer or work.make_optimizer or "adamw", loss_fn=work.loss_fn,
+            steps=steps, budget_bytes=budget, batch_size=work.batch_size, max_len=work.max_len,
+            target_len=work.target_len, model_name=work.name, top_modules=top,
+        )
+    except MemcheckError as exc:
+        _fail(exc, debug, exc.exit_code)
+    except click.ClickException:
+        raise
+    except Exception as exc:  # a bug in memcheck: say so, briefly
+        _fail(RuntimeError(f"internal error ({type(exc).__name__}: {exc}); rerun with --debug and report it"),
+              debug, EXIT_INTERNAL)
+    click.echo(render_json(result) if as_json else str(result))
+    sys.exit(EXIT_DOES_NOT_FIT if result.fits is False else EXIT_FITS)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,88 @@
+"""The choices memcheck knows, as enums parsed from user strings with clear errors."""
+
+from __future__ import annotations
+
+import enum
+
+from memcheck.errors import UsageError, closest
+
+
+class _Choice(str, enum.Enum):
+    """An enum whose values are the strings users type."""
+
+    @classmethod
+    def parse(cls, value, *, what: str | None = None):
+        """Return the member for ``value`` (a member or its string), or raise UsageError listing the allowed values."""
+        if isinstance(value, cls):
+            return value
+        text = str(value).strip().lower()
+        for member in cls:
+            if member.value == text:
+                return member
+        allowed = [m.value for m in cls]
+        label = what or cls.__name__.lower()
+        raise UsageError(
+            f"unknown {label} {value!r}{closest(text, allowed)}; allowed: {', '.join(allowed)}"
+        )
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Category(_Choice):
+    """What a byte of memory is for. Every traced byte is in exactly one category."""
+
+    PARAMETER = "params"
+    BUFFER = "buffers"
+    GRADIENT = "grads"
+    OPTIMIZER = "optimizer"
+    ACTIVATION = "activations"  # saved by autograd for backward
+    TEMPORARY = "temporaries"  # alive now, not saved for backward, not a result
+    OUTPUT = "outputs"  # the model's outputs and the loss
+    INPUT = "inputs"  # the batch
+    OTHER = "other"  # tensors that existed before the trace and belong to none of the above
+
+
+class Phase(_Choice):
+    """Where in a training step an event happened."""
+
+    SETUP = "setup"
+    FORWARD = "forward"
+    LOSS = "loss"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer_step"
+    ZERO_GRAD = "zero_grad"
+
+
+class Device(_Choice):
+    """The device the estimate is for. Tracing itself always runs on the meta device."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Precision(_Choice):
+    """Training precision. ``bf16``/``fp16`` mean pure low-precision weights."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    AMP_BF16 = "amp-bf16"
+    AMP_FP16 = "amp-fp16"
+
+
+class Task(_Choice):
+    """What a transformers model is trained for; decides the worst-case batch."""
+
+    CAUSAL_LM = "causal-lm"
+    MASKED_LM = "masked-lm"
+    SEQ2SEQ = "seq2seq"
+    CLASSIFICATION = "classification"
+    IMAGE_CLASSIFICATION = "image-classification"
+
+
+class Attention(_Choice):
+    """transformers ``attn_implementation`` values memcheck can trace."""
+
+    EAGER = "eager"
+    SDPA = "sdpa"

@@ -1,0 +1,37 @@
+"""Exceptions raised by memcheck, and the exit code the CLI maps each one to.
+
+The library never prints and never exits; it raises one of these. ``cli.py``
+turns them into one line on stderr and the exit code named in ``exit_code``.
+"""
+
+from __future__ import annotations
+
+
+class MemcheckError(Exception):
+    """Base class of every error memcheck raises on purpose."""
+
+    exit_code = 2
+
+
+class UsageError(MemcheckError):
+    """A flag, argument or config value is invalid."""
+
+
+class ModelLoadError(MemcheckError):
+    """The model file or ``hf:`` spec could not be turned into a model and a batch."""
+
+
+class TraceError(MemcheckError):
+    """The model's own code failed while it was being traced."""
+
+
+class UnsupportedOpError(MemcheckError):
+    """An operator has no meta kernel and no memcheck rule; register one with ``register_op_rule``."""
+
+
+def closest(name: str, allowed) -> str:
+    """Return a ' (did you mean X?)' suffix for a mistyped ``name``, or ''."""
+    import difflib
+
+    match = difflib.get_close_matches(str(name), [str(a) for a in allowed], n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""

@@ -1,0 +1,67 @@
+"""Measure what a real run allocates, independently of the tracer.
+
+On CPU the oracle is the allocator itself: ``torch.profiler.profile(profile_memory=True)``
+records every allocation and free with its size and time, and the peak is the
+running maximum of their sum. Nothing here uses the tracer's accounting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from memcheck.training_loop import LossFn, default_loss, run_steps
+
+STEP_MARK = "memcheck.step"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Peaks of live CPU bytes, from the profiler's allocation events."""
+
+    peak_bytes: int  # over the whole run, model construction included
+    steady_peak_bytes: int  # from the start of step 2 on (optimizer state exists)
+
+
+def measure_cpu(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    loss_fn: LossFn = default_loss,
+    steps: int = 2,
+) -> Measured:
+    """Build a model and batch on CPU, train ``steps`` steps, and measure the allocator.
+
+    ``build()`` returns ``(model, batch)``; it runs inside the profiled region so
+    that the baseline (weights, batch) is measured too.
+    """
+    def on_phase(step, phase):
+        if phase.value == "forward":  # an empty marker event: its timestamp starts the step
+            with record_function(f"{STEP_MARK}.{step}"):
+                pass
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, batch = build()
+        optimizer = make_optimizer(model.parameters())
+        run_steps(model, batch, loss_fn, optimizer, steps, on_phase)
+        del model, batch, optimizer
+
+    raw = prof.profiler.kineto_results.events()
+    step_start = {
+        int(e.name().rsplit(".", 1)[1]): e.start_ns() for e in raw if e.name().startswith(STEP_MARK)
+    }
+    mem = sorted(
+        ((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU),
+        key=lambda x: x[0],
+    )
+    steady_from = step_start.get(1, step_start.get(0, 0))
+    live = peak = steady = 0
+    for t, n in mem:
+        live += n
+        peak = max(peak, live)
+        if t >= steady_from:
+            steady = max(steady, live)
+    return Measured(peak_bytes=peak, steady_peak_bytes=steady)

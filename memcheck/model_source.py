@@ -1,0 +1,165 @@
+"""Turn what the user names (a Python model file, or ``hf:NAME_OR_DIR``) into a workload.
+
+A model file defines ``build_model()`` (or a module-level ``model``) and may define
+``make_batch(batch_size, max_len)``, ``compute_loss(model, batch)`` and
+``make_optimizer(params)``. memcheck runs the file's code: everything it builds is
+built under ``torch.device("meta")`` for an estimate, so no weights are allocated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from memcheck import hf
+from memcheck.enums import Attention, Task
+from memcheck.errors import MemcheckError, ModelLoadError, UsageError
+
+
+@dataclass
+class Workload:
+    """A model, its worst-case batch, and how to train it."""
+
+    name: str
+    model: torch.nn.Module
+    batch: Any
+    loss_fn: Callable | None
+    make_optimizer: Callable | None
+    batch_size: int
+    max_len: int | None
+    target_len: int | None
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """'file:line' of the innermost frame inside the model file, else the file."""
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f"{path}:{exc.lineno}"
+    line = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if Path(frame.filename).resolve() == path.resolve():
+            line = frame.lineno
+    return f"{path}:{line}" if line else str(path)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _import_file(path: Path):
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such model file")
+    name = f"memcheck_model_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelLoadError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except MemcheckError:
+        raise
+    except BaseException as exc:  # SyntaxError, ImportError, anything the file raises
+        sys.modules.pop(name, None)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise ModelLoadError(
+            f"{_where(exc, path)}: loading the model file failed: {_one_line(exc)}; fix the file and retry"
+        ) from exc
+    return module
+
+
+def _call(path: Path, fn, what: str, *args):
+    try:
+        return fn(*args)
+    except MemcheckError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"{_where(exc, path)}: {what} raised {_one_line(exc)}") from exc
+
+
+def _check_sizes(batch_size, max_len, target_len):
+    for flag, value in (("--batch-size", batch_size), ("--max-len", max_len), ("--target-len", target_len)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise UsageError(f"{flag} must be a positive integer, got {value!r}")
+
+
+def load_workload(
+    spec: str,
+    *,
+    batch_size: int = 1,
+    max_len: int | None = None,
+    target_len: int | None = None,
+    task: Task | str | None = None,
+    attn: Attention | str | None = None,
+    allow_download: bool = False,
+    device: str = "meta",
+) -> Workload:
+    """Load ``spec`` and build its model and worst-case batch on ``device`` (meta for estimates)."""
+    _check_sizes(batch_size, max_len, target_len)
+    task = Task.parse(task, what="task") if task is not None else None
+    attn = Attention.parse(attn, what="attention implementation") if attn is not None else None
+    if spec.startswith("hf:"):
+        name = spec[3:]
+        if not name:
+            raise UsageError("hf: needs a model name or a directory holding config.json, as in hf:gpt2")
+        config = hf.load_config(name, allow_download=allow_download)
+        model = hf.build_model(config, task, attn, device=device)
+        task = task or hf.infer_task(config, model)
+        if max_len is None and not hf.is_vision(model):
+            max_len = hf.default_max_len(model, config)
+        hf.check_lengths(model, config, max_len, target_len)
+        with torch.device(device):
+            batch = hf.make_batch(model, config, task, batch_size, max_len, target_len, device=device)
+        return Workload(type(model).__name__, model, batch, None, None, batch_size, max_len, target_len)
+
+    path = Path(spec)
+    if path.suffix != ".py":
+        raise UsageError(
+            f"model {spec!r} is neither a Python file (*.py) nor hf:NAME_OR_DIR"
+        )
+    with torch.device(device):
+        module = _import_file(path)
+        if hasattr(module, "build_model"):
+            model = _call(path, module.build_model, "build_model()")
+        elif isinstance(getattr(module, "model", None), torch.nn.Module):
+            model = module.model
+        else:
+            raise ModelLoadError(
+                f"{path}: defines neither build_model() nor a module-level `model`; add one returning an nn.Module"
+            )
+        if not isinstance(model, torch.nn.Module):
+            raise ModelLoadError(f"{path}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
+        if attn is not None and hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(attn.value)
+        config = getattr(model, "config", None)
+        if hasattr(module, "make_batch"):
+            params = inspect.signature(module.make_batch).parameters
+            if max_len is None and len(params) >= 2 and "max_len" in params and params["max_len"].default is inspect.Parameter.empty:
+                raise UsageError(f"{path}: make_batch needs a length: give --max-len")
+            if config is not None:
+                hf.check_lengths(model, config, max_len, target_len)
+            batch = _call(path, module.make_batch, "make_batch()", batch_size, max_len)
+        elif config is not None and hasattr(model, "main_input_name"):
+            task = task or hf.infer_task(config, model)
+            if max_len is None and not hf.is_vision(model):
+                max_len = hf.default_max_len(model, config)
+            hf.check_lengths(model, config, max_len, target_len)
+            batch = hf.make_batch(model, config, task, batch_size, max_len, target_len, device=device)
+        else:
+            raise ModelLoadError(
+                f"{path}: defines no make_batch(batch_size, max_len), and memcheck cannot infer "
+                f"inputs for {type(model).__name__}; add make_batch"
+            )
+    loss_fn = getattr(module, "compute_loss", None)
+    make_optimizer = getattr(module, "make_optimizer", None)
+    return Workload(
+        path.stem, model, batch, loss_fn, make_optimizer, batch_size, max_len, target_len
+    )

@@ -1,0 +1,247 @@
+"""Knowledge about particular ops, as small registered rules.
+
+Two registries, one per level at which a choice is made:
+
+* ``FUNCTION_RULES`` are keyed by a Python-level torch function (for example
+  ``torch.nn.functional.scaled_dot_product_attention``). They exist because a
+  composite op picks its kernel by device type *before* reaching the dispatcher:
+  on meta, SDPA always decomposes into the math path, which stores the
+  (s x s) attention matrix that the target device's fused kernels never allocate.
+* ``DISPATCH_RULES`` are keyed by an aten ``OpOverload``. They stand in for ops
+  whose meta behaviour differs from a real run (data-dependent scalars) or that
+  have no meta kernel at all (custom extensions).
+
+A rule is ``rule(ctx, func, args, kwargs) -> result``. ``ctx`` is the running
+``memcheck.tracer.MemoryTracer``: rules read ``ctx.device`` (the target) and call
+``ctx.assume(text)`` to list what they assumed in the report.
+
+Users add rules with ``memcheck.register_op_rule``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from memcheck.enums import Device
+
+aten = torch.ops.aten
+
+Rule = Callable[[Any, Any, tuple, dict], Any]
+FUNCTION_RULES: dict[Any, Rule] = {}
+DISPATCH_RULES: dict[Any, Rule] = {}
+
+
+def register_op_rule(op, rule: Rule | None = None):
+    """Register ``rule`` for ``op``; usable as a decorator.
+
+    ``op`` is an aten ``OpOverload`` or ``OpOverloadPacket`` (``torch.ops.aten.nonzero``,
+    ``torch.ops.mylib.fused_norm.default``), or a Python torch function such as
+    ``torch.nn.functional.scaled_dot_product_attention``. A packet registers every
+    overload. The rule receives ``(ctx, func, args, kwargs)`` and must return what
+    the op would return, built from meta tensors of the right shapes and dtypes
+    (``torch.empty(..., device="meta")``); memcheck counts their bytes.
+
+    Example:
+        >>> @memcheck.register_op_rule(torch.ops.mylib.fused_norm.default)
+        ... def fused_norm(ctx, func, args, kwargs):
+        ...     x = args[0]
+        ...     return torch.empty_like(x), torch.empty(x.shape[0], device="meta")
+    """
+
+    def add(fn: Rule) -> Rule:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            for name in op.overloads():
+                DISPATCH_RULES[getattr(op, name)] = fn
+        elif isinstance(op, torch._ops.OpOverload):
+            DISPATCH_RULES[op] = fn
+        elif callable(op):
+            FUNCTION_RULES[op] = fn
+        else:
+            raise TypeError(f"register_op_rule needs an aten op or a torch function, not {op!r}")
+        return fn
+
+    return add(rule) if rule is not None else add
+
+
+# --------------------------------------------------------------------------------------
+# Attention: apply the target device's SDPA kernel choice.
+
+
+def _cpu_stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A real CPU tensor with ``t``'s shape, dtype and innermost stride, backed by one row.
+
+    torch's own CPU kernel choice (``torch._fused_sdp_choice``) only inspects
+    metadata, so a stride-0 view of ``t.shape[-1]`` elements answers exactly as
+    the full tensor would, without allocating it.
+    """
+    last = t.shape[-1] if t.dim() else 1
+    base = torch.empty(max(last, 1), dtype=t.dtype)
+    strides = [0] * t.dim()
+    if t.dim():
+        strides[-1] = t.stride(-1) if t.shape[-1] > 1 else 1
+    out = base.as_strided(t.shape, strides)
+    return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out
+
+
+# Values of sdp::SDPBackend (aten/src/ATen/native/transformers/sdp_utils_cpp.h).
+SDP_MATH, SDP_FLASH = 0, 1
+
+
+def cpu_sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+    """Ask torch which kernel ``scaled_dot_product_attention`` would run on CPU."""
+    mask = None if attn_mask is None else _cpu_stand_in(attn_mask)
+    return int(
+        torch._fused_sdp_choice(
+            _cpu_stand_in(q), _cpu_stand_in(k), _cpu_stand_in(v), mask,
+            dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
+        )
+    )
+
+
+def _additive_mask(mask: torch.Tensor, dtype) -> torch.Tensor:
+    """What ``convert_boolean_attn_mask`` (attention.cpp) allocates for a bool mask."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask.logical_not(), -math.inf)
+
+
+@register_op_rule(F.scaled_dot_product_attention)
+def scaled_dot_product_attention(ctx, func, args, kwargs):
+    """Trace the kernel the target device would pick (attention.cpp ``scaled_dot_product_attention``)."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    defaults = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
+    bound = {**defaults, **dict(zip(names, args)), **kwargs}
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    if ctx.device is Device.CPU and q.device.type == "meta":
+        backend = cpu_sdpa_backend(
+            q, k, v, bound["attn_mask"], bound["dropout_p"], bound["is_causal"],
+            bound["scale"], bound["enable_gqa"],
+        )
+        if backend == SDP_FLASH:
+            mask = bound["attn_mask"]
+            mask = None if mask is None else _additive_mask(mask, q.dtype)
+            out = aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, bound["dropout_p"], bound["is_causal"], attn_mask=mask, scale=bound["scale"]
+            )
+            return out[0]
+    if ctx.device is Device.CUDA and q.device.type == "meta":
+        ctx.assume("CUDA attention kernels are not emulated yet: SDPA traced as the math path (an upper bound)")
+    return func(*args, **kwargs)
+
+
+def _cpu_flash_splits(q_len: int, kv_len: int) -> tuple[int, int]:
+    """Block sizes of the CPU flash kernels (FlashAttentionKernel.cpp, ``flash_attention_kernel_impl``)."""
+    q_split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
+    return min(q_split, q_len), min(512, kv_len)
+
+
+def _accum_size(dtype) -> int:
+    return 8 if dtype == torch.float64 else 4  # at::opmath_type: float for fp32/bf16/fp16
+
+
+@register_op_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def cpu_flash_attention(ctx, func, args, kwargs):
+    """Forward: one per-thread buffer of ``qSplit*kvSplit + 2*qSplit + qSplit*headSize``
+    accumulators (``cpu_flash_attention``; no packing for fp32), plus the same
+    ``qSplit*kvSplit`` block in the input dtype for bf16/fp16 (``buf_reduced``)."""
+    out = func(*args, **kwargs)
+    if ctx.device is Device.CPU:
+        q, v = args[0], args[2]
+        b, h, q_len, d = q.shape
+        q_split, kv_split = _cpu_flash_splits(q_len, v.shape[2])
+        threads = torch.get_num_threads()
+        per_thread = q_split * kv_split + 2 * q_split + q_split * d
+        reduced = 0
+        if q.dtype in (torch.bfloat16, torch.float16):
+            reduced = threads * q_split * kv_split * q.element_size()
+        ctx.track(out)
+        ctx.scratch(threads * per_thread * _accum_size(q.dtype), reduced)
+    return out
+
+
+@register_op_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def cpu_flash_attention_backward(ctx, func, args, kwargs):
+    """Backward: a grad_out-sized copy, a per-thread buffer of ``2*qSplit*kvSplit``
+    accumulators (``cpu_flash_attention_backward``) and, from the calling thread,
+    a ``qSplit`` accumulator ``dsum``; all freed before it returns. Measured
+    with the profiler on 5 shapes, 1 and 2 threads: exact."""
+    out = func(*args, **kwargs)
+    if ctx.device is Device.CPU:
+        grad_out, q, v = args[0], args[1], args[3]
+        q_len = q.shape[2]
+        q_split, kv_split = _cpu_flash_splits(q_len, v.shape[2])
+        threads = torch.get_num_threads()
+        acc = _accum_size(q.dtype)
+        reduced = 0
+        if q.dtype in (torch.bfloat16, torch.float16):
+            reduced = threads * 2 * q_split * kv_split * q.element_size()
+        ctx.track(out)
+        ctx.scratch(
+            grad_out.numel() * grad_out.element_size(),
+            threads * 2 * q_split * kv_split * acc,
+            reduced,
+            q_split * acc,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Data-dependent scalars. On meta a tensor has no values, so ``bool(t)``, ``t.item()`` and
+# ``if (mask == 0).any()`` need a stand-in. memcheck assumes the worst-case batch *contains
+# padding*, i.e. its values are not uniform: ``all`` and ``==`` on a scalar are False,
+# ``any`` and ``!=`` are True. transformers checks ``mask.sum() == mask.numel()``
+# (masking_utils.fast_all) before it materialises an attention mask; the answer False
+# takes the branch that allocates the mask, the costlier one.
+
+_REDUCTION_TAG = "_memcheck_reduction"
+
+
+def _tag_reduction(kind):
+    def rule(ctx, func, args, kwargs):
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.device.type == "meta":
+            setattr(out, _REDUCTION_TAG, kind)
+        return out
+
+    return rule
+
+
+register_op_rule(aten.all, _tag_reduction("all"))
+register_op_rule(aten.any, _tag_reduction("any"))
+register_op_rule(aten.eq, _tag_reduction("=="))
+register_op_rule(aten.ne, _tag_reduction("!="))
+_FALSE_WHEN = ("all", "==")
+
+
+@register_op_rule(aten._local_scalar_dense.default)
+def local_scalar_dense(ctx, func, args, kwargs):
+    """``Tensor.item()`` on a meta tensor: a documented synthetic value."""
+    t = args[0]
+    if t.device.type != "meta":
+        return func(*args, **kwargs)
+    kind = getattr(t, _REDUCTION_TAG, None)
+    if t.dtype == torch.bool:
+        value = kind not in _FALSE_WHEN
+        ctx.assume(
+            f"data-dependent check ({kind or 'bool'}) resolved to {value}: the batch is assumed to contain padding"
+        )
+        return value
+    if t.is_floating_point():
+        ctx.assume("a data-dependent float (.item()) was taken as 1.0")
+        return 1.0
+    ctx.assume("a data-dependent integer (.item()) was taken as 1")
+    return 1
+
+
+@register_op_rule(aten.nonzero.default)
+def nonzero(ctx, func, args, kwargs):
+    """Worst case for ``nonzero``: every element is non-zero."""
+    t = args[0]
+    if t.device.type != "meta":
+        return func(*args, **kwargs)
+    ctx.assume("nonzero() assumed to select every element (worst case)")
+    return torch.empty((t.numel(), t.dim()), dtype=torch.long, device="meta")

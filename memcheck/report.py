@@ -1,0 +1,126 @@
+"""Result objects: frozen dataclasses of integer bytes. ``str()`` renders, ``to_dict()`` is the JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from memcheck.enums import Category, Device, Phase, Precision
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes live at one instant, by category. ``total`` is their sum."""
+
+    params: int = 0
+    buffers: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    temporaries: int = 0
+    outputs: int = 0
+    inputs: int = 0
+    other: int = 0
+
+    @classmethod
+    def from_categories(cls, by_category: dict[Category, int]) -> "Breakdown":
+        return cls(**{c.value: n for c, n in by_category.items()})
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModuleMemory:
+    """Memory live at the peak that belongs to one module (by its qualified name)."""
+
+    name: str
+    state_bytes: int  # parameters, buffers, gradients and optimizer state it owns
+    activation_bytes: int  # activations, temporaries and outputs allocated inside it
+
+    @property
+    def total(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One tensor of the traced batch."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """The worst-case batch that was traced."""
+
+    batch_size: int
+    max_len: int | None
+    target_len: int | None
+    inputs: tuple[InputSpec, ...]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one training step needs at its steady-state peak, on the target device."""
+
+    model: str
+    device: Device
+    precision: Precision
+    optimizer: str
+    steps: int
+    batch: BatchInfo
+    peak_bytes: int
+    breakdown_at_peak: Breakdown
+    peak_phase: Phase
+    peak_module: str
+    peak_step: int  # 1-based
+    modules: tuple[ModuleMemory, ...]
+    assumptions: tuple[str, ...]
+    budget_bytes: int | None = None
+
+    @property
+    def fits(self) -> bool | None:
+        """True/False against the budget; None when no budget was given."""
+        if self.budget_bytes is None:
+            return None
+        return self.peak_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict:
+        """The JSON object ``memcheck --json`` prints."""
+        return {
+            "model": self.model,
+            "peak_bytes": self.peak_bytes,
+            "breakdown_at_peak": self.breakdown_at_peak.to_dict(),
+            "peak_phase": self.peak_phase.value,
+            "peak_module": self.peak_module,
+            "peak_step": self.peak_step,
+            "batch": {
+                "batch_size": self.batch.batch_size,
+                "max_len": self.batch.max_len,
+                "target_len": self.batch.target_len,
+                "input_shapes": {i.name: list(i.shape) for i in self.batch.inputs},
+                "input_dtypes": {i.name: i.dtype for i in self.batch.inputs},
+            },
+            "device": self.device.value,
+            "precision": self.precision.value,
+            "optimizer": self.optimizer,
+            "steps": self.steps,
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "modules": [
+                {"name": m.name, "state_bytes": m.state_bytes, "activation_bytes": m.activation_bytes}
+                for m in self.modules
+            ],
+            "assumptions": list(self.assumptions),
+        }
+
+    def __str__(self) -> str:
+        from memcheck.render import render_estimate
+
+        return render_estimate(self)

@@ -1,0 +1,284 @@
+"""The tracer: one ``TorchDispatchMode`` that records when every tensor storage is
+allocated and freed while a real training loop runs on the meta device.
+
+Meta tensors carry shapes, dtypes and storages with a byte size but no data, so
+the loop costs the same at batch 1 or 1024. Each storage seen for the first
+time as an op's output is an allocation; a weakref on the storage reports its
+free when the last tensor using it dies, the moment the real allocator would get
+the block back. Events are kept in order, so the peak, its phase, its module and
+what was live at that instant can be replayed afterwards (and, for CUDA, fed to
+an allocator simulation).
+
+Categories are assigned as the loop goes: the batch, parameters and buffers at
+registration; tensors autograd saves for backward become activations (a
+``saved_tensors_hooks`` pack hook); the root module's outputs become outputs;
+accumulated ``.grad`` become gradients (``register_post_accumulate_grad_hook``);
+tensors held in ``optimizer.state`` after a step become optimizer state;
+everything else is a temporary.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.module_tracker import ModuleTracker
+
+from memcheck.enums import Category, Device, Phase
+from memcheck.op_rules import DISPATCH_RULES, FUNCTION_RULES
+
+ALLOC, FREE, RECAT = 0, 1, 2
+
+# Categories that a later use (being saved for backward, being returned) must not overwrite.
+_PERSISTENT = frozenset(
+    {Category.PARAMETER, Category.BUFFER, Category.INPUT, Category.OPTIMIZER, Category.GRADIENT}
+)
+_GLOBAL = "Global"  # ModuleTracker's name for "outside every module"
+
+
+@dataclass
+class TraceLog:
+    """The ordered allocation events of a trace and what the tracer assumed.
+
+    ``events`` holds tuples ``(kind, storage_id, nbytes, category, module, phase, step)``;
+    ``kind`` is ALLOC, FREE or RECAT (a change of category, nbytes 0).
+    """
+
+    events: list[tuple] = field(default_factory=list)
+    assumptions: dict[str, None] = field(default_factory=dict)
+    step_starts: list[int] = field(default_factory=list)  # event index where each step begins
+
+
+def storage_key(t: torch.Tensor):
+    """(key, storage) of ``t``'s storage, or None for tensors without one."""
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return st._cdata, st
+
+
+class _KernelChoiceMode(TorchFunctionMode):
+    """Routes the few composite ops whose kernel depends on the device to their rules."""
+
+    def __init__(self, tracer: "MemoryTracer"):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        rule = FUNCTION_RULES.get(func)
+        if rule is None:
+            return func(*args, **(kwargs or {}))
+        return rule(self.tracer, func, args, kwargs or {})
+
+
+class MemoryTracer(TorchDispatchMode):
+    """Record every storage allocation and free during a traced training loop.
+
+    Use as a context manager around code that runs on meta tensors; call
+    ``watch`` first with the model, batch and optimizer so their memory is
+    registered and categorised, and ``set_phase`` as the loop moves on.
+
+    Example:
+        >>> tracer = MemoryTracer(Device.CPU)
+        >>> with tracer:
+        ...     tracer.watch(model, batch)
+        ...     loss = model(batch).sum(); loss.backward()
+        >>> tracer.log.events[-1]
+    """
+
+    def __init__(self, device: Device):
+        super().__init__()
+        self.device = Device.parse(device)
+        self.log = TraceLog()
+        self.phase = Phase.SETUP
+        self.step = 0
+        self.live_bytes = 0
+        self._sizes: dict[int, int] = {}
+        self._cats: dict[int, Category] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._owner: dict[int, str] = {}  # id(param) -> module name
+        self._handles: list = []
+        self._roots: list[torch.nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._closed = False
+        self._scratch_id = 0  # scratch buffers get negative ids, never a storage's
+        self.modules = ModuleTracker()
+        self._kernel_mode = _KernelChoiceMode(self)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    # ---- context management -------------------------------------------------------
+    def __enter__(self):
+        self.modules.__enter__()
+        self._saved_hooks.__enter__()
+        self._kernel_mode.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._kernel_mode.__exit__(*exc)
+            self._saved_hooks.__exit__(*exc)
+            self.modules.__exit__(*exc)
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            self._closed = True
+            self._refs.clear()
+
+    # ---- what the loop tells the tracer --------------------------------------------
+    def assume(self, text: str) -> None:
+        """Note an assumption a rule made; it is listed in the report."""
+        self.log.assumptions.setdefault(text, None)
+
+    def set_phase(self, step: int, phase: Phase) -> None:
+        """Called by the training loop as it enters each phase of each step."""
+        if phase is Phase.ZERO_GRAD or (phase is Phase.FORWARD and step > 0):
+            self._register_optimizer_state()
+        if phase is Phase.FORWARD and step != self.step or not self.log.step_starts:
+            self.log.step_starts.append(len(self.log.events))
+        self.step, self.phase = step, phase
+
+    def watch(self, model=None, batch=None, optimizer=None) -> None:
+        """Register memory that exists before the loop and hook the model and optimizer."""
+        if model is not None:
+            root = type(model).__name__
+            self._roots.append(model)
+            for mod_name, mod in model.named_modules():
+                fqn = f"{root}.{mod_name}" if mod_name else root
+                for p in mod.parameters(recurse=False):
+                    self._owner[id(p)] = fqn
+                    self.register(p, Category.PARAMETER, fqn)
+                    if p.requires_grad:
+                        self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                for b in mod.buffers(recurse=False):
+                    self.register(b, Category.BUFFER, fqn)
+            self._handles.append(model.register_forward_hook(self._on_root_output))
+        if batch is not None:
+            for t in tree_flatten(batch)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.register(t, Category.INPUT, _GLOBAL)
+        if optimizer is not None:
+            self._optimizers.append(optimizer)
+            self._register_optimizer_state()
+
+    def register(self, t: torch.Tensor, category: Category, module: str | None = None) -> None:
+        """Count ``t``'s storage (if new) and put it in ``category``."""
+        key = storage_key(t)
+        if key is None:
+            return
+        sid, st = key
+        if sid not in self._sizes:
+            self._alloc(sid, st, category, module)
+        elif self._cats[sid] is not category:
+            self._recat(sid, category, module)
+
+    def track(self, out) -> None:
+        """Register an op's outputs now (rules call this before ``scratch``)."""
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)
+                if key is not None and key[0] not in self._sizes:
+                    self._alloc(key[0], key[1], Category.TEMPORARY, None)
+
+    def scratch(self, *nbytes: int) -> None:
+        """Record buffers a kernel allocates and frees inside one op, on top of what is live.
+
+        They are allocated in the order given and freed together, as the kernels
+        that rules describe do (each rule cites the source it follows).
+        """
+        sizes = [int(n) for n in nbytes if n > 0]
+        module = self._module()
+        for i, n in enumerate(sizes):
+            self._scratch_id -= 1
+            self._sizes[self._scratch_id] = n
+            self._cats[self._scratch_id] = Category.TEMPORARY
+            self.live_bytes += n
+            self.log.events.append((ALLOC, self._scratch_id, n, Category.TEMPORARY, module, self.phase, self.step))
+        for sid in range(self._scratch_id, self._scratch_id + len(sizes)):
+            n = self._sizes.pop(sid)
+            self._cats.pop(sid)
+            self.live_bytes -= n
+            self.log.events.append((FREE, sid, n, Category.TEMPORARY, None, self.phase, self.step))
+
+    # ---- hooks -----------------------------------------------------------------------
+    def _pack(self, t):
+        key = storage_key(t) if isinstance(t, torch.Tensor) else None
+        if key is not None:
+            sid, st = key
+            if sid not in self._sizes:
+                self._alloc(sid, st, Category.ACTIVATION, None)
+            elif self._cats[sid] not in _PERSISTENT and self._cats[sid] is not Category.ACTIVATION:
+                self._recat(sid, Category.ACTIVATION, None)
+        return t
+
+    @staticmethod
+    def _unpack(t):
+        return t
+
+    def _on_grad(self, p):
+        if p.grad is not None:
+            self.register(p.grad, Category.GRADIENT, self._owner.get(id(p)))
+
+    def _on_root_output(self, module, args, output):
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)
+                if key and key[0] in self._cats and self._cats[key[0]] is Category.TEMPORARY:
+                    self._recat(key[0], Category.OUTPUT, None)
+        if self.phase is Phase.FORWARD:
+            self.phase = Phase.LOSS
+
+    def _register_optimizer_state(self):
+        for opt in self._optimizers:
+            for p, state in opt.state.items():
+                owner = self._owner.get(id(p))
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        self.register(value, Category.OPTIMIZER, owner)
+
+    # ---- bookkeeping -----------------------------------------------------------------
+    def _module(self) -> str:
+        parents = self.modules.parents
+        if len(parents) == 1:
+            return _GLOBAL
+        return max(parents, key=lambda name: (name.count("."), name))
+
+    def _alloc(self, sid, st, category, module):
+        n = st.nbytes()
+        self._sizes[sid] = n
+        self._cats[sid] = category
+        self._refs[sid] = weakref.ref(st, lambda _, sid=sid: self._free(sid))
+        self.live_bytes += n
+        self.log.events.append(
+            (ALLOC, sid, n, category, module or self._module(), self.phase, self.step)
+        )
+
+    def _free(self, sid):
+        if self._closed:
+            return
+        n = self._sizes.pop(sid, None)
+        if n is None:
+            return
+        category = self._cats.pop(sid)
+        self._refs.pop(sid, None)
+        self.live_bytes -= n
+        self.log.events.append((FREE, sid, n, category, None, self.phase, self.step))
+
+    def _recat(self, sid, category, module):
+        self._cats[sid] = category
+        self.log.events.append((RECAT, sid, 0, category, module, self.phase, self.step))
+
+    # ---- the dispatch hook -------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rule = DISPATCH_RULES.get(func)
+        out = rule(self, func, args, kwargs) if rule is not None else func(*args, **kwargs)
+        self.track(out)
+        return out

@@ -1,0 +1,86 @@
+"""Model files: what they may define, and one clear error for each way they fail."""
+
+import textwrap
+
+import pytest
+import torch
+
+from memcheck.errors import ModelLoadError, UsageError
+from memcheck.model_source import load_workload
+
+
+def write(tmp_path, body, name="model.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+GOOD = """
+    import torch
+    def build_model():
+        return torch.nn.Linear(8, 2)
+    def make_batch(batch_size, max_len):
+        return torch.randn(batch_size, max_len, 8)
+"""
+
+
+def test_model_file_builds_on_meta(tmp_path):
+    work = load_workload(write(tmp_path, GOOD), batch_size=4, max_len=16)
+    assert next(work.model.parameters()).device.type == "meta"
+    assert work.batch.device.type == "meta" and tuple(work.batch.shape) == (4, 16, 8)
+
+
+def test_module_level_model_is_accepted(tmp_path):
+    body = """
+        import torch
+        model = torch.nn.Linear(8, 2)
+        def make_batch(batch_size, max_len=None):
+            return torch.randn(batch_size, 8)
+    """
+    work = load_workload(write(tmp_path, body), batch_size=2)
+    assert next(work.model.parameters()).device.type == "meta"
+
+
+def test_syntax_error_names_file_and_line(tmp_path):
+    path = write(tmp_path, "import torch\ndef build_model(:\n    pass\n")
+    with pytest.raises(ModelLoadError, match=r"model.py:2: loading the model file failed: SyntaxError"):
+        load_workload(path)
+
+
+def test_import_error_names_file_and_line(tmp_path):
+    path = write(tmp_path, "import torch\nimport not_a_module_anywhere\n")
+    with pytest.raises(ModelLoadError, match=r"model.py:2: .*ModuleNotFoundError"):
+        load_workload(path)
+
+
+def test_missing_build_model_says_what_to_add(tmp_path):
+    with pytest.raises(ModelLoadError, match="neither build_model"):
+        load_workload(write(tmp_path, "x = 1\n"))
+
+
+def test_build_model_raising_names_the_line(tmp_path):
+    body = "def build_model():\n    raise RuntimeError('no config here')\n"
+    with pytest.raises(ModelLoadError, match=r"model.py:2: build_model\(\) raised RuntimeError: no config here"):
+        load_workload(write(tmp_path, body))
+
+
+def test_plain_model_without_make_batch_is_rejected(tmp_path):
+    body = "import torch\ndef build_model():\n    return torch.nn.Linear(2, 2)\n"
+    with pytest.raises(ModelLoadError, match="make_batch"):
+        load_workload(write(tmp_path, body))
+
+
+def test_make_batch_needing_a_length_requires_max_len(tmp_path):
+    with pytest.raises(UsageError, match="--max-len"):
+        load_workload(write(tmp_path, GOOD))
+
+
+@pytest.mark.parametrize("flag, kwargs", [("--batch-size", {"batch_size": 0}), ("--max-len", {"max_len": -3})])
+def test_non_positive_sizes_are_rejected(tmp_path, flag, kwargs):
+    with pytest.raises(UsageError, match=flag):
+        load_workload(write(tmp_path, GOOD), **kwargs)
+
+
+def test_other_suffixes_are_rejected(tmp_path):
+    with pytest.raises(UsageError, match="neither a Python file"):
+        load_workload(str(tmp_path / "model.yaml"))

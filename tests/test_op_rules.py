@@ -1,0 +1,104 @@
+"""Op rules: the target's kernel choices and data-dependent stand-ins."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memcheck
+from memcheck.enums import Device
+from memcheck.measure import measure_cpu
+from memcheck.op_rules import SDP_FLASH, SDP_MATH, cpu_sdpa_backend
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=64, heads=4, dropout=0.0):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+
+
+def test_cpu_sdpa_choice_follows_torch():
+    q = torch.empty(2, 4, 512, 16, device="meta")
+    assert cpu_sdpa_backend(q, q, q, None, 0.0, True, None, False) == SDP_FLASH
+    # The CPU flash kernel takes no dropout (sdp_utils_cpp.cpp check_for_dropout).
+    assert cpu_sdpa_backend(q, q, q, None, 0.1, True, None, False) == SDP_MATH
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_sdpa_estimate_matches_real_cpu_run(dropout):
+    # batch 2, 512 tokens, 4 heads: one (s x s) fp32 score matrix is
+    # 2 * 4 * 512 * 512 * 4 B = 8 MiB; the flash path never allocates it.
+    def build():
+        torch.manual_seed(0)
+        return Attention(dropout=dropout), torch.randn(2, 512, 64)
+
+    measured = measure_cpu(build, lambda p: torch.optim.SGD(p, lr=0.1)).steady_peak_bytes
+    with torch.device("meta"):
+        model, x = build()
+    est = memcheck.estimate(model, x, device="cpu", optimizer="sgd")
+    assert abs(est.peak_bytes - measured) / measured <= 0.02
+    if dropout == 0.0:
+        assert est.peak_bytes < 8 * 2**20
+    else:
+        assert est.peak_bytes > 8 * 2**20
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        y = self.lin(x)
+        if (mask == 0).any():  # data-dependent branch
+            y = y.masked_fill(mask[..., None] == 0, 0.0)
+        scale = float(mask.sum().item())  # data-dependent scalar
+        return y * scale
+
+
+def test_data_dependent_checks_resolve_and_are_listed():
+    with torch.device("meta"):
+        model = DataDependent()
+        batch = (torch.empty(4, 8), torch.ones(4, dtype=torch.long))
+    est = memcheck.estimate(model, batch, device="cpu", loss_fn=lambda m, b: m(*b).sum())
+    assert est.peak_bytes > 0
+    text = " ".join(est.assumptions)
+    assert "any" in text and ".item()" in text
+
+
+def test_nonzero_on_meta_assumes_every_element():
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+        x = torch.empty(5, 4)
+
+    def loss(m, b):
+        idx = torch.nonzero(b)  # worst case: all 20 elements -> (20, 2) int64 = 320 B
+        assert idx.shape == (20, 2)
+        return m(b).sum()
+
+    est = memcheck.estimate(model, x, device="cpu", loss_fn=loss)
+    assert any("nonzero" in a for a in est.assumptions)
+
+
+def test_register_op_rule_for_a_custom_op():
+    lib = torch.library.Library("memcheck_test", "DEF")
+    lib.define("double_it(Tensor x) -> Tensor")
+
+    @memcheck.register_op_rule(torch.ops.memcheck_test.double_it.default)
+    def rule(ctx, func, args, kwargs):
+        return torch.empty_like(args[0])
+
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+        x = torch.empty(5, 4)
+    est = memcheck.estimate(
+        model, x, device="cpu",
+        loss_fn=lambda m, b: (m(b) + torch.ops.memcheck_test.double_it(b)).sum(),
+    )
+    assert est.peak_bytes > 0

@@ -1,0 +1,85 @@
+"""The tracer's accounting, on sequences whose bytes can be worked out by hand."""
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from memcheck.enums import Category, Device
+from memcheck.tracer import ALLOC, FREE, MemoryTracer
+from memcheck.training_loop import run_steps
+
+
+def live_by_category(tracer):
+    totals = defaultdict(int)
+    for sid, n in tracer._sizes.items():
+        totals[tracer._cats[sid]] += n
+    return dict(totals)
+
+
+def test_allocation_and_free_are_recorded_as_they_happen():
+    tracer = MemoryTracer(Device.CPU)
+    with tracer:
+        a = torch.empty(1000, device="meta")  # 1000 * 4 B = 4000 B
+        b = torch.empty(250, device="meta", dtype=torch.float64)  # 250 * 8 B = 2000 B
+        assert tracer.live_bytes == 6000
+        del a
+        assert tracer.live_bytes == 2000
+        del b
+    kinds = [(e[0], e[2]) for e in tracer.log.events]
+    assert kinds == [(ALLOC, 4000), (ALLOC, 2000), (FREE, 4000), (FREE, 2000)]
+
+
+def test_views_share_their_base_storage():
+    tracer = MemoryTracer(Device.CPU)
+    with tracer:
+        a = torch.empty(10, 10, device="meta")  # 100 * 4 B = 400 B
+        v = a.t()[2:5]  # a view: no new storage
+        assert tracer.live_bytes == 400
+        del a, v
+
+
+def test_saved_for_backward_becomes_activation():
+    tracer = MemoryTracer(Device.CPU)
+    x = torch.empty(1000, device="meta", requires_grad=True)
+    with tracer:
+        tracer.watch(batch=x)  # 4000 B input
+        y = x.exp()  # exp saves its result for backward: 4000 B activation
+        z = y.sum()  # 0-dim float32: 4 B, saved by nobody
+        cats = live_by_category(tracer)
+        assert cats == {Category.INPUT: 4000, Category.ACTIVATION: 4000, Category.TEMPORARY: 4}
+        del y, z
+
+
+def test_steady_state_holds_params_and_adamw_state_after_zero_grad():
+    # Linear(10, 5): (10*5 + 5) params * 4 B = 220 B.
+    # AdamW keeps exp_avg and exp_avg_sq per parameter (2 * 220 B) and a float32
+    # 'step' scalar per parameter tensor (2 * 4 B): 448 B of optimizer state.
+    # Batch (3, 10) float32: 30 * 4 B = 120 B. After zero_grad(set_to_none) no grads remain.
+    with torch.device("meta"):
+        model = nn.Linear(10, 5)
+        x = torch.empty(3, 10)
+    tracer = MemoryTracer(Device.CPU)
+    with tracer:
+        tracer.watch(model=model, batch=x)
+        opt = torch.optim.AdamW(model.parameters())
+        tracer.watch(optimizer=opt)
+        run_steps(model, x, lambda m, b: m(b).sum(), opt, 2, tracer.set_phase)
+        tracer._register_optimizer_state()
+        assert live_by_category(tracer) == {
+            Category.PARAMETER: 220,
+            Category.OPTIMIZER: 448,
+            Category.INPUT: 120,
+        }
+
+
+def test_gradients_are_categorised_when_accumulated():
+    # Linear(10, 5, bias=False): 50 * 4 B = 200 B of weight, and the same of gradient.
+    with torch.device("meta"):
+        model = nn.Linear(10, 5, bias=False)
+        x = torch.empty(3, 10)
+    tracer = MemoryTracer(Device.CPU)
+    with tracer:
+        tracer.watch(model=model, batch=x)
+        model(x).sum().backward()
+        assert live_by_category(tracer)[Category.GRADIENT] == 200

@@ -1,0 +1,122 @@
+"""The accuracy zoo: small, real architectures, each buildable on any device.
+
+Each entry returns ``(model, batch, loss_fn)`` built on the current default device
+(``torch.device("meta")`` for estimates, CPU for measured runs). The transformers
+models are the real architectures from their config classes, scaled down in
+depth so a real CPU step takes about a second.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from torch import nn
+
+from memcheck import hf
+from memcheck.enums import Task
+
+
+def _classify(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def mlp():
+    model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+    return model, (torch.randn(256, 512), torch.randint(0, 10, (256,))), _classify
+
+
+def cnn_bn():
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1, stride=2), nn.BatchNorm2d(64), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+    )
+    return model, (torch.randn(32, 3, 64, 64), torch.randint(0, 10, (32,))), _classify
+
+
+class TwoBranch(nn.Module):
+    """An image branch (CNN) and a tabular branch (MLP) joined by a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.image = nn.Sequential(nn.Conv2d(3, 16, 5, stride=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
+        self.table = nn.Sequential(nn.Linear(40, 256), nn.ReLU(), nn.Linear(256, 128))
+        self.head = nn.Linear(16 * 15 * 15 + 128, 5)
+
+    def forward(self, image, table):
+        return self.head(torch.cat([self.image(image), self.table(table)], dim=1))
+
+
+def two_branch():
+    batch = (torch.randn(64, 3, 64, 64), torch.randn(64, 40), torch.randint(0, 5, (64,)))
+
+    def loss(model, b):
+        return nn.functional.cross_entropy(model(b[0], b[1]), b[2])
+
+    return TwoBranch(), batch, loss
+
+
+class LSTMTagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5000, 128)
+        self.lstm = nn.LSTM(128, 256, num_layers=2, batch_first=True)
+        self.out = nn.Linear(256, 5000)
+
+    def forward(self, ids):
+        return self.out(self.lstm(self.embed(ids))[0])
+
+
+def lstm():
+    ids = torch.randint(0, 5000, (16, 64))
+
+    def loss(model, b):
+        return nn.functional.cross_entropy(model(b).flatten(0, 1), b.flatten())
+
+    return LSTMTagger(), ids, loss
+
+
+def _hf(config, task, batch_size, max_len, target_len=None):
+    model = hf.build_model(config, task, device=torch.get_default_device())
+    batch = hf.make_batch(model, config, task, batch_size, max_len, target_len, device=torch.get_default_device())
+    return model, batch, None
+
+
+def gpt2():
+    from transformers import GPT2Config
+
+    return _hf(GPT2Config(n_layer=2), Task.CAUSAL_LM, 2, 128)
+
+
+def bert():
+    from transformers import BertConfig
+
+    return _hf(BertConfig(num_hidden_layers=2), Task.MASKED_LM, 2, 128)
+
+
+def pegasus():
+    from transformers import PegasusConfig
+
+    return _hf(PegasusConfig(encoder_layers=2, decoder_layers=2), Task.SEQ2SEQ, 2, 128, 32)
+
+
+def t5():
+    from transformers import T5Config
+
+    return _hf(T5Config(num_layers=2, num_decoder_layers=2), Task.SEQ2SEQ, 2, 128, 32)
+
+
+def vit():
+    from transformers import ViTConfig
+
+    return _hf(ViTConfig(num_hidden_layers=2), Task.IMAGE_CLASSIFICATION, 4, None)
+
+
+ZOO = {
+    "mlp": mlp, "cnn_bn": cnn_bn, "two_branch": two_branch, "lstm": lstm,
+    "gpt2": gpt2, "bert": bert, "pegasus": pegasus, "t5": t5, "vit": vit,
+}

@@ -166,6 +166,8 @@ def estimate(
 def _short(module: str | None, root: str) -> str:
     if not module or module == "Global":
         return "(outside modules)"
+    if module.startswith("("):
+        return module
     if module == root:
         return "(model)"
     return module.split(".", 1)[1] if module.startswith(root + ".") else module

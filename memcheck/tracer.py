@@ -39,6 +39,7 @@ _PERSISTENT = frozenset(
     {Category.PARAMETER, Category.BUFFER, Category.INPUT, Category.OPTIMIZER, Category.GRADIENT}
 )
 _GLOBAL = "Global"  # ModuleTracker's name for "outside every module"
+LOSS_BACKWARD = "(loss, backward)"
 
 
 @dataclass
@@ -153,6 +154,8 @@ class MemoryTracer(TorchDispatchMode):
             for mod_name, mod in model.named_modules():
                 fqn = f"{root}.{mod_name}" if mod_name else root
                 for p in mod.parameters(recurse=False):
+                    if id(p) in self._owner:  # a tied weight belongs to its first owner
+                        continue
                     self._owner[id(p)] = fqn
                     self.register(p, Category.PARAMETER, fqn)
                     if p.requires_grad:
@@ -247,8 +250,10 @@ class MemoryTracer(TorchDispatchMode):
     def _module(self) -> str:
         parents = self.modules.parents
         if len(parents) == 1:
-            return _GLOBAL
-        return max(parents, key=lambda name: (name.count("."), name))
+            # In backward, work done before the first module's backward starts is the
+            # backward of whatever follows the model's outputs: the loss.
+            return LOSS_BACKWARD if self.phase is Phase.BACKWARD else _GLOBAL
+        return max((p for p in parents if p != _GLOBAL), key=lambda name: (name.count("."), name))
 
     def _alloc(self, sid, st, category, module):
         n = st.nbytes()

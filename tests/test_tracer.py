@@ -83,3 +83,24 @@ def test_gradients_are_categorised_when_accumulated():
         tracer.watch(model=model, batch=x)
         model(x).sum().backward()
         assert live_by_category(tracer)[Category.GRADIENT] == 200
+
+
+def test_trace_cost_does_not_grow_with_batch_or_length():
+    # Meta tensors carry no data: the trace records the same events at batch 2 x 16
+    # tokens as at batch 64 x 1024, only with larger byte counts.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import memcheck
+    from memcheck.tracer import MemoryTracer as Tracer
+
+    counts = []
+    for batch, length in [(2, 16), (64, 1024)]:  # (batch 1 makes some reshapes free views)
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2))
+            ids = torch.zeros(batch, length, dtype=torch.long)
+        tracer = Tracer(Device.CPU)
+        with tracer:
+            tracer.watch(model=model, batch=ids)
+            model(input_ids=ids, labels=ids).loss.backward()
+        counts.append(len(tracer.log.events))
+    assert counts[0] == counts[1]

@@ -107,7 +107,7 @@ def pegasus():
 def t5():
     from transformers import T5Config
 
-    return _hf(T5Config(num_layers=2, num_decoder_layers=2), Task.SEQ2SEQ, 2, 128, 32)
+    return _hf(T5Config(num_layers=2, num_decoder_layers=2, decoder_start_token_id=0), Task.SEQ2SEQ, 2, 128, 32)
 
 
 def vit():

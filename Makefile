@@ -11,7 +11,7 @@ test: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q
 
 example: install
-	HF_HUB_OFFLINE=1 memcheck examples/gpt2_small.py --max-len 1024 --device cpu
+	HF_HUB_OFFLINE=1 $(PYTHON) -m memcheck examples/gpt2_small.py --max-len 1024
 
 speed: install
 	HF_HUB_OFFLINE=1 $(PYTHON) benchmarks/speed.py

@@ -1,0 +1,5 @@
+"""``python -m memcheck``: the same as the ``memcheck`` command."""
+
+from memcheck.cli import main
+
+main()

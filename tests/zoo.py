@@ -12,10 +12,16 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from memcheck import hf
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+from two_branch import TwoBranch  # noqa: E402  (the example model is also a zoo member)
 from memcheck.enums import Task
 
 
@@ -36,19 +42,6 @@ def cnn_bn():
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
     )
     return model, (torch.randn(32, 3, 64, 64), torch.randint(0, 10, (32,))), _classify
-
-
-class TwoBranch(nn.Module):
-    """An image branch (CNN) and a tabular branch (MLP) joined by a head."""
-
-    def __init__(self):
-        super().__init__()
-        self.image = nn.Sequential(nn.Conv2d(3, 16, 5, stride=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
-        self.table = nn.Sequential(nn.Linear(40, 256), nn.ReLU(), nn.Linear(256, 128))
-        self.head = nn.Linear(16 * 15 * 15 + 128, 5)
-
-    def forward(self, image, table):
-        return self.head(torch.cat([self.image(image), self.table(table)], dim=1))
 
 
 def two_branch():

@@ -21,6 +21,20 @@ EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 class _DefaultGroup(click.Group):
     """A group whose first argument, when it is not a subcommand, goes to ``estimate``."""
 
+    def main(self, args=None, prog_name=None, **extra):
+        """Run the CLI; click's own usage errors become one line and exit code 2, like memcheck's."""
+        extra["standalone_mode"] = False
+        try:
+            return super().main(args=args, prog_name=prog_name, **extra)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"memcheck: error: {exc.format_message()}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except click.Abort:
+            click.echo("memcheck: aborted", err=True)
+            sys.exit(EXIT_DOES_NOT_FIT)
+
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = ["estimate", *args]
@@ -92,7 +106,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
     """
     if not allow_download:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from memcheck.errors import MemcheckError
+    from memcheck.errors import MemcheckError, UsageError
     from memcheck.estimate import estimate as run_estimate
     from memcheck.model_source import load_workload
     from memcheck.render import render_json
@@ -102,7 +116,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
     try:
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         if top < 0:
-            raise click.BadParameter(f"--top must be 0 or more, got {top}")
+            raise UsageError(f"--top must be 0 or more, got {top}")
         work = load_workload(
             model, batch_size=batch_size, max_len=max_len, target_len=target_len,
             task=task, attn=attn, allow_download=allow_download,
@@ -115,8 +129,6 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
         )
     except MemcheckError as exc:
         _fail(exc, debug, exc.exit_code)
-    except click.ClickException:
-        raise
     except Exception as exc:  # a bug in memcheck: say so, briefly
         _fail(RuntimeError(f"internal error ({type(exc).__name__}: {exc}); rerun with --debug and report it"),
               debug, EXIT_INTERNAL)

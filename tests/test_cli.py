@@ -54,6 +54,9 @@ def test_estimate_subcommand_is_the_same_as_the_default():
         ([TWO_BRANCH, "--gpu-memory", "lots"], "--gpu-memory 'lots' is not a size"),
         ([TWO_BRANCH, "-b", "0"], "--batch-size must be a positive integer"),
         ([TWO_BRANCH, "--optimizer", "adamx"], "unknown optimizer"),
+        ([TWO_BRANCH, "-b", "abc"], "'abc' is not a valid integer"),
+        ([TWO_BRANCH, "--no-such-flag"], "No such option"),
+        (["estimate"], "Missing argument"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, message):

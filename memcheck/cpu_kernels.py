@@ -24,6 +24,7 @@ import math
 import torch
 
 from memcheck.enums import Device
+from memcheck.measure import cpu_memory_events, running_peak
 from memcheck.op_rules import register_op_rule
 
 aten = torch.ops.aten
@@ -123,11 +124,7 @@ def _conv_plan(inp, wt, stride, padding, dilation, groups, es=4):
 
 
 def _extra_over_outputs(seq: list[int], outputs: int) -> int:
-    live = peak = 0
-    for delta in seq:
-        live += delta
-        peak = max(peak, live)
-    return max(0, peak - outputs)
+    return max(0, running_peak(seq) - outputs)
 
 
 def conv_forward_extra(inp, wt, stride, padding, dilation, groups) -> int:
@@ -251,16 +248,11 @@ def _probe_layer(t, n, i, h) -> dict:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             ws = run()
     raw = prof.profiler.kineto_results.events()
-    mem = sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]")
+    mem = cpu_memory_events(raw)
     res = {"ws": ws}
     for key, name in (("fwd", "aten::mkldnn_rnn_layer"), ("bwd", "aten::mkldnn_rnn_layer_backward")):
         ev = next(e for e in raw if e.name() == name)
-        live = peak = 0
-        for ts, nb in mem:
-            if ev.start_ns() <= ts <= ev.end_ns():
-                live += nb
-                peak = max(peak, live)
-        res[key] = peak
+        res[key] = running_peak(nb for ts, nb in mem if ev.start_ns() <= ts <= ev.end_ns())
     return res
 
 

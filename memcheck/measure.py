@@ -26,6 +26,28 @@ class Measured:
     steady_peak_bytes: int  # from the start of step 2 on (optimizer state exists)
 
 
+def cpu_memory_events(raw_events) -> list[tuple[int, int]]:
+    """``(start_ns, signed nbytes)`` of the CPU allocator's events, in time order.
+
+    ``raw_events`` is ``prof.profiler.kineto_results.events()``; the sort is stable,
+    so events with the same timestamp keep the order they were recorded in.
+    """
+    cpu = torch._C._autograd.DeviceType.CPU
+    return sorted(
+        ((e.start_ns(), e.nbytes()) for e in raw_events if e.name() == "[memory]" and e.device_type() == cpu),
+        key=lambda x: x[0],
+    )
+
+
+def running_peak(deltas) -> int:
+    """The highest running sum of signed allocation deltas (0 when it never rises)."""
+    live = peak = 0
+    for delta in deltas:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
 def measure_cpu(
     build: Callable[[], tuple[torch.nn.Module, Any]],
     make_optimizer: Callable[[Any], torch.optim.Optimizer],
@@ -53,10 +75,7 @@ def measure_cpu(
     step_start = {
         int(e.name().rsplit(".", 1)[1]): e.start_ns() for e in raw if e.name().startswith(STEP_MARK)
     }
-    mem = sorted(
-        ((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU),
-        key=lambda x: x[0],
-    )
+    mem = cpu_memory_events(raw)
     steady_from = step_start.get(1, step_start.get(0, 0))
     live = peak = steady = 0
     for t, n in mem:

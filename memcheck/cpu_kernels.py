@@ -169,17 +169,21 @@ def conv_backward_extra(inp, wt, stride, padding, dilation, groups, mask) -> int
     return _extra_over_outputs(seq, outs)
 
 
-def _plain_conv(args) -> bool:
-    inp, wt = args[0], args[1]
-    return inp.dim() == 4 and inp.is_contiguous() and not args[6]  # NCHW, not transposed
+def _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups) -> bool:
+    """Whether a convolution's CPU run takes the oneDNN path these rules describe:
+    CPU target, a plain NCHW fp32 input, not transposed, and ``use_mkldnn``."""
+    return (
+        ctx.device is Device.CPU and inp.dim() == 4 and inp.is_contiguous() and not transposed
+        and inp.dtype == torch.float32
+        and conv_uses_mkldnn(inp.shape, wt.shape, stride, dilation, groups, inp.dtype)
+    )
 
 
 @register_op_rule(aten.convolution.default)
 def convolution(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     inp, wt, _, stride, padding, dilation, transposed, _, groups = args
-    if (ctx.device is Device.CPU and _plain_conv(args) and inp.dtype == torch.float32
-            and conv_uses_mkldnn(inp.shape, wt.shape, stride, dilation, groups, inp.dtype)):
+    if _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups):
         ctx.track(out)
         ctx.scratch(conv_forward_extra(tuple(inp.shape), tuple(wt.shape), stride, padding, dilation, groups))
     return out
@@ -189,8 +193,7 @@ def convolution(ctx, func, args, kwargs):
 def convolution_backward(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     grad, inp, wt, _, stride, padding, dilation, transposed, _, groups, mask = args
-    if (ctx.device is Device.CPU and inp.dim() == 4 and not transposed and inp.dtype == torch.float32
-            and conv_uses_mkldnn(inp.shape, wt.shape, stride, dilation, groups, inp.dtype)):
+    if _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups):
         ctx.track(out)
         ctx.scratch(conv_backward_extra(tuple(inp.shape), tuple(wt.shape), stride, padding, dilation, groups, mask))
     return out
@@ -319,14 +322,22 @@ def lstm(ctx, func, args, kwargs):
     return out, torch.stack(hys, 0), torch.stack(cys, 0)
 
 
+def _layer_dims(ctx, args, hidden_arg: int) -> tuple[int, int, int, int] | None:
+    """(seq_len, batch, input_size, hidden) of a traced oneDNN LSTM layer op, or None off target."""
+    if ctx.device is not Device.CPU or args[0].device.type != "meta":
+        return None
+    t, n, i = args[0].shape
+    return t, n, i, args[hidden_arg]
+
+
 @register_op_rule(aten.mkldnn_rnn_layer.default)
 def mkldnn_rnn_layer(ctx, func, args, kwargs):
     """The meta kernel returns an empty workspace; the CPU's is kept for backward."""
     out = func(*args, **kwargs)
-    if ctx.device is not Device.CPU or args[0].device.type != "meta":
+    dims = _layer_dims(ctx, args, hidden_arg=10)
+    if dims is None:
         return out
-    t, n, i = args[0].shape
-    h = args[10]
+    t, n, i, h = dims
     ws, fwd_peak, _, extrapolated = lstm_layer_sizes(t, n, i, h)
     if extrapolated:
         ctx.assume("oneDNN LSTM buffers were probed at shorter sequences and extrapolated linearly in length")
@@ -340,10 +351,10 @@ def mkldnn_rnn_layer(ctx, func, args, kwargs):
 @register_op_rule(aten.mkldnn_rnn_layer_backward.default)
 def mkldnn_rnn_layer_backward(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
-    if ctx.device is not Device.CPU or args[0].device.type != "meta":
+    dims = _layer_dims(ctx, args, hidden_arg=15)
+    if dims is None:
         return out
-    t, n, i = args[0].shape
-    h = args[15]
+    t, n, i, h = dims
     _, _, bwd_peak, _ = lstm_layer_sizes(t, n, i, h)
     grad_out, grad_hy, grad_cy = args[10], args[11], args[12]
     extra = 0

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from memcheck import hf
+from memcheck.enums import Task
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 from two_branch import TwoBranch  # noqa: E402  (the example model is also a zoo member)
-from memcheck.enums import Task
 
 
 def _classify(model, batch):

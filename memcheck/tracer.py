@@ -93,9 +93,10 @@ class MemoryTracer(TorchDispatchMode):
         >>> tracer.log.events[-1]
     """
 
-    def __init__(self, device: Device):
+    def __init__(self, device: Device, arch: tuple[int, int] = (8, 0)):
         super().__init__()
         self.device = Device.parse(device)
+        self.arch = arch  # CUDA compute capability of the target GPU; rules pick kernels by it
         self.log = TraceLog()
         self.phase = Phase.SETUP
         self.step = 0

@@ -7,7 +7,8 @@ measurement always describe the same sequence of work.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -43,21 +44,38 @@ def run_steps(
     optimizer: torch.optim.Optimizer,
     steps: int,
     on_phase: Callable[[int, Phase], None] = lambda step, phase: None,
+    *,
+    autocast: Callable[[], ContextManager] | None = None,
+    scaler: Any = None,
 ) -> None:
-    """Run ``steps`` full training steps: forward and loss, backward, step, zero_grad."""
+    """Run ``steps`` full training steps: forward and loss, backward, step, zero_grad.
+
+    ``autocast`` is a factory of the context the forward and loss run in (for
+    mixed precision, ``lambda: torch.autocast("cuda", torch.float16)``); backward
+    and the step run outside it, as the autocast recipe prescribes. ``scaler``
+    is a ``torch.amp.GradScaler`` (or memcheck's meta stand-in): the loss is
+    scaled before backward, and ``scaler.step``/``scaler.update`` replace
+    ``optimizer.step``.
+    """
+    region = autocast or contextlib.nullcontext
     model.train()
     for step in range(steps):
         on_phase(step, Phase.FORWARD)
-        loss = loss_fn(model, batch)
+        with region():
+            loss = loss_fn(model, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TraceError(
                 f"the loss must be a one-element tensor, got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
         on_phase(step, Phase.BACKWARD)
-        loss.backward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         del loss
         on_phase(step, Phase.OPTIMIZER)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         on_phase(step, Phase.ZERO_GRAD)
         optimizer.zero_grad(set_to_none=True)

@@ -172,6 +172,8 @@ def conv_backward_extra(inp, wt, stride, padding, dilation, groups, mask) -> int
 def _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups) -> bool:
     """Whether a convolution's CPU run takes the oneDNN path these rules describe:
     CPU target, a plain NCHW fp32 input, not transposed, and ``use_mkldnn``."""
+    if ctx.device is Device.CPU and inp.dtype in (torch.bfloat16, torch.float16):
+        ctx.assume("CPU target: oneDNN's low-precision convolution buffers are not modelled (fp32 only)")
     return (
         ctx.device is Device.CPU and inp.dim() == 4 and inp.is_contiguous() and not transposed
         and inp.dtype == torch.float32
@@ -294,6 +296,8 @@ def lstm(ctx, func, args, kwargs):
     inp, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
     if inp.device.type != "meta" or not _lstm_uses_mkldnn(inp, hx):
         return func(*args, **kwargs)
+    if ctx.autocast is not None and ctx.autocast.active:
+        ctx.assume("CPU target: an LSTM under autocast is traced in fp32 (oneDNN's bf16 layers are not modelled)")
     h0, c0 = hx
     hidden = h0.size(2)
     x = (inp.transpose(0, 1) if batch_first else inp).contiguous()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from memcheck.autocast import MetaAutocast, MetaGradScaler
 from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, UsageError
 from memcheck.optimizers import resolve_optimizer
@@ -19,6 +20,7 @@ from memcheck.training_loop import LossFn, default_loss, run_steps
 
 _STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER)
 _DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+_AMP = {Precision.AMP_BF16: torch.bfloat16, Precision.AMP_FP16: torch.float16}
 
 
 def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
@@ -102,7 +104,8 @@ def estimate(
             ``params -> Optimizer`` or an Optimizer whose class and settings are reused.
         loss_fn: ``loss_fn(model, batch) -> scalar``; default ``model(**batch).loss`` for
             dicts, otherwise the output summed.
-        precision: ``fp32``, or pure ``bf16``/``fp16`` weights.
+        precision: ``fp32``; pure ``bf16``/``fp16`` weights; or ``amp-bf16``/``amp-fp16``, fp32
+            weights under ``torch.autocast`` (amp-fp16 with a GradScaler).
         steps: training steps to trace (at least 2: the first has no optimizer state).
         budget_bytes: if given, ``Estimate.fits`` compares the peak with it.
 
@@ -125,10 +128,6 @@ def estimate(
     precision = Precision.parse(precision)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise UsageError(f"steps must be an integer of at least 2 (step 1 has no optimizer state), got {steps!r}")
-    if precision in (Precision.AMP_BF16, Precision.AMP_FP16):
-        raise UsageError(
-            f"precision {precision.value!r} (autocast) is not supported yet; allowed: fp32, bf16, fp16"
-        )
     if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
         raise UsageError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
     name = model_name or type(model).__name__
@@ -147,12 +146,19 @@ def estimate(
     info = describe_batch(mbatch, batch_size, max_len, target_len)
 
     tracer = MemoryTracer(device)
+    autocast = scaler = None
+    if precision in _AMP:
+        tracer.autocast = MetaAutocast(device, _AMP[precision])
+        autocast = tracer.autocast.region
+        if precision is Precision.AMP_FP16:
+            scaler = MetaGradScaler()
+            tracer.assume("amp-fp16: a GradScaler scales the loss; no overflow, so every step is taken")
     try:
         with tracer:
             tracer.watch(model=twin, batch=mbatch)
             opt = make_optimizer(twin.parameters())
             tracer.watch(optimizer=opt)
-            run_steps(twin, mbatch, loss_fn, opt, steps, tracer.set_phase)
+            run_steps(twin, mbatch, loss_fn, opt, steps, tracer.set_phase, autocast=autocast, scaler=scaler)
     except MemcheckError:
         raise
     except Exception as exc:  # the model's own code failed under the trace

@@ -54,12 +54,17 @@ def measure_cpu(
     *,
     loss_fn: LossFn = default_loss,
     steps: int = 2,
+    autocast_dtype: torch.dtype | None = None,
 ) -> Measured:
     """Build a model and batch on CPU, train ``steps`` steps, and measure the allocator.
 
     ``build()`` returns ``(model, batch)``; it runs inside the profiled region so
-    that the baseline (weights, batch) is measured too.
+    that the baseline (weights, batch) is measured too. ``autocast_dtype`` runs the
+    forward and loss under ``torch.autocast("cpu", autocast_dtype)``.
     """
+    autocast = None
+    if autocast_dtype is not None:
+        autocast = lambda: torch.autocast("cpu", dtype=autocast_dtype)  # noqa: E731
     def on_phase(step, phase):
         if phase.value == "forward":  # an empty marker event: its timestamp starts the step
             with record_function(f"{STEP_MARK}.{step}"):
@@ -68,7 +73,7 @@ def measure_cpu(
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model, batch = build()
         optimizer = make_optimizer(model.parameters())
-        run_steps(model, batch, loss_fn, optimizer, steps, on_phase)
+        run_steps(model, batch, loss_fn, optimizer, steps, on_phase, autocast=autocast)
         del model, batch, optimizer
 
     raw = prof.profiler.kineto_results.events()

@@ -246,3 +246,4 @@ def nonzero(ctx, func, args, kwargs):
     ctx.assume("nonzero() assumed to select every element (worst case)")
     return torch.empty((t.numel(), t.dim()), dtype=torch.long, device="meta")
 import memcheck.cpu_kernels  # noqa: E402,F401  (registers the CPU kernel rules)
+import memcheck.cuda_kernels  # noqa: E402,F401  (registers the CUDA kernel rules)

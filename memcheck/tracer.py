@@ -65,17 +65,26 @@ def storage_key(t: torch.Tensor):
 
 
 class _KernelChoiceMode(TorchFunctionMode):
-    """Routes the few composite ops whose kernel depends on the device to their rules."""
+    """Applies autocast's casts (when tracing mixed precision) and routes the few
+    composite ops whose kernel depends on the device to their rules."""
 
     def __init__(self, tracer: "MemoryTracer"):
         super().__init__()
         self.tracer = tracer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        autocast = self.tracer.autocast
+        if autocast is not None and autocast.active:
+            return autocast.run(func, args, kwargs, self.call)
+        return self.call(func, args, kwargs)
+
+    def call(self, func, args, kwargs):
+        """Run ``func``, through its rule when one is registered."""
         rule = FUNCTION_RULES.get(func)
         if rule is None:
-            return func(*args, **(kwargs or {}))
-        return rule(self.tracer, func, args, kwargs or {})
+            return func(*args, **kwargs)
+        return rule(self.tracer, func, args, kwargs)
 
 
 class MemoryTracer(TorchDispatchMode):
@@ -97,6 +106,7 @@ class MemoryTracer(TorchDispatchMode):
         super().__init__()
         self.device = Device.parse(device)
         self.arch = arch  # CUDA compute capability of the target GPU; rules pick kernels by it
+        self.autocast = None  # a memcheck.autocast.MetaAutocast while tracing mixed precision
         self.log = TraceLog()
         self.phase = Phase.SETUP
         self.step = 0

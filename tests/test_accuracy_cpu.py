@@ -73,3 +73,28 @@ def test_foreach_optimizer_temporaries_match_a_real_cpu_run():
     # inputs, 256*8 B = 2,048 B of labels) + six float32 'step' scalars (24 B).
     P = 5_267_466 * 4
     assert est.peak_bytes == 5 * P + 524_288 + 2_048 + 24
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mlp", "gpt2", "bert", "vit"])
+def test_amp_bf16_estimate_matches_a_real_cpu_autocast_run(name):
+    """The autocast emulation against ``torch.autocast("cpu", bfloat16)`` for real: the casts,
+    the weight-cast cache and the low-precision saved activations all show in the peak."""
+    builder = ZOO[name]
+    box = {}
+
+    def build():
+        torch.manual_seed(0)
+        model, batch, loss = builder()
+        box["loss"] = loss or default_loss
+        return model, batch
+
+    measured = measure_cpu(
+        build, lambda p: torch.optim.AdamW(p), loss_fn=lambda m, b: box["loss"](m, b), steps=2,
+        autocast_dtype=torch.bfloat16,
+    )
+    with torch.device("meta"):
+        model, batch, loss = builder()
+    est = memcheck.estimate(model, batch, device="cpu", optimizer="adamw", loss_fn=loss, precision="amp-bf16")
+    error = (est.peak_bytes - measured.steady_peak_bytes) / measured.steady_peak_bytes
+    assert abs(error) <= TOLERANCE, f"{name}: {error:+.2%}"

@@ -1,0 +1,128 @@
+"""Autocast emulation on meta tensors, checked against torch's own autocast on CPU.
+
+The CPU policy table is checked op by op against ``torch.autocast("cpu")`` on real
+tensors: same output dtype. The CUDA table cannot run here; it is transcribed
+from aten/src/ATen/autocast_mode.h and checked by hand below.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memcheck
+from memcheck.autocast import POLICIES, CastPolicy, MetaAutocast
+from memcheck.enums import Device
+from memcheck.tracer import ALLOC, MemoryTracer
+
+
+def _pair(shape=(4, 4)):
+    return torch.randn(*shape), torch.randn(*shape)
+
+
+# (name, function of real-or-meta tensors): ops a training step meets.
+CASES = [
+    ("linear", lambda a, b: F.linear(a, b)),
+    ("matmul", lambda a, b: a @ b),
+    ("mm", lambda a, b: torch.mm(a, b)),
+    ("bmm", lambda a, b: torch.bmm(a[None], b[None])),
+    ("addmm", lambda a, b: torch.addmm(a, a, b)),
+    ("baddbmm", lambda a, b: torch.baddbmm(a[None], a[None], b[None])),
+    ("conv2d", lambda a, b: F.conv2d(a[None, None], b[None, None])),
+    ("softmax", lambda a, b: F.softmax(a, -1)),
+    ("layer_norm", lambda a, b: F.layer_norm(a, (4,))),
+    ("cross_entropy", lambda a, b: F.cross_entropy(a, torch.zeros(4, dtype=torch.long, device=a.device))),
+    ("mse_loss", lambda a, b: F.mse_loss(a, b)),
+    ("cat_mixed", lambda a, b: torch.cat([a @ b, b])),
+    ("gelu", lambda a, b: F.gelu(a @ b)),
+    ("sdpa", lambda a, b: F.scaled_dot_product_attention(a[None, None], b[None, None], b[None, None])),
+    ("sum_of_lowp", lambda a, b: (a @ b).sum()),
+    ("pow_of_lowp", lambda a, b: (a @ b).pow(2)),
+]
+
+
+@pytest.mark.parametrize("name,fn", CASES, ids=[c[0] for c in CASES])
+def test_cpu_policy_gives_the_dtype_real_cpu_autocast_gives(name, fn):
+    a, b = _pair()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        real = fn(a, b)
+    ac = MetaAutocast(Device.CPU, torch.bfloat16)
+    tracer = MemoryTracer(Device.CPU)
+    tracer.autocast = ac
+    with tracer, ac.region():
+        traced = fn(a.to("meta"), b.to("meta"))
+    assert traced.dtype == real.dtype, f"{name}: traced {traced.dtype}, real autocast {real.dtype}"
+
+
+def test_cuda_table_follows_autocast_mode_h():
+    cuda = POLICIES[Device.CUDA]
+    # AT_FORALL_LOWER_PRECISION_FP: linear, matmul, bmm, conv2d, scaled_dot_product_attention
+    for fn in (F.linear, torch.matmul, torch.Tensor.__matmul__, torch.bmm, F.conv2d, F.scaled_dot_product_attention):
+        assert cuda[fn] is CastPolicy.LOWER
+    # AT_FORALL_FP32: layer_norm, pow, exp, mse_loss; AT_FORALL_FP32_SET_OPT_DTYPE: softmax, sum
+    for fn in (F.layer_norm, torch.Tensor.pow, torch.exp, F.mse_loss):
+        assert cuda[fn] is CastPolicy.FP32
+    for fn in (F.softmax, torch.Tensor.softmax, torch.sum, torch.Tensor.sum):
+        assert cuda[fn] is CastPolicy.FP32_SET_OPT_DTYPE
+    # Not listed for CUDA: cat and gelu run in whatever dtype they are given.
+    assert torch.cat not in cuda and F.gelu not in cuda
+
+
+def _alloc_bytes(tracer):
+    return [e[2] for e in tracer.log.events if e[0] == ALLOC]
+
+
+def test_a_weight_used_twice_is_cast_once_per_region():
+    # Linear(64, 64) without bias, applied twice: the fp32 weight (64*64*4 = 16384 B) is
+    # cast to bf16 once (64*64*2 = 8192 B); the input (8*64*4 B) is cast at each call,
+    # since it is not a leaf that requires grad (8*64*2 = 1024 B each time).
+    with torch.device("meta"):
+        lin = torch.nn.Linear(64, 64, bias=False)
+        x = torch.empty(8, 64)
+    ac = MetaAutocast(Device.CUDA, torch.bfloat16)
+    tracer = MemoryTracer(Device.CUDA)
+    tracer.autocast = ac
+    with tracer:
+        tracer.watch(model=lin, batch=x)
+        with ac.region():
+            y = lin(lin(x))
+    sizes = _alloc_bytes(tracer)
+    assert sizes.count(8192) == 1  # one bf16 weight copy
+    assert y.dtype == torch.bfloat16
+    assert not ac._cache  # the cache empties when the region ends
+
+
+def test_cuda_cross_entropy_on_fp16_logits_makes_no_fp32_copy_of_them():
+    # Logits (16, 1000) fp16 = 32000 B. CUDA's log_softmax(dtype=float32) on Half writes a
+    # float32 result (16*1000*4 = 64000 B) straight from fp16 (half_to_float): no 64000 B copy
+    # of the input before it. nll_loss then returns a scalar (4 B).
+    logits = torch.empty(16, 1000, dtype=torch.float16, device="meta", requires_grad=True)
+    target = torch.zeros(16, dtype=torch.long, device="meta")
+    ac = MetaAutocast(Device.CUDA, torch.float16)
+    tracer = MemoryTracer(Device.CUDA)
+    tracer.autocast = ac
+    with tracer, ac.region():
+        loss = F.cross_entropy(logits, target)
+    sizes = _alloc_bytes(tracer)
+    assert loss.dtype == torch.float32
+    assert sizes.count(64000) == 1
+
+
+def test_amp_fp16_on_cuda_traces_a_grad_scaler():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        x = torch.empty(8, 32)
+    est = memcheck.estimate(model, x, device="cuda", precision="amp-fp16")
+    assert any("GradScaler" in a for a in est.assumptions)
+    assert est.precision.value == "amp-fp16"
+
+
+@pytest.mark.parametrize("precision", ["amp-bf16", "amp-fp16"])
+def test_amp_saves_low_precision_activations_so_the_peak_drops(precision):
+    # Activation-dominated MLP: 8 Linear(2048, 2048) on a 4096-row batch. Each linear saves
+    # its input: fp32 4096*2048*4 = 32 MiB; under autocast the saved input is the 16 MiB copy.
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)])
+        x = torch.empty(4096, 2048)
+    fp32 = memcheck.estimate(model, x, device="cuda", precision="fp32")
+    amp = memcheck.estimate(model, x, device="cuda", precision=precision)
+    assert amp.breakdown_at_peak.activations < fp32.breakdown_at_peak.activations

@@ -1,0 +1,344 @@
+"""The GPUs memcheck can estimate for, and detection of the local one.
+
+A :class:`GpuSpec` carries what a fit check needs: the memory CUDA reports for the
+card, its compute capability (rules pick kernels by it) and the device memory the
+CUDA context takes outside PyTorch's caching allocator.
+
+``capacity_bytes`` is the total that ``torch.cuda.mem_get_info()[1]`` (cudaMemGetInfo)
+reports. On recent drivers ``nvidia-smi --query-gpu=memory.total`` shows somewhat
+more than that (the driver's reserved memory is inside it: H100 81559 MiB against
+CUDA's ~81089 MiB), so the table holds CUDA's figure where a published
+``torch.cuda.get_device_properties()`` printout gives it, and the nvidia-smi figure
+(marked) where none was found.
+
+Nothing here initialises CUDA: :func:`local_gpu` asks ``nvidia-smi`` in a
+subprocess, so a later ``torch.cuda`` call in this process is unaffected.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import torch
+
+from memcheck.errors import UsageError, closest
+from memcheck.units import GiB, KiB, MiB, parse_size
+
+# --- the CUDA context ------------------------------------------------------------------
+# ESTIMATES, to be replaced by measurements from benchmarks/gpu_accuracy.py (nvidia-smi's
+# per-process memory minus torch.cuda.memory_reserved() after a first training step).
+# Published figures: a bare context (no kernels run) is 256 MiB on an RTX 3090 with
+# torch 2.7.1+cu128 (invoke-ai/InvokeAI#9413) and 426 MiB on an RTX 6000 Ada with
+# torch 2.10+cu130 (unslothai/unsloth-zoo#1053); ~300-400 MB with lazy module loading
+# (ptrblck in pytorch/pytorch#107667 and #109888); 287 MB vs 667 MB eager (pytorch#86509).
+# The context grows with the card because the driver reserves a per-thread stack
+# (cudaLimitStackSize, 1 KiB by default) for every thread the SMs can hold, and with the
+# kernels lazily loaded by a training step (torch's own, cuBLAS/cuBLASLt, cuDNN).
+# Model: context = base + SMs x max resident threads per SM x 1 KiB.
+CONTEXT_BASE = 320 * MiB  # estimate: driver state + kernels a first training step loads
+STACK_PER_THREAD = 1 * KiB  # cudaLimitStackSize default (CUDA runtime API docs)
+GENERIC_CONTEXT_BYTES = 512 * MiB  # estimate for a GPU outside the table (about an A100's)
+
+
+def _context_estimate(sms: int, threads_per_sm: int) -> int:
+    return CONTEXT_BASE + sms * threads_per_sm * STACK_PER_THREAD
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """A target GPU.
+
+    Attributes:
+        name: the table name (``"H100-80GB"``), or a description for an unlisted GPU.
+        capacity_bytes: total device memory as CUDA reports it (``torch.cuda.mem_get_info()[1]``).
+        arch: compute capability, e.g. ``(9, 0)``.
+        context_bytes: device memory the CUDA context and libraries take outside the
+            caching allocator after a first training step (an estimate; see module notes).
+        named: True for a row of :data:`GPUS`; False for a GPU given by size or an
+            unlisted local GPU, whose context (and, for sizes, arch) are generic guesses.
+    """
+
+    name: str
+    capacity_bytes: int
+    arch: tuple[int, int]
+    context_bytes: int
+    named: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise UsageError(f"GPU name {self.name!r} must be a non-empty string")
+        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
+            raise UsageError(f"GPU capacity {self.capacity_bytes!r} must be a positive number of bytes")
+        if not isinstance(self.context_bytes, int) or self.context_bytes < 0:
+            raise UsageError(f"GPU context size {self.context_bytes!r} must be a non-negative number of bytes")
+        arch = tuple(self.arch)
+        if len(arch) != 2 or not all(isinstance(v, int) and v >= 0 for v in arch):
+            raise UsageError(f"GPU compute capability {self.arch!r} must be two integers, such as (8, 0)")
+        object.__setattr__(self, "arch", arch)
+
+    @property
+    def usable_bytes(self) -> int:
+        """What the caching allocator can reserve: capacity less the context."""
+        return self.capacity_bytes - self.context_bytes
+
+
+@dataclass(frozen=True)
+class _Row:
+    name: str
+    cuda_mib: int  # capacity_bytes / MiB
+    smi_mib: int  # nvidia-smi memory.total, to recognise the card in local_gpu()
+    arch: tuple[int, int]
+    sms: int
+    threads_per_sm: int  # max resident threads per SM (CUDA programming guide, table by arch)
+    pattern: str  # regex on the lower-cased nvidia-smi name
+
+
+# Sources for cuda_mib: "torch" = a published torch.cuda.get_device_properties() printout
+# (total_memory, in MiB); "smi" = nvidia-smi memory.total, used where no CUDA figure was
+# found (CUDA's total can be ~2% lower: A10G 22587 vs 23028, L40S 45589 vs 46068).
+# SM counts from NVIDIA's product briefs; a printout's multi_processor_count agrees where shown.
+_ROWS = (
+    # torch: 'Tesla V100-SXM2-16GB' total_memory=16160MB (ultralytics yolov5 logs); smi shows 16160 too
+    _Row("V100-16GB", 16160, 16160, (7, 0), 80, 2048, r"v100"),
+    # smi: 'Tesla V100-SXM2/PCIE 32GB' 32510MiB; on Volta smi's total equals CUDA's (cf. 16GB)
+    _Row("V100-32GB", 32510, 32510, (7, 0), 80, 2048, r"v100"),
+    # torch: 'Tesla T4' total_memory=15102MB (Colab; 15079-15109 across drivers); smi 15360 (ECC on)
+    _Row("T4", 15102, 15360, (7, 5), 40, 1024, r"\bt4\b"),
+    # torch: 'NVIDIA A10G' total_memory=22587MB; smi 23028
+    _Row("A10G", 22587, 23028, (8, 6), 80, 1536, r"a10g"),
+    # torch: 'NVIDIA GeForce RTX 3090' total_memory=24259MB (24268 on older drivers); smi 24268-24576
+    _Row("RTX-3090", 24259, 24576, (8, 6), 82, 1536, r"3090(?!\s*ti)"),
+    # torch: 'NVIDIA GeForce RTX 4090' total_memory=24563MB; smi 24564
+    _Row("RTX-4090", 24563, 24564, (8, 9), 128, 1536, r"4090"),
+    # smi only: 'NVIDIA L4' 23034MiB (no CUDA figure found; likely ~2% lower, nominal)
+    _Row("L4", 23034, 23034, (8, 9), 58, 1536, r"\bl4\b"),
+    # torch: 'NVIDIA L40S' total_memory=45589MB; smi 46068
+    _Row("L40S", 45589, 46068, (8, 9), 142, 1536, r"l40s"),
+    # CUDA: 'A100-SXM4-40GB' total_memory=40536MB (cudaGetDeviceProperties via paddle docs); smi 40960
+    _Row("A100-40GB", 40536, 40960, (8, 0), 108, 2048, r"a100"),
+    # CUDA: deviceQuery on 'A100-SXM4-80GB' "79.15 GB" of global memory = ~81049 MiB; smi 81920
+    _Row("A100-80GB", 81049, 81920, (8, 0), 108, 2048, r"a100"),
+    # torch: 'NVIDIA H100 80GB HBM3' total_memory=81089MB (torch 2.7/cu12.8; 81082-81090); smi 81559
+    _Row("H100-80GB", 81089, 81559, (9, 0), 132, 2048, r"h100"),
+    # torch: 'NVIDIA H200' total_memory=143156MB; smi 143771
+    _Row("H200", 143156, 143771, (9, 0), 132, 2048, r"h200"),
+)
+
+GPUS: dict[str, GpuSpec] = {
+    r.name: GpuSpec(r.name, r.cuda_mib * MiB, r.arch, _context_estimate(r.sms, r.threads_per_sm)) for r in _ROWS
+}
+
+_PREFIXES = ("nvidia", "geforce", "tesla", "quadro")
+
+
+def _norm(text: str) -> str:
+    """Lower-case, drop '-', '_' and spaces, and a leading vendor or product-line word."""
+    key = re.sub(r"[-_\s]", "", text.lower())
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _PREFIXES:
+            if key.startswith(prefix) and len(key) > len(prefix):
+                key, stripped = key[len(prefix):], True
+    return key
+
+
+_BY_KEY = {_norm(name): name for name in GPUS}
+# Unambiguous short names; a tuple lists the candidates of an ambiguous one.
+_ALIASES: dict[str, str | tuple[str, ...]] = {
+    "h100": "H100-80GB",
+    "h100sxm": "H100-80GB",
+    "h10080g": "H100-80GB",
+    "3090": "RTX-3090",
+    "4090": "RTX-4090",
+    "a10040g": "A100-40GB",
+    "a10080g": "A100-80GB",
+    "v10016g": "V100-16GB",
+    "v10032g": "V100-32GB",
+    "a100": ("A100-40GB", "A100-80GB"),
+    "v100": ("V100-16GB", "V100-32GB"),
+}
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
+
+
+def sized_gpu(capacity_bytes: int) -> GpuSpec:
+    """An unnamed GPU of the given capacity: arch sm80 assumed, generic context estimate."""
+    return GpuSpec(
+        name=f"{capacity_bytes / GiB:.1f} GiB GPU",
+        capacity_bytes=capacity_bytes,
+        arch=(8, 0),
+        context_bytes=GENERIC_CONTEXT_BYTES,
+        named=False,
+    )
+
+
+def resolve_gpu(spec: str | GpuSpec | None) -> GpuSpec | None:
+    """Turn a ``--gpu`` value into a :class:`GpuSpec`.
+
+    Args:
+        spec: a table name (``"H100-80GB"``), matched case-insensitively ignoring
+            ``-``, ``_`` and spaces, or an unambiguous alias (``"h100"``, ``"3090"``);
+            a memory size such as ``"24GiB"``, ``"80GB"`` or ``"80G"`` (units as
+            :func:`memcheck.units.parse_size`: GiB/G binary, GB decimal), which gives an
+            unnamed GPU with compute capability 8.0 (sm80) assumed for kernel choice and
+            a generic context estimate; a ``GpuSpec``, returned as is; or None for
+            :func:`local_gpu`.
+
+    Returns:
+        The spec, or None when ``spec`` is None and no local GPU is found.
+
+    Raises:
+        UsageError: for an unknown or ambiguous name or a malformed size, naming the
+            value, the closest valid name and the allowed names.
+    """
+    if spec is None:
+        return local_gpu()
+    if isinstance(spec, GpuSpec):
+        return spec
+    text = str(spec).strip()
+    key = _norm(text)
+    if key in _BY_KEY:
+        return GPUS[_BY_KEY[key]]
+    alias = _ALIASES.get(key)
+    if isinstance(alias, str):
+        return GPUS[alias]
+    if alias is not None:
+        raise UsageError(f"GPU {spec!r} is ambiguous; use one of: {', '.join(alias)}")
+    size = _SIZE.fullmatch(text)
+    if size:
+        if not size.group(2):
+            raise UsageError(f"GPU memory {spec!r} needs a unit, such as 24GiB or 80GB")
+        try:
+            return sized_gpu(parse_size(text, what="GPU memory"))
+        except UsageError:
+            if float(size.group(1)) <= 0:
+                raise
+            # a number with letters that are not a unit ("4090D"): report it as a name
+    allowed = list(GPUS)
+    raise UsageError(
+        f"unknown GPU {spec!r}{closest(text.upper(), allowed)}; "
+        f"allowed: {', '.join(allowed)}, or a memory size such as 24GiB"
+    )
+
+
+def _match_row(smi_name: str, smi_mib: int) -> _Row | None:
+    """The table row for an nvidia-smi name whose memory.total is within 3% of the row's."""
+    name = smi_name.lower()
+    candidates = [r for r in _ROWS if re.search(r.pattern, name)]
+    if not candidates:
+        return None
+    best = min(candidates, key=lambda r: abs(r.smi_mib - smi_mib))
+    return best if abs(best.smi_mib - smi_mib) <= 0.03 * best.smi_mib else None
+
+
+def gpu_from_smi(line: str) -> GpuSpec | None:
+    """Parse one ``name, memory.total [MiB], compute_cap`` line of nvidia-smi CSV output.
+
+    A known card (name pattern and memory.total within 3%) gives its :data:`GPUS` row,
+    e.g. ``"NVIDIA H100 80GB HBM3, 81559, 9.0"`` gives H100-80GB. An unlisted card gives
+    an unnamed spec with nvidia-smi's memory.total (which may be ~2% above CUDA's
+    figure), the queried compute capability and the generic context estimate. The
+    compute capability may be missing (``name, memory.total``), as older drivers lack
+    the field; then a listed card's own arch is used, or sm80. Returns None for a line
+    it cannot read.
+    """
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) not in (2, 3) or not parts[0]:
+        return None
+    name = parts[0]
+    try:
+        smi_mib = int(float(parts[1]))
+    except ValueError:
+        return None
+    if smi_mib <= 0:
+        return None
+    arch = None
+    if len(parts) == 3:
+        cap = re.fullmatch(r"(\d+)\.(\d+)", parts[2])
+        if cap:
+            arch = (int(cap.group(1)), int(cap.group(2)))
+    row = _match_row(name, smi_mib)
+    if row is not None and (arch is None or arch == row.arch):
+        return GPUS[row.name]
+    return GpuSpec(
+        name=name, capacity_bytes=smi_mib * MiB, arch=arch or (8, 0), context_bytes=GENERIC_CONTEXT_BYTES, named=False
+    )
+
+
+def _visible_device() -> str | None:
+    """nvidia-smi's ``-i`` value for CUDA device 0, '' when no device is visible, None for 'first GPU'."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    first = visible.split(",")[0].strip()
+    if first == "" or first.startswith("-"):
+        return ""  # CUDA_VISIBLE_DEVICES="" or "-1": CUDA sees no device
+    if first.startswith("MIG-"):
+        return ""  # a MIG slice: nvidia-smi --query-gpu reports the whole card, not the slice
+    return first  # an index or a GPU-UUID, both accepted by nvidia-smi -i
+
+
+def local_gpu(*, timeout: float = 5.0) -> GpuSpec | None:
+    """The GPU that would be ``cuda:0`` here, from ``nvidia-smi``, without initialising CUDA.
+
+    Runs ``nvidia-smi --query-gpu=name,memory.total,compute_cap --format=csv,noheader,nounits``
+    (retrying without ``compute_cap`` for older drivers) and reads the first line with
+    :func:`gpu_from_smi`. ``CUDA_VISIBLE_DEVICES`` picks the card (an index or UUID).
+
+    Returns:
+        The spec, or None when nvidia-smi is missing, fails or times out, no device is
+        visible, or device 0 is a MIG slice (whose size nvidia-smi does not report here).
+
+    Known limitations:
+        With ``CUDA_DEVICE_ORDER`` unset, CUDA numbers devices fastest first while
+        nvidia-smi uses PCI order; on a machine with mixed GPUs the two can differ.
+    """
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    device = _visible_device()
+    if device == "":
+        return None
+    select = ["-i", device] if device else []
+    for fields in ("name,memory.total,compute_cap", "name,memory.total"):
+        try:
+            done = subprocess.run(
+                [exe, f"--query-gpu={fields}", "--format=csv,noheader,nounits", *select],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if done.returncode == 0:
+            lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
+            return gpu_from_smi(lines[0]) if lines else None
+    return None
+
+
+def local_library_versions() -> dict[str, object]:
+    """This torch build's CUDA toolkit and cuDNN versions, which decide attention kernels.
+
+    Returns ``{"cuda_version": (13, 0), "cudnn_version": 91501}`` for the keys it can
+    read, ``{}`` on a CPU-only build. Reads build metadata and loads the cuDNN library
+    only; CUDA is not initialised.
+    """
+    out: dict[str, object] = {}
+    if not torch.version.cuda:
+        return out
+    try:
+        out["cuda_version"] = tuple(int(x) for x in torch.version.cuda.split(".")[:2])
+    except ValueError:
+        pass
+    try:
+        version = torch.backends.cudnn.version()
+    except Exception:  # a broken cuDNN install must not stop an estimate
+        version = None
+    if version:
+        out["cudnn_version"] = int(version)
+    return out

@@ -1,0 +1,221 @@
+"""The GPU table, --gpu parsing and local GPU detection (no GPU here: nvidia-smi is faked)."""
+
+import os
+import stat
+import sys
+
+import pytest
+import torch
+
+from memcheck.errors import UsageError
+from memcheck.gpus import (
+    GENERIC_CONTEXT_BYTES,
+    GPUS,
+    GpuSpec,
+    gpu_from_smi,
+    local_gpu,
+    resolve_gpu,
+    sized_gpu,
+)
+
+MiB = 2**20
+GiB = 2**30
+
+REQUIRED = [
+    "V100-16GB", "V100-32GB", "T4", "A10G", "RTX-3090", "RTX-4090",
+    "L4", "L40S", "A100-40GB", "A100-80GB", "H100-80GB", "H200",
+]
+
+
+def test_the_table_covers_the_common_training_gpus():
+    assert set(REQUIRED) <= set(GPUS)
+    for name, gpu in GPUS.items():
+        assert gpu.name == name and gpu.named
+        assert gpu.context_bytes < gpu.capacity_bytes
+
+
+def test_h100_capacity_is_what_cuda_reports_not_nvidia_smi():
+    # torch reports total_memory=81089 MiB; nvidia-smi's memory.total is 81559 MiB.
+    assert GPUS["H100-80GB"].capacity_bytes == 81089 * MiB
+    assert GPUS["H100-80GB"].arch == (9, 0)
+    assert GPUS["A100-40GB"].arch == (8, 0)
+    assert GPUS["T4"].arch == (7, 5)
+
+
+def test_context_estimate_grows_with_the_sm_count():
+    # 320 MiB + 132 SMs * 2048 threads * 1 KiB = 320 + 264 = 584 MiB on an H100;
+    # 320 MiB + 40 SMs * 1024 threads * 1 KiB = 320 + 40 = 360 MiB on a T4.
+    assert GPUS["H100-80GB"].context_bytes == 584 * MiB
+    assert GPUS["T4"].context_bytes == 360 * MiB
+
+
+@pytest.mark.parametrize("text", ["H100-80GB", "h100-80gb", "h100_80gb", "H100 80GB", "NVIDIA H100-80GB"])
+def test_names_match_ignoring_case_dashes_underscores_and_spaces(text):
+    assert resolve_gpu(text) is GPUS["H100-80GB"]
+
+
+@pytest.mark.parametrize(
+    "alias, name",
+    [("h100", "H100-80GB"), ("H100", "H100-80GB"), ("3090", "RTX-3090"), ("4090", "RTX-4090"),
+     ("rtx 3090", "RTX-3090"), ("a100-80g", "A100-80GB"), ("t4", "T4"), ("l40s", "L40S")],
+)
+def test_unambiguous_aliases(alias, name):
+    assert resolve_gpu(alias) is GPUS[name]
+
+
+@pytest.mark.parametrize("text, names", [("a100", "A100-40GB, A100-80GB"), ("V100", "V100-16GB, V100-32GB")])
+def test_an_ambiguous_name_lists_the_candidates(text, names):
+    with pytest.raises(UsageError, match=f"ambiguous; use one of: {names}"):
+        resolve_gpu(text)
+
+
+def test_a_binary_size_gives_an_unnamed_sm80_gpu():
+    gpu = resolve_gpu("24GiB")
+    assert gpu.capacity_bytes == 24 * GiB
+    assert gpu.name == "24.0 GiB GPU"
+    assert gpu.arch == (8, 0)
+    assert gpu.context_bytes == GENERIC_CONTEXT_BYTES
+    assert not gpu.named
+
+
+def test_g_is_binary_and_gb_is_decimal():
+    assert resolve_gpu("80G").capacity_bytes == 80 * GiB
+    # 24 GB = 24e9 B = 22.35 GiB
+    gpu = resolve_gpu("24GB")
+    assert gpu.capacity_bytes == 24_000_000_000
+    assert gpu.name == "22.4 GiB GPU"
+
+
+def test_a_bare_number_that_is_not_an_alias_needs_a_unit():
+    with pytest.raises(UsageError, match="needs a unit"):
+        resolve_gpu("24")
+
+
+def test_a_zero_size_is_refused():
+    with pytest.raises(UsageError, match="greater than zero"):
+        resolve_gpu("0GiB")
+
+
+def test_an_unknown_name_suggests_the_closest_and_lists_the_allowed():
+    with pytest.raises(UsageError) as info:
+        resolve_gpu("H100-8GB")
+    message = str(info.value)
+    assert "'H100-8GB'" in message
+    assert "did you mean 'H100-80GB'?" in message
+    assert "allowed: V100-16GB" in message and "H200" in message and "24GiB" in message
+
+
+def test_a_number_with_letters_that_are_not_a_unit_is_an_unknown_name():
+    with pytest.raises(UsageError, match="unknown GPU '4090D'.*did you mean 'RTX-4090'"):
+        resolve_gpu("4090D")
+
+
+def test_a_gpuspec_passes_through():
+    gpu = sized_gpu(10 * GiB)
+    assert resolve_gpu(gpu) is gpu
+
+
+def test_a_gpuspec_checks_itself():
+    with pytest.raises(UsageError, match="capacity"):
+        GpuSpec("x", 0, (8, 0), 0)
+    with pytest.raises(UsageError, match="compute capability"):
+        GpuSpec("x", GiB, (8,), 0)
+
+
+def test_usable_bytes_is_capacity_less_context():
+    gpu = GPUS["H100-80GB"]
+    assert gpu.usable_bytes == (81089 - 584) * MiB
+
+
+# --- nvidia-smi output ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line, name",
+    [
+        ("NVIDIA H100 80GB HBM3, 81559, 9.0", "H100-80GB"),
+        ("NVIDIA A100-SXM4-40GB, 40960, 8.0", "A100-40GB"),
+        ("NVIDIA A100-SXM4-80GB, 81920, 8.0", "A100-80GB"),
+        ("Tesla V100-SXM2-32GB, 32510, 7.0", "V100-32GB"),
+        ("Tesla T4, 15360, 7.5", "T4"),
+        ("NVIDIA GeForce RTX 3090, 24268, 8.6", "RTX-3090"),
+        ("NVIDIA GeForce RTX 4090, 24564, 8.9", "RTX-4090"),
+        ("NVIDIA L4, 23034, 8.9", "L4"),
+        ("NVIDIA H200, 143771, 9.0", "H200"),
+        ("NVIDIA A10G, 23028", "A10G"),  # an old driver without compute_cap
+    ],
+)
+def test_nvidia_smi_names_map_to_the_table(line, name):
+    assert gpu_from_smi(line) is GPUS[name]
+
+
+def test_an_unlisted_card_keeps_nvidia_smis_figures():
+    # H100 NVL: 95830 MiB is not within 3% of the 80 GB row, so it is not called an H100-80GB.
+    gpu = gpu_from_smi("NVIDIA H100 NVL, 95830, 9.0")
+    assert gpu.name == "NVIDIA H100 NVL" and not gpu.named
+    assert gpu.capacity_bytes == 95830 * MiB
+    assert gpu.arch == (9, 0)
+    b200 = gpu_from_smi("NVIDIA B200, 183359, 10.0")
+    assert b200.arch == (10, 0) and b200.capacity_bytes == 183359 * MiB
+    assert b200.context_bytes == GENERIC_CONTEXT_BYTES
+
+
+@pytest.mark.parametrize("line", ["", "garbage", "NVIDIA H100, [N/A], 9.0", "NVIDIA X, 0, 9.0"])
+def test_unreadable_lines_give_none(line):
+    assert gpu_from_smi(line) is None
+
+
+def test_local_gpu_is_none_here_and_does_not_initialise_cuda(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi on this machine, and none found
+    assert local_gpu() is None
+    assert resolve_gpu(None) is None
+    assert not torch.cuda.is_initialized()
+
+
+def _fake_smi(tmp_path, body):
+    script = tmp_path / "nvidia-smi"
+    script.write_text(f"#!{sys.executable}\n{body}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(tmp_path)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="fake nvidia-smi is a POSIX script")
+def test_local_gpu_reads_nvidia_smi_without_touching_cuda(tmp_path, monkeypatch):
+    body = (
+        "import sys\n"
+        "assert '--format=csv,noheader,nounits' in sys.argv\n"
+        "print('NVIDIA H100 80GB HBM3, 81559, 9.0')\n"
+        "print('NVIDIA H100 80GB HBM3, 81559, 9.0')"
+    )
+    monkeypatch.setenv("PATH", _fake_smi(tmp_path, body))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert local_gpu() is GPUS["H100-80GB"]
+    assert not torch.cuda.is_initialized()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="fake nvidia-smi is a POSIX script")
+def test_local_gpu_retries_without_compute_cap_and_honours_cuda_visible_devices(tmp_path, monkeypatch):
+    body = (
+        "import sys\n"
+        "if 'compute_cap' in sys.argv[1]: sys.exit(2)\n"
+        "assert sys.argv[-2:] == ['-i', '3'], sys.argv\n"
+        "print('NVIDIA A100-SXM4-80GB, 81920')"
+    )
+    monkeypatch.setenv("PATH", _fake_smi(tmp_path, body))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert local_gpu() is GPUS["A100-80GB"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="fake nvidia-smi is a POSIX script")
+@pytest.mark.parametrize("visible", ["", "-1", "MIG-4f0b2c1e-0000-0000-0000-000000000000"])
+def test_no_visible_device_or_a_mig_slice_gives_none(tmp_path, monkeypatch, visible):
+    monkeypatch.setenv("PATH", _fake_smi(tmp_path, "print('NVIDIA H100 80GB HBM3, 81559, 9.0')"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert local_gpu() is None
+
+
+@pytest.mark.skipif(os.name != "posix", reason="fake nvidia-smi is a POSIX script")
+def test_a_hanging_nvidia_smi_times_out_to_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", _fake_smi(tmp_path, "import time; time.sleep(30)"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert local_gpu(timeout=0.5) is None

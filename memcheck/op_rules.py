@@ -129,7 +129,21 @@ def scaled_dot_product_attention(ctx, func, args, kwargs):
             )
             return out[0]
     if ctx.device is Device.CUDA and q.device.type == "meta":
-        ctx.assume("CUDA attention kernels are not emulated yet: SDPA traced as the math path (an upper bound)")
+        arch = tuple(getattr(ctx, "arch", (8, 0)))
+        versions = {
+            name: getattr(ctx, name)
+            for name in ("cudnn_version", "cuda_version")
+            if getattr(ctx, name, None) is not None
+        }
+        backend = cuda_attention.cuda_sdpa_backend(
+            q, k, v, bound["attn_mask"], bound["dropout_p"], bound["is_causal"],
+            bound["scale"], bound["enable_gqa"], arch, **versions,
+        )
+        ctx.assume(f"SDPA on CUDA: {backend} kernel (sm{arch[0]}{arch[1]})")
+        return cuda_attention.trace_cuda_sdpa(
+            backend, func, args, kwargs, q, k, v, bound["attn_mask"], bound["dropout_p"],
+            bound["is_causal"], bound["scale"], bound["enable_gqa"],
+        )
     return func(*args, **kwargs)
 
 
@@ -247,3 +261,4 @@ def nonzero(ctx, func, args, kwargs):
     return torch.empty((t.numel(), t.dim()), dtype=torch.long, device="meta")
 import memcheck.cpu_kernels  # noqa: E402,F401  (registers the CPU kernel rules)
 import memcheck.cuda_kernels  # noqa: E402,F401  (registers the CUDA kernel rules)
+import memcheck.cuda_attention as cuda_attention  # noqa: E402  (CUDA SDPA choice and kernel rules)

@@ -84,19 +84,23 @@ def main():
 @click.option("--device", default="cuda", show_default=True, metavar="DEVICE",
               help="Target device of the estimate: cpu or cuda.")
 @click.option("--precision", default="fp32", show_default=True, metavar="PREC",
-              help="fp32, or pure bf16 / fp16 weights.")
+              help="fp32; amp-bf16 / amp-fp16 (torch.autocast, fp16 with a GradScaler); or pure bf16 / fp16 weights.")
 @click.option("--optimizer", default=None, metavar="NAME",
-              help="adamw (default), adam, sgd, sgd-momentum; a model file's make_optimizer wins unless this is given.")
+              help="adamw (default), adamw-foreach, adamw-fused, adam, adam-fused, adafactor, adamw-8bit, sgd, "
+                   "sgd-momentum; a model file's make_optimizer wins unless this is given.")
 @click.option("--steps", default=2, show_default=True, type=int,
               help="Training steps to trace; the peak is taken from step 2 on.")
+@click.option("--gpu", default=None, metavar="NAME|SIZE",
+              help="Target GPU: a name (H100-80GB, A100-40GB, RTX-4090, T4, ...; see `memcheck gpus`) or a "
+                   "capacity such as 24GiB. Default: the local GPU, if any. Exit code 1 when it does not fit.")
 @click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE",
-              help="Memory budget such as 24GiB; exit code 1 when the peak exceeds it.")
+              help="A memory budget such as 24GiB, checked against the device total (the peak on cpu).")
 @click.option("--top", default=8, show_default=True, type=int, help="Modules to list in the table.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise).")
 @click.option("--debug", is_flag=True, help="Show the full traceback of errors.")
 def estimate(model, max_len, target_len, batch_size, task, attn, device, precision, optimizer, steps,
-             gpu_memory, top, as_json, allow_download, debug):
+             gpu, gpu_memory, top, as_json, allow_download, debug):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
 
     \b
@@ -125,7 +129,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
             work.model, work.batch, device=device, precision=precision,
             optimizer=optimizer or work.make_optimizer or "adamw", loss_fn=work.loss_fn,
             steps=steps, budget_bytes=budget, batch_size=work.batch_size, max_len=work.max_len,
-            target_len=work.target_len, model_name=work.name, top_modules=top,
+            target_len=work.target_len, model_name=work.name, top_modules=top, gpu=gpu,
         )
     except MemcheckError as exc:
         _fail(exc, debug, exc.exit_code)
@@ -134,6 +138,16 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
               debug, EXIT_INTERNAL)
     click.echo(render_json(result) if as_json else str(result))
     sys.exit(EXIT_DOES_NOT_FIT if result.fits is False else EXIT_FITS)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def gpus(as_json):
+    """List the GPUs --gpu knows: capacity, compute capability, CUDA context estimate."""
+    from memcheck.gpus import GPUS
+    from memcheck.render import render_gpus
+
+    click.echo(render_gpus(GPUS.values(), as_json=as_json))
 
 
 if __name__ == "__main__":  # pragma: no cover

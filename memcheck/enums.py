@@ -40,6 +40,7 @@ class Category(_Choice):
     TEMPORARY = "temporaries"  # alive now, not saved for backward, not a result
     OUTPUT = "outputs"  # the model's outputs and the loss
     INPUT = "inputs"  # the batch
+    WORKSPACE = "workspaces"  # library workspaces held by the caching allocator (cuBLAS)
     OTHER = "other"  # tensors that existed before the trace and belong to none of the above
 
 

@@ -10,9 +10,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from memcheck.allocator import AllocatorConfig, simulate
 from memcheck.autocast import MetaAutocast, MetaGradScaler
+from memcheck.cuda_overhead import context_bytes, workspace_allocations
 from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, UsageError
+from memcheck.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.optimizers import resolve_optimizer
 from memcheck.report import BatchInfo, Breakdown, Estimate, InputSpec, ModuleMemory
 from memcheck.tracer import ALLOC, FREE, RECAT, MemoryTracer, TraceLog
@@ -89,6 +92,7 @@ def estimate(
     target_len: int | None = None,
     model_name: str | None = None,
     top_modules: int = 8,
+    gpu: str | GpuSpec | None = None,
 ) -> Estimate:
     """Trace ``steps`` training steps of ``model`` on ``batch`` and return the steady-state peak.
 
@@ -100,14 +104,19 @@ def estimate(
         model: the model, on the meta device or any other.
         batch: what ``loss_fn`` takes: a dict for ``model(**batch)``, a tensor or a tuple.
         device: the target, ``"cpu"`` or ``"cuda"``.
-        optimizer: a name (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``), a function
+        optimizer: a name from ``memcheck.optimizers.OPTIMIZERS`` (``adamw``, ``adamw-fused``,
+            ``adafactor``, ``adamw-8bit``, ``sgd-momentum``, ...), a function
             ``params -> Optimizer`` or an Optimizer whose class and settings are reused.
         loss_fn: ``loss_fn(model, batch) -> scalar``; default ``model(**batch).loss`` for
             dicts, otherwise the output summed.
         precision: ``fp32``; pure ``bf16``/``fp16`` weights; or ``amp-bf16``/``amp-fp16``, fp32
             weights under ``torch.autocast`` (amp-fp16 with a GradScaler).
         steps: training steps to trace (at least 2: the first has no optimizer state).
-        budget_bytes: if given, ``Estimate.fits`` compares the peak with it.
+        budget_bytes: if given, ``Estimate.fits`` compares it with the device total on CUDA
+            (the peak on CPU); by default the named GPU's capacity.
+        gpu: the CUDA target: a name from ``memcheck.gpus.GPUS`` (``"H100-80GB"``), a size
+            (``"24GiB"``) or a ``GpuSpec``; by default the local GPU, if any. Its compute
+            capability picks attention kernels and cuBLAS workspace sizes.
 
     Returns:
         An ``Estimate``; ``str()`` is the table, ``to_dict()`` the JSON.
@@ -120,16 +129,21 @@ def estimate(
         >>> est.peak_bytes
 
     Known limitations:
-        The CUDA target does not yet emulate CUDA's attention kernels, autocast or the
-        caching allocator; for ``device="cuda"`` the figure is allocated bytes traced
-        with CPU-equivalent kernels, and the report lists what was assumed.
+        The CUDA target is emulated on meta tensors: SDPA's kernel choice, autocast's
+        casts, the caching allocator and cuBLAS's workspaces follow torch's source,
+        but the CUDA context is an estimate per GPU model, and a cuDNN convolution's
+        workspace is an allowance. Python functions that handle ``__torch_function__``
+        hide the ops inside them from the autocast emulation (see memcheck.autocast).
     """
     device = Device.parse(device)
     precision = Precision.parse(precision)
+    target_gpu = _target_gpu(gpu, device)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise UsageError(f"steps must be an integer of at least 2 (step 1 has no optimizer state), got {steps!r}")
     if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
         raise UsageError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+    if budget_bytes is None and target_gpu is not None and target_gpu.capacity_bytes:
+        budget_bytes = target_gpu.capacity_bytes
     name = model_name or type(model).__name__
     opt_label, make_optimizer = resolve_optimizer(optimizer, device)
     loss_fn = loss_fn or default_loss
@@ -145,7 +159,14 @@ def estimate(
         )
     info = describe_batch(mbatch, batch_size, max_len, target_len)
 
-    tracer = MemoryTracer(device)
+    arch = target_gpu.arch if target_gpu is not None else DEFAULT_ARCH
+    tracer = MemoryTracer(device, arch=arch)
+    for key, value in local_library_versions().items():  # the CUDA/cuDNN this torch would use
+        setattr(tracer, key, value)
+    if device is Device.CUDA and target_gpu is None:
+        tracer.assume(
+            f"no GPU named (gpu=/--gpu): kernels chosen as on sm{arch[0]}{arch[1]} and a generic CUDA context"
+        )
     autocast = scaler = None
     if precision in _AMP:
         tracer.autocast = MetaAutocast(device, _AMP[precision])
@@ -163,10 +184,61 @@ def estimate(
         raise
     except Exception as exc:  # the model's own code failed under the trace
         raise _translate(exc, name) from exc
+    cuda = _on_cuda(tracer.log, arch, target_gpu, tracer.assume) if device is Device.CUDA else {}
     return _summarise(
         tracer.log, name=name, root=type(twin).__name__, device=device, precision=precision, optimizer=opt_label,
-        steps=steps, batch=info, budget_bytes=budget_bytes, top_modules=top_modules,
+        steps=steps, batch=info, budget_bytes=budget_bytes, top_modules=top_modules, **cuda,
     )
+
+
+DEFAULT_ARCH = (8, 0)  # A100-class, when no GPU is named and none is local
+
+
+def _target_gpu(gpu, device: Device) -> GpuSpec | None:
+    if isinstance(gpu, GpuSpec):
+        return gpu
+    if gpu is not None and not isinstance(gpu, str):
+        raise UsageError(f"gpu must be a name such as 'H100-80GB', a size such as '24GiB', or a GpuSpec; got {gpu!r}")
+    if device is not Device.CUDA:
+        if gpu is not None:
+            raise UsageError(f"gpu={gpu!r} applies to the cuda target only; the target is {device.value}")
+        return None
+    return resolve_gpu(gpu)
+
+
+def _with_workspaces(log: TraceLog, arch) -> tuple[list[tuple], list[int]]:
+    """The event log with cuBLAS's workspaces allocated where a real step first needs them.
+
+    torch keeps one workspace per (cuBLAS handle, stream) in the caching allocator; the
+    forward runs on the main thread and backward on autograd's device thread, each
+    with its own handle (memcheck.cuda_overhead). The first is allocated at the first
+    forward, the second at the first backward; both live to the end.
+    """
+    by_phase = {Phase.FORWARD: [], Phase.BACKWARD: []}
+    for label, nbytes in workspace_allocations(arch):
+        by_phase[Phase.BACKWARD if "autograd" in label else Phase.FORWARD].append((label, nbytes))
+    events, old_starts, start_of = [], set(log.step_starts), {}
+    for i, ev in enumerate(log.events):
+        if i in old_starts:
+            start_of[i] = len(events)
+        for label, nbytes in by_phase.pop(ev[5], ()):
+            events.append((ALLOC, f"workspace:{label}", nbytes, Category.WORKSPACE, f"({label})", ev[5], ev[6]))
+        events.append(ev)
+    starts = [start_of.get(i, len(events)) for i in log.step_starts]
+    return events, starts
+
+
+def _on_cuda(log: TraceLog, arch, gpu: GpuSpec | None, assume) -> dict:
+    """Replay the trace through the caching-allocator simulation and add what lies outside it."""
+    events, starts = _with_workspaces(log, arch)
+    log.events[:], log.step_starts[:] = events, starts
+    sim = simulate(events, config=AllocatorConfig.from_env())
+    context = gpu.context_bytes if gpu is not None else context_bytes(None)
+    assume("CUDA context size is an estimate per GPU model, not yet measured on this GPU")
+    return {
+        "sizes": sim.granted,
+        "cuda": (sim.peak_reserved_bytes, sim.fragmentation_bytes, context, gpu),
+    }
 
 
 def _short(module: str | None, root: str) -> str:
@@ -179,28 +251,40 @@ def _short(module: str | None, root: str) -> str:
     return module.split(".", 1)[1] if module.startswith(root + ".") else module
 
 
-def _summarise(log: TraceLog, *, name, root, device, precision, optimizer, steps, batch, budget_bytes, top_modules) -> Estimate:
+def _summarise(
+    log: TraceLog, *, name, root, device, precision, optimizer, steps, batch, budget_bytes, top_modules,
+    sizes=None, cuda=None,
+) -> Estimate:
+    """The steady-state peak and what was live at it.
+
+    ``sizes`` gives each ALLOC event's bytes as the allocator grants them (CUDA: rounded
+    blocks, what ``max_memory_allocated`` counts); by default the storages' own sizes.
+    """
     events = log.events
+    if sizes is None:
+        sizes = [ev[2] for ev in events]
     start = log.step_starts[1] if len(log.step_starts) > 1 else 0
     live = 0
     best, best_at = -1, 0
+    granted: dict = {}
     for i, ev in enumerate(events):
         kind = ev[0]
         if kind == ALLOC:
-            live += ev[2]
+            granted[ev[1]] = sizes[i]
+            live += sizes[i]
             if i >= start and live > best:
                 best, best_at = live, i
         elif kind == FREE:
-            live -= ev[2]
+            live -= granted.pop(ev[1], ev[2])
     if best < 0:
         raise TraceError(f"tracing {name} recorded no memory after step 1")
 
     # Replay up to the peak to see what was live and why.
     state: dict[int, list] = {}
-    for ev in events[: best_at + 1]:
+    for i, ev in enumerate(events[: best_at + 1]):
         kind, sid, n, cat, module = ev[:5]
         if kind == ALLOC:
-            state[sid] = [n, cat, module]
+            state[sid] = [sizes[i], cat, module]
         elif kind == FREE:
             state.pop(sid, None)
         elif sid in state:
@@ -221,4 +305,16 @@ def _summarise(log: TraceLog, *, name, root, device, precision, optimizer, steps
         batch=batch, peak_bytes=best, breakdown_at_peak=Breakdown.from_categories(by_cat),
         peak_phase=peak_event[5], peak_module=_short(peak_event[4], root), peak_step=peak_event[6] + 1,
         modules=tuple(modules), assumptions=tuple(log.assumptions), budget_bytes=budget_bytes,
+        **_device_totals(best, cuda),
     )
+
+
+def _device_totals(allocated_peak: int, cuda) -> dict:
+    if cuda is None:
+        return {}
+    reserved, fragmentation, context, gpu = cuda
+    reserved = max(reserved, allocated_peak)
+    return {
+        "reserved_bytes": reserved, "fragmentation_bytes": fragmentation, "context_bytes": context,
+        "device_total_bytes": reserved + context, "gpu": gpu,
+    }

@@ -89,3 +89,72 @@ def measure_cpu(
         if t >= steady_from:
             steady = max(steady, live)
     return Measured(peak_bytes=peak, steady_peak_bytes=steady)
+
+
+@dataclass(frozen=True)
+class MeasuredCuda:
+    """What a real CUDA run used, from the caching allocator's statistics and the driver."""
+
+    peak_allocated_bytes: int  # max_memory_allocated over the whole run
+    steady_peak_allocated_bytes: int  # max_memory_allocated from step 2 on
+    peak_reserved_bytes: int  # max_memory_reserved over the whole run
+    device_used_bytes: int  # cudaMemGetInfo total - free at the end, minus what was used before
+    context_bytes: int  # device_used_bytes - memory_reserved at the end: context and libraries
+
+
+def measure_cuda(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    loss_fn: LossFn = default_loss,
+    steps: int = 3,
+    precision: str = "fp32",
+    baseline_used_bytes: int = 0,
+) -> MeasuredCuda:
+    """Train ``steps`` real steps on the current CUDA device and read its memory.
+
+    Run it in a fresh process: the allocator's peaks and the driver's used memory
+    describe the whole process. ``build()`` returns ``(model, batch)`` on the CPU;
+    they are moved to the GPU here (in the target dtype for pure bf16/fp16), so the
+    allocator sees one allocation per tensor, as the trace does.
+    ``baseline_used_bytes`` is what the device had in use before this process
+    started (other processes), subtracted from the driver's figure.
+    """
+    from torch.utils._pytree import tree_map_only
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    amp = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
+    model, batch = build()
+    model = model.to("cuda", dtype) if dtype is not None else model.to("cuda")
+
+    def move(t):
+        if dtype is not None and t.is_floating_point():
+            return t.to("cuda", dtype)
+        return t.to("cuda")
+
+    batch = tree_map_only(torch.Tensor, move, batch)
+    optimizer = make_optimizer(model.parameters())
+    autocast = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else None
+    scaler = torch.amp.GradScaler("cuda") if precision == "amp-fp16" else None
+    first = {}
+
+    def on_phase(step, phase):
+        if step == 1 and phase.value == "forward" and not first:
+            torch.cuda.synchronize()
+            first["allocated"] = torch.cuda.max_memory_allocated()
+            first["reserved"] = torch.cuda.max_memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
+
+    run_steps(model, batch, loss_fn, optimizer, steps, on_phase, autocast=autocast, scaler=scaler)
+    torch.cuda.synchronize()
+    steady = torch.cuda.max_memory_allocated()
+    reserved = max(first.get("reserved", 0), torch.cuda.max_memory_reserved())
+    free, total = torch.cuda.mem_get_info()
+    used = total - free - baseline_used_bytes
+    return MeasuredCuda(
+        peak_allocated_bytes=max(first.get("allocated", 0), steady),
+        steady_peak_allocated_bytes=steady,
+        peak_reserved_bytes=reserved,
+        device_used_bytes=used,
+        context_bytes=used - torch.cuda.memory_reserved(),
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from memcheck.enums import Category, Device, Phase, Precision
+from memcheck.gpus import GpuSpec
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class Breakdown:
     temporaries: int = 0
     outputs: int = 0
     inputs: int = 0
+    workspaces: int = 0
     other: int = 0
 
     @classmethod
@@ -83,19 +85,39 @@ class Estimate:
     modules: tuple[ModuleMemory, ...]
     assumptions: tuple[str, ...]
     budget_bytes: int | None = None
+    # CUDA target only (None on CPU):
+    reserved_bytes: int | None = None  # max_memory_reserved: the caching allocator's segments
+    fragmentation_bytes: int | None = None  # reserved minus allocated when reserved peaked
+    context_bytes: int | None = None  # CUDA context and libraries outside the allocator
+    device_total_bytes: int | None = None  # reserved + context: what nvidia-smi shows as used
+    gpu: GpuSpec | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        """The figure judged against the budget: device total on CUDA, the peak on CPU."""
+        return self.device_total_bytes if self.device_total_bytes is not None else self.peak_bytes
 
     @property
     def fits(self) -> bool | None:
         """True/False against the budget; None when no budget was given."""
         if self.budget_bytes is None:
             return None
-        return self.peak_bytes <= self.budget_bytes
+        return self.total_bytes <= self.budget_bytes
 
     def to_dict(self) -> dict:
         """The JSON object ``memcheck --json`` prints."""
         return {
             "model": self.model,
             "peak_bytes": self.peak_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "fragmentation_bytes": self.fragmentation_bytes,
+            "context_bytes": self.context_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "gpu": None if self.gpu is None else {
+                "name": self.gpu.name,
+                "capacity_bytes": self.gpu.capacity_bytes,
+                "arch": f"sm{self.gpu.arch[0]}{self.gpu.arch[1]}",
+            },
             "breakdown_at_peak": self.breakdown_at_peak.to_dict(),
             "peak_phase": self.peak_phase.value,
             "peak_module": self.peak_module,

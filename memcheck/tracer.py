@@ -267,6 +267,8 @@ class MemoryTracer(TorchDispatchMode):
         return max((p for p in parents if p != _GLOBAL), key=lambda name: (name.count("."), name))
 
     def _alloc(self, sid, st, category, module):
+        if self.device is Device.CUDA and st.device.type == "cpu":
+            return  # host memory (e.g. Adam's step counters): not on the GPU
         n = st.nbytes()
         self._sizes[sid] = n
         self._cats[sid] = category

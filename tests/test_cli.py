@@ -75,3 +75,44 @@ def test_every_command_has_help_listing_every_flag():
                  "--optimizer", "--steps", "--gpu-memory", "--json", "--allow-download", "--debug", "--top"):
         assert flag in est.output, flag
     assert re.search(r"Exit codes", top.output)
+
+
+def test_cuda_json_has_reserved_device_total_and_gpu():
+    result = run(TWO_BRANCH, "-b", "8", "--gpu", "T4", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["gpu"]["name"] == "T4" and data["gpu"]["arch"] == "sm75"
+    assert data["reserved_bytes"] >= data["peak_bytes"]
+    # device total = reserved + the CUDA context, and fits is judged on it
+    assert data["device_total_bytes"] == data["reserved_bytes"] + data["context_bytes"]
+    assert data["budget_bytes"] == data["gpu"]["capacity_bytes"]
+    assert data["fits"] is (data["device_total_bytes"] <= data["budget_bytes"])
+    assert sum(data["breakdown_at_peak"].values()) == data["peak_bytes"]
+
+
+def test_a_gpu_too_small_for_the_device_total_exits_1():
+    # An unnamed GPU's CUDA context is taken as 512 MiB (memcheck.gpus), so a 512 MiB card
+    # has no room left for any tensor: the device total exceeds it although the tensors are tiny.
+    result = run(TWO_BRANCH, "-b", "8", "--gpu", "512MiB")
+    assert result.exit_code == 1, result.output
+    assert "DOES NOT FIT: device total" in result.output
+
+
+def test_unknown_gpu_name_suggests_the_closest():
+    result = run(TWO_BRANCH, "--gpu", "H10O")
+    assert result.exit_code == 2
+    assert "H100-80GB" in result.output
+
+
+def test_gpu_with_the_cpu_target_is_refused():
+    result = run(TWO_BRANCH, "--device", "cpu", "--gpu", "T4")
+    assert result.exit_code == 2
+    assert "cuda target only" in result.output
+
+
+def test_gpus_command_lists_the_table():
+    result = run("gpus")
+    assert result.exit_code == 0, result.output
+    for name in ("V100-16GB", "T4", "A10G", "RTX-3090", "RTX-4090", "L4", "L40S", "A100-40GB", "A100-80GB",
+                 "H100-80GB", "H200"):
+        assert name in result.output

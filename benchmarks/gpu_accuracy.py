@@ -100,8 +100,8 @@ WORKLOADS = {
     "gpt2 b8x1024 bf16 sdpa": ("gpt2", 8, 1024, "bf16", "sdpa"),
     "llama-shaped b4x2048 amp-bf16 sdpa": ("llama", 4, 2048, "amp-bf16", "sdpa"),
     "llama-shaped b4x2048 bf16 eager": ("llama", 4, 2048, "bf16", "eager"),
-    "t5-base b8x512 fp32 eager": ("t5", 8, 512, "fp32", "eager"),
-    "t5-base b8x512 amp-bf16 sdpa": ("t5", 8, 512, "amp-bf16", "sdpa"),
+    "t5-small b8x512 fp32 eager": ("t5", 8, 512, "fp32", "eager"),
+    "t5-small b8x512 amp-bf16 sdpa": ("t5", 8, 512, "amp-bf16", "sdpa"),
 }
 
 

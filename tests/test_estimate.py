@@ -111,3 +111,72 @@ def test_str_is_the_table_and_labels_binary_units():
         model, x = small(), torch.empty(32, 64)
     text = str(memcheck.estimate(model, x, device="cpu", budget_bytes=2**30))
     assert "peak (steady state)" in text and "KiB" in text and "FITS" in text
+
+
+MiB_ = 2**20
+
+
+def _tiny_linear():
+    with torch.device("meta"):
+        model = torch.nn.Linear(1024, 1024, bias=False)
+        x = torch.empty(8, 1024)
+    return model, x
+
+
+def test_cuda_estimate_adds_two_cublas_workspaces_of_the_arch_size():
+    model, x = _tiny_linear()
+    # sm90: 4096 KiB * 8 = 32 MiB per workspace (CublasHandlePool.cpp); one for the forward's
+    # thread, one for autograd's device thread.
+    h100 = memcheck.estimate(model, x, device="cuda", optimizer="sgd", gpu="H100-80GB")
+    assert h100.breakdown_at_peak.workspaces == 2 * 32 * MiB_
+    # Other archs: 4096 KiB * 2 + 16 KiB * 8 = 8,519,680 B each.
+    a100 = memcheck.estimate(model, x, device="cuda", optimizer="sgd", gpu="A100-80GB")
+    assert a100.breakdown_at_peak.workspaces == 2 * 8_519_680
+
+
+def test_cublas_workspace_config_changes_the_workspaces(monkeypatch):
+    model, x = _tiny_linear()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # deterministic mode: 16 KiB * 8 = 128 KiB
+    est = memcheck.estimate(model, x, device="cuda", optimizer="sgd", gpu="A100-80GB")
+    assert est.breakdown_at_peak.workspaces == 2 * 128 * 1024
+
+
+def test_cuda_totals_are_consistent_and_segments_whole():
+    model, x = _tiny_linear()
+    est = memcheck.estimate(model, x, device="cuda", optimizer="sgd", gpu="H100-80GB")
+    assert est.breakdown_at_peak.total == est.peak_bytes
+    # Every segment is a multiple of 2 MiB (2 MiB small segments, 20 MiB, or rounded up to 2 MiB).
+    assert est.reserved_bytes % (2 * MiB_) == 0 and est.reserved_bytes >= est.peak_bytes
+    # Large-pool segments at least: two 32 MiB workspaces (one segment each: >= 10 MiB is
+    # rounded to 2 MiB), and the 4 MiB weight in a 20 MiB segment (requests of 1-10 MiB).
+    assert est.reserved_bytes >= (32 + 32 + 20) * MiB_
+    assert est.device_total_bytes == est.reserved_bytes + est.context_bytes
+    assert est.budget_bytes == est.gpu.capacity_bytes
+
+
+def test_expandable_segments_are_read_from_the_environment(monkeypatch):
+    model, x = _tiny_linear()
+    plain = memcheck.estimate(model, x, device="cuda", optimizer="sgd", gpu="H100-80GB")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    expandable = memcheck.estimate(model, x, device="cuda", optimizer="sgd", gpu="H100-80GB")
+    assert expandable.peak_bytes == plain.peak_bytes  # rounding to 512 B is the same...
+    assert expandable.reserved_bytes != plain.reserved_bytes  # ...but segments grow by pages
+
+
+def test_a_bad_alloc_conf_is_one_clear_error(monkeypatch):
+    model, x = _tiny_linear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:abc")
+    with pytest.raises(UsageError, match="max_split_size_mb"):
+        memcheck.estimate(model, x, device="cuda", gpu="T4")
+
+
+def test_estimating_for_cuda_never_initialises_cuda():
+    model, x = _tiny_linear()
+    memcheck.estimate(model, x, device="cuda", precision="amp-fp16", gpu="H100-80GB")
+    assert not torch.cuda.is_initialized()
+
+
+def test_cpu_estimates_have_no_device_totals():
+    model, x = _tiny_linear()
+    est = memcheck.estimate(model, x, device="cpu")
+    assert est.reserved_bytes is None and est.device_total_bytes is None and est.gpu is None

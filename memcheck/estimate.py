@@ -312,9 +312,11 @@ def _summarise(
 def _device_totals(allocated_peak: int, cuda) -> dict:
     if cuda is None:
         return {}
-    reserved, fragmentation, context, gpu = cuda
+    reserved, _, context, gpu = cuda
     reserved = max(reserved, allocated_peak)
     return {
-        "reserved_bytes": reserved, "fragmentation_bytes": fragmentation, "context_bytes": context,
+        # What the cache holds beyond the allocated peak: blocks too fragmented, or in the
+        # wrong pool, to serve the peak's requests, so new segments had to be reserved.
+        "reserved_bytes": reserved, "fragmentation_bytes": reserved - allocated_peak, "context_bytes": context,
         "device_total_bytes": reserved + context, "gpu": gpu,
     }

@@ -57,7 +57,7 @@ def render_estimate(est: Estimate) -> str:
             [
                 ["allocated peak (max_memory_allocated)", format_bytes(est.peak_bytes)],
                 ["reserved by the caching allocator (max_memory_reserved)", format_bytes(est.reserved_bytes)],
-                ["  of which fragmentation at the reserved peak", format_bytes(est.fragmentation_bytes)],
+                ["  of which beyond the allocated peak (fragmentation)", format_bytes(est.fragmentation_bytes)],
                 ["CUDA context and libraries (estimate)", format_bytes(est.context_bytes)],
                 ["device total (as nvidia-smi shows)", format_bytes(est.device_total_bytes)],
             ],

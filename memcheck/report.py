@@ -87,7 +87,7 @@ class Estimate:
     budget_bytes: int | None = None
     # CUDA target only (None on CPU):
     reserved_bytes: int | None = None  # max_memory_reserved: the caching allocator's segments
-    fragmentation_bytes: int | None = None  # reserved minus allocated when reserved peaked
+    fragmentation_bytes: int | None = None  # reserved minus the allocated peak: cached but unusable
     context_bytes: int | None = None  # CUDA context and libraries outside the allocator
     device_total_bytes: int | None = None  # reserved + context: what nvidia-smi shows as used
     gpu: GpuSpec | None = None

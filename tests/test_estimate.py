@@ -180,3 +180,9 @@ def test_cpu_estimates_have_no_device_totals():
     model, x = _tiny_linear()
     est = memcheck.estimate(model, x, device="cpu")
     assert est.reserved_bytes is None and est.device_total_bytes is None and est.gpu is None
+
+
+def test_fragmentation_is_what_is_reserved_beyond_the_allocated_peak():
+    model, x = _tiny_linear()
+    est = memcheck.estimate(model, x, device="cuda", optimizer="sgd", gpu="H100-80GB")
+    assert est.fragmentation_bytes == est.reserved_bytes - est.peak_bytes >= 0

@@ -18,7 +18,7 @@ from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, Usage
 from memcheck.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.optimizers import resolve_optimizer
 from memcheck.report import BatchInfo, Breakdown, Estimate, InputSpec, ModuleMemory
-from memcheck.tracer import ALLOC, FREE, RECAT, MemoryTracer, TraceLog
+from memcheck.tracer import ALLOC, FREE, MemoryTracer, TraceLog
 from memcheck.training_loop import LossFn, default_loss, run_steps
 
 _STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER)

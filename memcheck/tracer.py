@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode

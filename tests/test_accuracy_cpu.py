@@ -9,31 +9,17 @@ is traced on meta. Target (issue 2): within 2% on every model in the zoo.
 import pytest
 import torch
 
-import memcheck
-from memcheck.measure import measure_cpu
-from memcheck.training_loop import default_loss
-from zoo import ZOO
+from zoo import ZOO, estimate_zoo, measure_zoo
 
 TOLERANCE = 0.02
 
 
 def _measure(name, optimizer):
-    builder = ZOO[name]
-    loss_box = {}
-
-    def build():
-        torch.manual_seed(0)
-        model, batch, loss = builder()
-        loss_box["loss"] = loss or default_loss
-        return model, batch
-
-    return measure_cpu(build, optimizer, loss_fn=lambda m, b: loss_box["loss"](m, b), steps=2)
+    return measure_zoo(name, optimizer)
 
 
-def _estimate(name, optimizer):
-    with torch.device("meta"):
-        model, batch, loss = ZOO[name]()
-    return memcheck.estimate(model, batch, device="cpu", optimizer=optimizer, loss_fn=loss)
+def _estimate(name, optimizer, device="cpu"):
+    return estimate_zoo(name, optimizer, device=device)
 
 
 @pytest.mark.slow
@@ -80,21 +66,7 @@ def test_foreach_optimizer_temporaries_match_a_real_cpu_run():
 def test_amp_bf16_estimate_matches_a_real_cpu_autocast_run(name):
     """The autocast emulation against ``torch.autocast("cpu", bfloat16)`` for real: the casts,
     the weight-cast cache and the low-precision saved activations all show in the peak."""
-    builder = ZOO[name]
-    box = {}
-
-    def build():
-        torch.manual_seed(0)
-        model, batch, loss = builder()
-        box["loss"] = loss or default_loss
-        return model, batch
-
-    measured = measure_cpu(
-        build, lambda p: torch.optim.AdamW(p), loss_fn=lambda m, b: box["loss"](m, b), steps=2,
-        autocast_dtype=torch.bfloat16,
-    )
-    with torch.device("meta"):
-        model, batch, loss = builder()
-    est = memcheck.estimate(model, batch, device="cpu", optimizer="adamw", loss_fn=loss, precision="amp-bf16")
+    measured = measure_zoo(name, lambda p: torch.optim.AdamW(p), autocast_dtype=torch.bfloat16)
+    est = estimate_zoo(name, "adamw", precision="amp-bf16")
     error = (est.peak_bytes - measured.steady_peak_bytes) / measured.steady_peak_bytes
     assert abs(error) <= TOLERANCE, f"{name}: {error:+.2%}"

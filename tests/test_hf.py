@@ -1,10 +1,8 @@
 """transformers models: architecture from config, worst-case batch, position limits."""
 
 import pytest
-import torch
 from transformers import BertConfig, GPT2Config, PegasusConfig, ViTConfig
 
-from memcheck.enums import Task
 from memcheck.errors import UsageError
 from memcheck.model_source import load_workload
 

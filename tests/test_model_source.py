@@ -3,7 +3,6 @@
 import textwrap
 
 import pytest
-import torch
 
 from memcheck.errors import ModelLoadError, UsageError
 from memcheck.model_source import load_workload

@@ -6,7 +6,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import memcheck
-from memcheck.enums import Device
 from memcheck.measure import measure_cpu
 from memcheck.op_rules import SDP_FLASH, SDP_MATH, cpu_sdpa_backend
 

@@ -14,10 +14,8 @@ from torch import nn
 import memcheck
 from memcheck.enums import Device
 from memcheck.errors import UsageError
-from memcheck.measure import measure_cpu
 from memcheck.optimizers import OPTIMIZERS, _AdamW8bitLayout, resolve_optimizer
-from memcheck.training_loop import default_loss
-from zoo import ZOO
+from zoo import estimate_zoo, measure_zoo
 
 TOLERANCE = 0.02
 
@@ -35,22 +33,11 @@ REAL = {
 
 
 def _measure(name, optimizer):
-    builder = ZOO[name]
-    loss_box = {}
-
-    def build():
-        torch.manual_seed(0)
-        model, batch, loss = builder()
-        loss_box["loss"] = loss or default_loss
-        return model, batch
-
-    return measure_cpu(build, optimizer, loss_fn=lambda m, b: loss_box["loss"](m, b), steps=2)
+    return measure_zoo(name, optimizer)
 
 
 def _estimate(name, optimizer, device="cpu"):
-    with torch.device("meta"):
-        model, batch, loss = ZOO[name]()
-    return memcheck.estimate(model, batch, device=device, optimizer=optimizer, loss_fn=loss)
+    return estimate_zoo(name, optimizer, device=device)
 
 
 # --------------------------------------------------------------------------------------

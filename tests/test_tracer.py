@@ -90,7 +90,6 @@ def test_trace_cost_does_not_grow_with_batch_or_length():
     # tokens as at batch 64 x 1024, only with larger byte counts.
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    import memcheck
     from memcheck.tracer import MemoryTracer as Tracer
 
     counts = []

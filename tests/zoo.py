@@ -113,3 +113,31 @@ ZOO = {
     "mlp": mlp, "cnn_bn": cnn_bn, "two_branch": two_branch, "lstm": lstm,
     "gpt2": gpt2, "bert": bert, "pegasus": pegasus, "t5": t5, "vit": vit,
 }
+
+
+def measure_zoo(name, make_optimizer, *, autocast_dtype=None):
+    """A real CPU run of zoo model ``name``, measured by ``memcheck.measure.measure_cpu``."""
+    from memcheck.measure import measure_cpu
+    from memcheck.training_loop import default_loss
+
+    builder = ZOO[name]
+    box = {}
+
+    def build():
+        torch.manual_seed(0)
+        model, batch, loss = builder()
+        box["loss"] = loss or default_loss
+        return model, batch
+
+    return measure_cpu(
+        build, make_optimizer, loss_fn=lambda m, b: box["loss"](m, b), steps=2, autocast_dtype=autocast_dtype
+    )
+
+
+def estimate_zoo(name, optimizer, *, device="cpu", precision="fp32"):
+    """memcheck's estimate of the same work, traced on meta."""
+    import memcheck
+
+    with torch.device("meta"):
+        model, batch, loss = ZOO[name]()
+    return memcheck.estimate(model, batch, device=device, optimizer=optimizer, loss_fn=loss, precision=precision)

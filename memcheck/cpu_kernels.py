@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from memcheck.cuda_kernels import cudnn_convolution_scratch
 from memcheck.enums import Device
 from memcheck.measure import cpu_memory_events, running_peak
 from memcheck.op_rules import register_op_rule
@@ -188,6 +189,8 @@ def convolution(ctx, func, args, kwargs):
     if _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups):
         ctx.track(out)
         ctx.scratch(conv_forward_extra(tuple(inp.shape), tuple(wt.shape), stride, padding, dilation, groups))
+    elif ctx.device is Device.CUDA and inp.device.type == "meta":
+        cudnn_convolution_scratch(ctx, out, inp, wt, out.numel() * out.element_size())
     return out
 
 
@@ -198,6 +201,8 @@ def convolution_backward(ctx, func, args, kwargs):
     if _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups):
         ctx.track(out)
         ctx.scratch(conv_backward_extra(tuple(inp.shape), tuple(wt.shape), stride, padding, dilation, groups, mask))
+    elif ctx.device is Device.CUDA and inp.device.type == "meta":
+        cudnn_convolution_scratch(ctx, out, inp, wt, grad.numel() * grad.element_size())
     return out
 
 

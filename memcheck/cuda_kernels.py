@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from memcheck.cuda_overhead import cudnn_conv_workspace_bytes, cudnn_workspace_note
 from memcheck.enums import Device
 from memcheck.op_rules import register_op_rule
 
@@ -41,3 +42,18 @@ for _fn in (F.softmax, torch.softmax, torch.Tensor.softmax):
     register_op_rule(_fn, _softmax_rule(log=False))
 for _fn in (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax):
     register_op_rule(_fn, _softmax_rule(log=True))
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def cudnn_convolution_scratch(ctx, out, inp, weight, result_bytes: int) -> None:
+    """A cuDNN convolution call's workspace: allocated from the caching allocator for the
+    call and freed on return (Conv_v8.cpp ``run_conv_plan``). Its size is the chosen
+    engine's, which torch does not bound; memcheck adds an allowance
+    (``memcheck.cuda_overhead.cudnn_conv_workspace_bytes``) and says so in the report."""
+    benchmark = bool(torch.backends.cudnn.benchmark)
+    ctx.assume(cudnn_workspace_note(benchmark))
+    ctx.track(out)
+    ctx.scratch(cudnn_conv_workspace_bytes(_nbytes(inp), _nbytes(weight), result_bytes, benchmark))

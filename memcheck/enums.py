@@ -71,6 +71,20 @@ class Precision(_Choice):
     AMP_BF16 = "amp-bf16"
     AMP_FP16 = "amp-fp16"
 
+    @property
+    def weights_dtype(self):
+        """The dtype of pure low-precision weights, or None (fp32 weights)."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.value)
+
+    @property
+    def autocast_dtype(self):
+        """The dtype ``torch.autocast`` runs in, or None without autocast."""
+        import torch
+
+        return {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(self.value)
+
 
 class Task(_Choice):
     """What a transformers model is trained for; decides the worst-case batch."""

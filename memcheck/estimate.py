@@ -22,8 +22,6 @@ from memcheck.tracer import ALLOC, FREE, MemoryTracer, TraceLog
 from memcheck.training_loop import LossFn, default_loss, run_steps
 
 _STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER)
-_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
-_AMP = {Precision.AMP_BF16: torch.bfloat16, Precision.AMP_FP16: torch.float16}
 
 
 def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
@@ -152,10 +150,11 @@ def estimate(
         raise UsageError(f"{name} has no trainable parameters (none with requires_grad=True); nothing to train")
     twin = meta_twin(model)
     mbatch = meta_batch(batch)
-    if precision in _DTYPES:
-        twin = twin.to(_DTYPES[precision])
+    dtype = precision.weights_dtype
+    if dtype is not None:
+        twin = twin.to(dtype)
         mbatch = tree_map_only(
-            torch.Tensor, lambda t: t.to(_DTYPES[precision]) if t.is_floating_point() else t, mbatch
+            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, mbatch
         )
     info = describe_batch(mbatch, batch_size, max_len, target_len)
 
@@ -168,8 +167,8 @@ def estimate(
             f"no GPU named (gpu=/--gpu): kernels chosen as on sm{arch[0]}{arch[1]} and a generic CUDA context"
         )
     autocast = scaler = None
-    if precision in _AMP:
-        tracer.autocast = MetaAutocast(device, _AMP[precision])
+    if precision.autocast_dtype is not None:
+        tracer.autocast = MetaAutocast(device, precision.autocast_dtype)
         autocast = tracer.autocast.region
         if precision is Precision.AMP_FP16:
             scaler = MetaGradScaler()
@@ -233,12 +232,8 @@ def _on_cuda(log: TraceLog, arch, gpu: GpuSpec | None, assume) -> dict:
     events, starts = _with_workspaces(log, arch)
     log.events[:], log.step_starts[:] = events, starts
     sim = simulate(events, config=AllocatorConfig.from_env())
-    context = gpu.context_bytes if gpu is not None else context_bytes(None)
     assume("CUDA context size is an estimate per GPU model, not yet measured on this GPU")
-    return {
-        "sizes": sim.granted,
-        "cuda": (sim.peak_reserved_bytes, sim.fragmentation_bytes, context, gpu),
-    }
+    return {"sizes": sim.granted, "cuda": (sim.peak_reserved_bytes, context_bytes(gpu), gpu)}
 
 
 def _short(module: str | None, root: str) -> str:
@@ -312,7 +307,7 @@ def _summarise(
 def _device_totals(allocated_peak: int, cuda) -> dict:
     if cuda is None:
         return {}
-    reserved, _, context, gpu = cuda
+    reserved, context, gpu = cuda
     reserved = max(reserved, allocated_peak)
     return {
         # What the cache holds beyond the allocated peak: blocks too fragmented, or in the

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from memcheck.enums import Precision
 from memcheck.training_loop import LossFn, default_loss, run_steps
 
 STEP_MARK = "memcheck.step"
@@ -122,8 +123,8 @@ def measure_cuda(
     """
     from torch.utils._pytree import tree_map_only
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    amp = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
+    precision = Precision.parse(precision)
+    dtype, amp = precision.weights_dtype, precision.autocast_dtype
     model, batch = build()
     model = model.to("cuda", dtype) if dtype is not None else model.to("cuda")
 
@@ -135,7 +136,7 @@ def measure_cuda(
     batch = tree_map_only(torch.Tensor, move, batch)
     optimizer = make_optimizer(model.parameters())
     autocast = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else None
-    scaler = torch.amp.GradScaler("cuda") if precision == "amp-fp16" else None
+    scaler = torch.amp.GradScaler("cuda") if precision is Precision.AMP_FP16 else None
     first = {}
 
     def on_phase(step, phase):

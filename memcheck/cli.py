@@ -95,12 +95,31 @@ def main():
                    "capacity such as 24GiB. Default: the local GPU, if any. Exit code 1 when it does not fit.")
 @click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE",
               help="A memory budget such as 24GiB, checked against the device total (the peak on cpu).")
+@click.option("--strategy", default="single", show_default=True, metavar="NAME",
+              help="single, dp, dp-balanced, ddp, fsdp, zero1, zero2, zero3 (multi-GPU ones need --gpus).")
+@click.option("--gpus", type=int, default=None, help="GPUs for a multi-GPU strategy (default 2; 1 for single).")
+@click.option("--accumulate", type=int, default=1, show_default=True, help="Gradient accumulation steps.")
+@click.option("--checkpointing", default="none", show_default=True, metavar="none|full|LIST",
+              help="Gradient checkpointing: full wraps every repeated block; or comma-separated module "
+                   "names/patterns (transformer.h.*).")
+@click.option("--reentrant", is_flag=True, help="Checkpoint with use_reentrant=True (default False).")
+@click.option("--bucket-view/--no-bucket-view", default=False, show_default=True,
+              help="ddp: gradient_as_bucket_view.")
+@click.option("--bucket-cap-mb", type=float, default=None, help="ddp: bucket_cap_mb (DDP's default: 25).")
+@click.option("--offload", default="none", show_default=True, metavar="none|optimizer|params",
+              help="fsdp / zero: move the optimizer state or the parameters to CPU memory.")
+@click.option("--eval-batch-size", type=int, default=None,
+              help="Also trace an evaluation pass (no_grad) at this batch size; the peak is the larger.")
+@click.option("--eval-accumulate-predictions", type=int, default=0, show_default=True, metavar="N",
+              help="Keep N eval batches of predictions on the GPU (HF Trainer without eval_accumulation_steps).")
+@click.option("--compare", is_flag=True, help="One table of every strategy that applies to --gpus.")
 @click.option("--top", default=8, show_default=True, type=int, help="Modules to list in the table.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise).")
 @click.option("--debug", is_flag=True, help="Show the full traceback of errors.")
 def estimate(model, max_len, target_len, batch_size, task, attn, device, precision, optimizer, steps,
-             gpu, gpu_memory, top, as_json, allow_download, debug):
+             gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, reentrant, bucket_view, bucket_cap_mb,
+             offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
 
     \b
@@ -111,6 +130,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
     if not allow_download:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from memcheck.errors import MemcheckError, UsageError
+    from memcheck.compare import compare as run_compare
     from memcheck.estimate import estimate as run_estimate
     from memcheck.model_source import load_workload
     from memcheck.render import render_json
@@ -125,12 +145,24 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
             model, batch_size=batch_size, max_len=max_len, target_len=target_len,
             task=task, attn=attn, allow_download=allow_download,
         )
-        result = run_estimate(
-            work.model, work.batch, device=device, precision=precision,
+        eval_batch = work.batch_at(eval_batch_size) if eval_batch_size is not None else None
+        kwargs = dict(
+            device=device, precision=precision,
             optimizer=optimizer or work.make_optimizer or "adamw", loss_fn=work.loss_fn,
             steps=steps, budget_bytes=budget, batch_size=work.batch_size, max_len=work.max_len,
             target_len=work.target_len, model_name=work.name, top_modules=top, gpu=gpu,
+            accumulate=accumulate, checkpointing=checkpointing, use_reentrant=reentrant,
+            eval_batch=eval_batch, eval_accumulate_predictions=eval_accumulate_predictions,
         )
+        if compare:
+            if strategy != "single" or bucket_view or bucket_cap_mb is not None or offload != "none":
+                raise UsageError("--compare lists every strategy with its defaults; drop --strategy and its settings")
+            result = run_compare(work.model, work.batch, gpus=gpus or 1, **kwargs)
+        else:
+            result = run_estimate(
+                work.model, work.batch, strategy=strategy, gpus=gpus, bucket_view=bucket_view,
+                bucket_cap_mb=bucket_cap_mb, offload=offload, **kwargs,
+            )
     except MemcheckError as exc:
         _fail(exc, debug, exc.exit_code)
     except Exception as exc:  # a bug in memcheck: say so, briefly

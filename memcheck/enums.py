@@ -41,6 +41,7 @@ class Category(_Choice):
     OUTPUT = "outputs"  # the model's outputs and the loss
     INPUT = "inputs"  # the batch
     WORKSPACE = "workspaces"  # library workspaces held by the caching allocator (cuBLAS)
+    COMMUNICATION = "communication"  # multi-GPU buffers: DDP buckets, all-gather / reduce-scatter buffers
     OTHER = "other"  # tensors that existed before the trace and belong to none of the above
 
 
@@ -53,6 +54,7 @@ class Phase(_Choice):
     BACKWARD = "backward"
     OPTIMIZER = "optimizer_step"
     ZERO_GRAD = "zero_grad"
+    EVAL = "eval"
 
 
 class Device(_Choice):
@@ -84,6 +86,31 @@ class Precision(_Choice):
         import torch
 
         return {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(self.value)
+
+
+class Strategy(_Choice):
+    """How training is spread over GPUs (``--strategy``)."""
+
+    SINGLE = "single"
+    DP = "dp"
+    DP_BALANCED = "dp-balanced"
+    DDP = "ddp"
+    FSDP = "fsdp"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+
+    @property
+    def multi_gpu(self) -> bool:
+        return self is not Strategy.SINGLE
+
+
+class Offload(_Choice):
+    """What ``--offload`` moves to CPU memory under fsdp / zero."""
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    PARAMS = "params"
 
 
 class Task(_Choice):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections import defaultdict
 from typing import Any
@@ -13,13 +14,15 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from memcheck.allocator import AllocatorConfig, simulate
 from memcheck.autocast import MetaAutocast, MetaGradScaler
 from memcheck.cuda_overhead import context_bytes, workspace_allocations
-from memcheck.enums import Category, Device, Phase, Precision
+from memcheck.checkpointing import apply_checkpointing
+from memcheck.enums import Category, Device, Offload, Phase, Precision, Strategy
 from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, UsageError
 from memcheck.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.optimizers import resolve_optimizer
-from memcheck.report import BatchInfo, Breakdown, Estimate, InputSpec, ModuleMemory
+from memcheck.report import BatchInfo, Breakdown, DeviceMemory, Estimate, InputSpec, ModuleMemory
+from memcheck.strategies import StrategyConfig, train
 from memcheck.tracer import ALLOC, FREE, MemoryTracer, TraceLog
-from memcheck.training_loop import LossFn, default_loss, run_steps
+from memcheck.training_loop import LossFn, default_loss, run_eval
 
 _STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER)
 
@@ -91,6 +94,16 @@ def estimate(
     model_name: str | None = None,
     top_modules: int = 8,
     gpu: str | GpuSpec | None = None,
+    strategy: str | Strategy = Strategy.SINGLE,
+    gpus: int | None = None,
+    accumulate: int = 1,
+    checkpointing: str | list[str] | None = "none",
+    use_reentrant: bool = False,
+    bucket_view: bool = False,
+    bucket_cap_mb: float | None = None,
+    offload: str | Offload | None = None,
+    eval_batch: Any = None,
+    eval_accumulate_predictions: int = 0,
 ) -> Estimate:
     """Trace ``steps`` training steps of ``model`` on ``batch`` and return the steady-state peak.
 
@@ -115,6 +128,18 @@ def estimate(
         gpu: the CUDA target: a name from ``memcheck.gpus.GPUS`` (``"H100-80GB"``), a size
             (``"24GiB"``) or a ``GpuSpec``; by default the local GPU, if any. Its compute
             capability picks attention kernels and cuBLAS workspace sizes.
+        strategy: ``single`` (default), ``dp``, ``dp-balanced``, ``ddp``, ``fsdp``, ``zero1``,
+            ``zero2``, ``zero3`` (see ``memcheck.strategies``), over ``gpus`` GPUs (default 2
+            for a multi-GPU strategy). ``batch`` is one GPU's micro-batch, except under
+            ``dp``/``dp-balanced``, where it is the batch DataParallel scatters.
+        accumulate: gradient accumulation steps; the peak is the steady-state micro-step's.
+        checkpointing: ``none``, ``full`` (every repeated block) or module names/patterns;
+            ``use_reentrant`` picks torch.utils.checkpoint's implementation.
+        bucket_view, bucket_cap_mb: ddp's ``gradient_as_bucket_view`` and ``bucket_cap_mb``.
+        offload: ``optimizer`` or ``params`` to CPU memory, under fsdp / zero.
+        eval_batch: a batch for an evaluation pass after training (no autograd, same
+            precision); ``eval_accumulate_predictions`` N keeps N eval batches' predictions
+            on the device. The peak is the larger of training's and evaluation's.
 
     Returns:
         An ``Estimate``; ``str()`` is the table, ``to_dict()`` the JSON.
@@ -135,9 +160,20 @@ def estimate(
     """
     device = Device.parse(device)
     precision = Precision.parse(precision)
+    config = StrategyConfig.parse(strategy, gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb,
+                                  offload=offload)
     target_gpu = _target_gpu(gpu, device)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise UsageError(f"steps must be an integer of at least 2 (step 1 has no optimizer state), got {steps!r}")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise UsageError(f"accumulate must be a positive integer, got {accumulate!r}")
+    if isinstance(eval_accumulate_predictions, bool) or not isinstance(eval_accumulate_predictions, int) \
+            or eval_accumulate_predictions < 0:
+        raise UsageError(
+            f"eval_accumulate_predictions must be 0 or a positive integer, got {eval_accumulate_predictions!r}"
+        )
+    if eval_accumulate_predictions and eval_batch is None:
+        raise UsageError("eval_accumulate_predictions needs an eval batch (eval_batch= / --eval-batch-size)")
     if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
         raise UsageError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
     if budget_bytes is None and target_gpu is not None and target_gpu.capacity_bytes:
@@ -149,13 +185,19 @@ def estimate(
     if not any(p.requires_grad for p in model.parameters()):
         raise UsageError(f"{name} has no trainable parameters (none with requires_grad=True); nothing to train")
     twin = meta_twin(model)
-    mbatch = meta_batch(batch)
+    wrapped = apply_checkpointing(twin, checkpointing, use_reentrant=use_reentrant)
     dtype = precision.weights_dtype
+
+    def prepare(b):
+        b = meta_batch(b)
+        if dtype is not None:
+            b = tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, b)
+        return b
+
+    mbatch = prepare(batch)
+    ebatch = prepare(eval_batch) if eval_batch is not None else None
     if dtype is not None:
         twin = twin.to(dtype)
-        mbatch = tree_map_only(
-            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, mbatch
-        )
     info = describe_batch(mbatch, batch_size, max_len, target_len)
 
     arch = target_gpu.arch if target_gpu is not None else DEFAULT_ARCH
@@ -173,20 +215,46 @@ def estimate(
         if precision is Precision.AMP_FP16:
             scaler = MetaGradScaler()
             tracer.assume("amp-fp16: a GradScaler scales the loss; no overflow, so every step is taken")
+    if accumulate > 2:
+        tracer.assume(
+            f"accumulate={accumulate}: 2 micro-steps per step traced; micro-steps 3 to {accumulate} repeat the second"
+        )
+    evaluate = None
+    if ebatch is not None:
+        def evaluate(module):
+            tracer.watch(batch=ebatch)
+            run_eval(module, ebatch, loss_fn, tracer.set_phase, step=steps, autocast=autocast,
+                     keep_batches=eval_accumulate_predictions)
     try:
         with tracer:
-            tracer.watch(model=twin, batch=mbatch)
-            opt = make_optimizer(twin.parameters())
-            tracer.watch(optimizer=opt)
-            run_steps(twin, mbatch, loss_fn, opt, steps, tracer.set_phase, autocast=autocast, scaler=scaler)
+            gpu_map = train(config, tracer, twin, mbatch, loss_fn, make_optimizer, steps, autocast=autocast,
+                            scaler=scaler, accumulate=min(accumulate, 2), evaluate=evaluate)
     except MemcheckError:
         raise
     except Exception as exc:  # the model's own code failed under the trace
         raise _translate(exc, name) from exc
-    cuda = _on_cuda(tracer.log, arch, target_gpu, tracer.assume) if device is Device.CUDA else {}
-    return _summarise(
-        tracer.log, name=name, root=type(twin).__name__, device=device, precision=precision, optimizer=opt_label,
-        steps=steps, batch=info, budget_bytes=budget_bytes, top_modules=top_modules, **cuda,
+    traced_summaries: dict[int, DeviceMemory] = {}
+    devices = []
+    for index, traced in enumerate(gpu_map):  # ranks that look alike are summarised once
+        if traced not in traced_summaries:
+            traced_summaries[traced] = _device_summary(
+                tracer.log, traced, index, device, arch, target_gpu, root=type(twin).__name__, name=name,
+                top_modules=top_modules,
+            )
+        devices.append(dataclasses.replace(traced_summaries[traced], index=index))
+    if device is Device.CUDA:
+        tracer.assume("CUDA context size is an estimate per GPU model, not yet measured on this GPU")
+    busiest = max(devices, key=lambda d: (d.total_bytes, -d.index))
+    return Estimate(
+        model=name, device=device, precision=precision, optimizer=opt_label, steps=steps, batch=info,
+        peak_bytes=busiest.peak_bytes, breakdown_at_peak=busiest.breakdown_at_peak,
+        peak_phase=busiest.peak_phase, peak_module=busiest.peak_module, peak_step=busiest.peak_step,
+        modules=busiest.modules, assumptions=tuple(tracer.log.assumptions), budget_bytes=budget_bytes,
+        reserved_bytes=busiest.reserved_bytes, fragmentation_bytes=busiest.fragmentation_bytes,
+        context_bytes=busiest.context_bytes, device_total_bytes=busiest.device_total_bytes, gpu=target_gpu,
+        strategy=config.label, gpus=config.gpus, accumulate=accumulate, checkpointing=wrapped,
+        train_peak_bytes=busiest.train_peak_bytes, eval_peak_bytes=busiest.eval_peak_bytes,
+        busiest_gpu=busiest.index, per_device=tuple(devices) if config.strategy.multi_gpu else (),
     )
 
 
@@ -205,8 +273,8 @@ def _target_gpu(gpu, device: Device) -> GpuSpec | None:
     return resolve_gpu(gpu)
 
 
-def _with_workspaces(log: TraceLog, arch) -> tuple[list[tuple], list[int]]:
-    """The event log with cuBLAS's workspaces allocated where a real step first needs them.
+def _with_workspaces(events: list[tuple], arch) -> list[tuple]:
+    """One GPU's events with cuBLAS's workspaces allocated where a real step first needs them.
 
     torch keeps one workspace per (cuBLAS handle, stream) in the caching allocator; the
     forward runs on the main thread and backward on autograd's device thread, each
@@ -216,24 +284,13 @@ def _with_workspaces(log: TraceLog, arch) -> tuple[list[tuple], list[int]]:
     by_phase = {Phase.FORWARD: [], Phase.BACKWARD: []}
     for label, nbytes in workspace_allocations(arch):
         by_phase[Phase.BACKWARD if "autograd" in label else Phase.FORWARD].append((label, nbytes))
-    events, old_starts, start_of = [], set(log.step_starts), {}
-    for i, ev in enumerate(log.events):
-        if i in old_starts:
-            start_of[i] = len(events)
+    out = []
+    for ev in events:
         for label, nbytes in by_phase.pop(ev[5], ()):
-            events.append((ALLOC, f"workspace:{label}", nbytes, Category.WORKSPACE, f"({label})", ev[5], ev[6]))
-        events.append(ev)
-    starts = [start_of.get(i, len(events)) for i in log.step_starts]
-    return events, starts
-
-
-def _on_cuda(log: TraceLog, arch, gpu: GpuSpec | None, assume) -> dict:
-    """Replay the trace through the caching-allocator simulation and add what lies outside it."""
-    events, starts = _with_workspaces(log, arch)
-    log.events[:], log.step_starts[:] = events, starts
-    sim = simulate(events, config=AllocatorConfig.from_env())
-    assume("CUDA context size is an estimate per GPU model, not yet measured on this GPU")
-    return {"sizes": sim.granted, "cuda": (sim.peak_reserved_bytes, context_bytes(gpu), gpu)}
+            out.append((ALLOC, f"workspace:{label}:{ev[7]}", nbytes, Category.WORKSPACE, f"({label})", ev[5],
+                        ev[6], ev[7]))
+        out.append(ev)
+    return out
 
 
 def _short(module: str | None, root: str) -> str:
@@ -246,36 +303,53 @@ def _short(module: str | None, root: str) -> str:
     return module.split(".", 1)[1] if module.startswith(root + ".") else module
 
 
-def _summarise(
-    log: TraceLog, *, name, root, device, precision, optimizer, steps, batch, budget_bytes, top_modules,
-    sizes=None, cuda=None,
-) -> Estimate:
-    """The steady-state peak and what was live at it.
-
-    ``sizes`` gives each ALLOC event's bytes as the allocator grants them (CUDA: rounded
-    blocks, what ``max_memory_allocated`` counts); by default the storages' own sizes.
-    """
-    events = log.events
-    if sizes is None:
+def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch, gpu: GpuSpec | None, *,
+                    root: str, name: str, top_modules: int) -> DeviceMemory:
+    """The steady-state peak of one traced GPU (or the CPU), what was live at it, and on CUDA
+    what the caching allocator reserves and the device shows in use."""
+    second = log.step_starts[1] if len(log.step_starts) > 1 else 0
+    events, start = [], None
+    for i, ev in enumerate(log.events):
+        if ev[7] != traced:
+            continue
+        if start is None and i >= second:
+            start = len(events)
+        events.append(ev)
+    start = len(events) if start is None else start
+    cuda = None
+    if device is Device.CUDA:
+        events = _with_workspaces(events, arch)
+        start = _shift_start(events, start)
+        sim = simulate(events, config=AllocatorConfig.from_env())
+        sizes = sim.granted
+        cuda = (sim.peak_reserved_bytes, context_bytes(gpu))
+    else:
         sizes = [ev[2] for ev in events]
-    start = log.step_starts[1] if len(log.step_starts) > 1 else 0
+    eval_start = next((i for i, ev in enumerate(events) if ev[5] is Phase.EVAL), len(events))
+
     live = 0
-    best, best_at = -1, 0
+    best = train_best = eval_best = -1
+    best_at = 0
     granted: dict = {}
     for i, ev in enumerate(events):
         kind = ev[0]
         if kind == ALLOC:
             granted[ev[1]] = sizes[i]
             live += sizes[i]
-            if i >= start and live > best:
-                best, best_at = live, i
+            if i >= start:
+                if i < eval_start:
+                    train_best = max(train_best, live)
+                else:
+                    eval_best = max(eval_best, live)
+                if live > best:
+                    best, best_at = live, i
         elif kind == FREE:
             live -= granted.pop(ev[1], ev[2])
     if best < 0:
         raise TraceError(f"tracing {name} recorded no memory after step 1")
 
     # Replay up to the peak to see what was live and why.
-    state: dict[int, list] = {}
+    state: dict = {}
     for i, ev in enumerate(events[: best_at + 1]):
         kind, sid, n, cat, module = ev[:5]
         if kind == ALLOC:
@@ -292,26 +366,37 @@ def _summarise(
         by_cat[cat] += n
         by_mod[_short(module, root)][0 if cat in _STATE else 1] += n
     modules = sorted(
-        (ModuleMemory(m, s, a) for m, (s, a) in by_mod.items()), key=lambda m: -m.total
+        (ModuleMemory(m, st, act) for m, (st, act) in by_mod.items()), key=lambda m: -m.total
     )[:top_modules]
     peak_event = events[best_at]
-    return Estimate(
-        model=name, device=device, precision=precision, optimizer=optimizer, steps=steps,
-        batch=batch, peak_bytes=best, breakdown_at_peak=Breakdown.from_categories(by_cat),
+    return DeviceMemory(
+        index=index, peak_bytes=best, breakdown_at_peak=Breakdown.from_categories(by_cat),
         peak_phase=peak_event[5], peak_module=_short(peak_event[4], root), peak_step=peak_event[6] + 1,
-        modules=tuple(modules), assumptions=tuple(log.assumptions), budget_bytes=budget_bytes,
-        **_device_totals(best, cuda),
+        modules=tuple(modules), train_peak_bytes=max(train_best, 0),
+        eval_peak_bytes=eval_best if eval_best >= 0 else None, **_device_totals(best, cuda),
     )
+
+
+def _shift_start(events: list[tuple], n_before: int) -> int:
+    """Where the steady state starts once workspaces are inserted: after the first
+    ``n_before`` traced (non-workspace) events."""
+    seen = 0
+    for i, ev in enumerate(events):
+        if seen == n_before:
+            return i
+        if not (ev[3] is Category.WORKSPACE and isinstance(ev[1], str)):
+            seen += 1
+    return len(events)
 
 
 def _device_totals(allocated_peak: int, cuda) -> dict:
     if cuda is None:
         return {}
-    reserved, context, gpu = cuda
+    reserved, context = cuda
     reserved = max(reserved, allocated_peak)
     return {
         # What the cache holds beyond the allocated peak: blocks too fragmented, or in the
         # wrong pool, to serve the peak's requests, so new segments had to be reserved.
         "reserved_bytes": reserved, "fragmentation_bytes": reserved - allocated_peak, "context_bytes": context,
-        "device_total_bytes": reserved + context, "gpu": gpu,
+        "device_total_bytes": reserved + context,
     }

@@ -56,12 +56,14 @@ def measure_cpu(
     loss_fn: LossFn = default_loss,
     steps: int = 2,
     autocast_dtype: torch.dtype | None = None,
+    accumulate: int = 1,
 ) -> Measured:
     """Build a model and batch on CPU, train ``steps`` steps, and measure the allocator.
 
     ``build()`` returns ``(model, batch)``; it runs inside the profiled region so
     that the baseline (weights, batch) is measured too. ``autocast_dtype`` runs the
-    forward and loss under ``torch.autocast("cpu", autocast_dtype)``.
+    forward and loss under ``torch.autocast("cpu", autocast_dtype)``; ``accumulate``
+    runs that many real micro-steps per step.
     """
     autocast = None
     if autocast_dtype is not None:
@@ -74,7 +76,7 @@ def measure_cpu(
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model, batch = build()
         optimizer = make_optimizer(model.parameters())
-        run_steps(model, batch, loss_fn, optimizer, steps, on_phase, autocast=autocast)
+        run_steps(model, batch, loss_fn, optimizer, steps, on_phase, autocast=autocast, accumulate=accumulate)
         del model, batch, optimizer
 
     raw = prof.profiler.kineto_results.events()

@@ -35,6 +35,16 @@ class Workload:
     batch_size: int
     max_len: int | None
     target_len: int | None
+    rebatch: Callable[[int], Any] | None = None  # the worst-case batch at another batch size
+
+    def batch_at(self, batch_size: int) -> Any:
+        """The same worst-case batch (lengths unchanged) with ``batch_size`` rows: for an eval pass."""
+        _check_sizes(batch_size, None, None)
+        if batch_size == self.batch_size or self.rebatch is None:
+            if batch_size != self.batch_size:
+                raise UsageError(f"{self.name} cannot build a batch of another size ({batch_size})")
+            return self.batch
+        return self.rebatch(batch_size)
 
 
 def _where(exc: BaseException, path: Path) -> str:
@@ -116,9 +126,12 @@ def load_workload(
         if max_len is None and not hf.is_vision(model):
             max_len = hf.default_max_len(model, config)
         hf.check_lengths(model, config, max_len, target_len)
-        with torch.device(device):
-            batch = hf.make_batch(model, config, task, batch_size, max_len, target_len, device=device)
-        return Workload(type(model).__name__, model, batch, None, None, batch_size, max_len, target_len)
+        def rebatch(size):
+            with torch.device(device):
+                return hf.make_batch(model, config, task, size, max_len, target_len, device=device)
+
+        return Workload(type(model).__name__, model, rebatch(batch_size), None, None, batch_size, max_len,
+                        target_len, rebatch)
 
     path = Path(spec)
     if path.suffix != ".py":
@@ -146,20 +159,25 @@ def load_workload(
                 raise UsageError(f"{path}: make_batch needs a length: give --max-len")
             if config is not None:
                 hf.check_lengths(model, config, max_len, target_len)
-            batch = _call(path, module.make_batch, "make_batch()", batch_size, max_len)
+            def rebatch(size):
+                with torch.device(device):
+                    return _call(path, module.make_batch, "make_batch()", size, max_len)
         elif config is not None and hasattr(model, "main_input_name"):
             task = task or hf.infer_task(config, model)
             if max_len is None and not hf.is_vision(model):
                 max_len = hf.default_max_len(model, config)
             hf.check_lengths(model, config, max_len, target_len)
-            batch = hf.make_batch(model, config, task, batch_size, max_len, target_len, device=device)
+
+            def rebatch(size):
+                return hf.make_batch(model, config, task, size, max_len, target_len, device=device)
         else:
             raise ModelLoadError(
                 f"{path}: defines no make_batch(batch_size, max_len), and memcheck cannot infer "
                 f"inputs for {type(model).__name__}; add make_batch"
             )
+        batch = rebatch(batch_size)
     loss_fn = getattr(module, "compute_loss", None)
     make_optimizer = getattr(module, "make_optimizer", None)
     return Workload(
-        path.stem, model, batch, loss_fn, make_optimizer, batch_size, max_len, target_len
+        path.stem, model, batch, loss_fn, make_optimizer, batch_size, max_len, target_len, rebatch
     )

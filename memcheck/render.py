@@ -6,7 +6,7 @@ import json
 
 from tabulate import tabulate
 
-from memcheck.report import Estimate
+from memcheck.report import Comparison, DeviceMemory, Estimate
 from memcheck.units import format_bytes
 
 _CATEGORY_LABELS = {
@@ -19,6 +19,7 @@ _CATEGORY_LABELS = {
     "outputs": "outputs and loss",
     "inputs": "input batch",
     "workspaces": "cuBLAS workspaces",
+    "communication": "communication buffers",
     "other": "other",
 }
 
@@ -38,9 +39,16 @@ def render_estimate(est: Estimate) -> str:
     """The table printed by ``memcheck MODEL``."""
     b = est.batch
     shapes = ", ".join(f"{i.name} {tuple(i.shape)}" for i in b.inputs)
+    how = [est.strategy]
+    if est.accumulate > 1:
+        how.append(f"accumulate {est.accumulate}")
+    if est.checkpointing:
+        how.append(f"checkpointing {len(est.checkpointing)} module(s)" if est.checkpointing[0][0] != "("
+                   else "checkpointing " + est.checkpointing[0])
     lines = [
         f"memcheck: {est.model} on {est.device.value}, {est.precision.value}, {est.optimizer}, "
         f"batch {b.batch_size}" + (f" x {b.max_len} tokens" if b.max_len else ""),
+        f"strategy: {', '.join(how)}",
         f"worst-case batch: {shapes}" if shapes else "",
         "",
     ]
@@ -63,10 +71,19 @@ def render_estimate(est: Estimate) -> str:
             ],
             headers=[f"on the GPU ({_gpu_label(est)})", "memory"], tablefmt="simple",
         ))
+    if est.per_device:
+        lines.append("")
+        lines.append(render_devices(est.per_device))
     lines.append("")
+    where = f"GPU {est.busiest_gpu}, " if est.per_device else ""
     lines.append(
-        f"peak in step {est.peak_step}, phase {est.peak_phase.value}, module {est.peak_module}"
+        f"peak {where}in step {est.peak_step}, phase {est.peak_phase.value}, module {est.peak_module}"
     )
+    if est.eval_peak_bytes is not None:
+        lines.append(
+            f"the job's peak is in {'evaluation' if est.peak_in == 'eval' else 'training'}: "
+            f"training {format_bytes(est.train_peak_bytes)}, evaluation {format_bytes(est.eval_peak_bytes)}"
+        )
     if est.modules:
         lines.append("")
         mrows = [
@@ -94,8 +111,68 @@ def render_estimate(est: Estimate) -> str:
     return "\n".join(line for line in lines if line is not None).replace("\n\n\n", "\n\n")
 
 
-def render_json(est: Estimate) -> str:
-    """One JSON object, as ``--json`` prints it."""
+def _device_groups(devices) -> list[tuple[str, DeviceMemory]]:
+    """Consecutive GPUs with the same figures share a column ("GPU 1-7")."""
+    groups: list[list[DeviceMemory]] = []
+    for d in devices:
+        if groups and _same(groups[-1][-1], d):
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+    return [(f"GPU {g[0].index}" if len(g) == 1 else f"GPU {g[0].index}-{g[-1].index}", g[0]) for g in groups]
+
+
+def _same(a: DeviceMemory, b: DeviceMemory) -> bool:
+    return (a.peak_bytes, a.reserved_bytes, a.device_total_bytes, a.breakdown_at_peak) == (
+        b.peak_bytes, b.reserved_bytes, b.device_total_bytes, b.breakdown_at_peak)
+
+
+def render_devices(devices) -> str:
+    """Each GPU's figures, GPUs as columns."""
+    groups = _device_groups(devices)
+    rows = []
+    for key, label in _CATEGORY_LABELS.items():
+        values = [getattr(d.breakdown_at_peak, key) for _, d in groups]
+        if any(values):
+            rows.append([label] + [format_bytes(v) for v in values])
+    rows.append(["allocated peak"] + [format_bytes(d.peak_bytes) for _, d in groups])
+    if groups[0][1].device_total_bytes is not None:
+        rows.append(["reserved"] + [format_bytes(d.reserved_bytes) for _, d in groups])
+        rows.append(["device total"] + [format_bytes(d.device_total_bytes) for _, d in groups])
+    rows.append(["peak phase"] + [d.peak_phase.value for _, d in groups])
+    return tabulate(rows, headers=["per GPU, at its own peak"] + [name for name, _ in groups], tablefmt="simple")
+
+
+def render_comparison(cmp: Comparison) -> str:
+    """The table printed by ``memcheck MODEL --compare``."""
+    first = cmp.rows[0]
+    b = first.batch
+    lines = [
+        f"memcheck: {first.model} on {first.device.value}, {first.precision.value}, {first.optimizer}, "
+        f"{b.batch_size} per GPU" + (f" x {b.max_len} tokens" if b.max_len else "") + f", {cmp.gpus} GPU(s)",
+        "",
+    ]
+    cuda = first.device_total_bytes is not None
+    headers = ["strategy", "peak (allocated)"] + (["reserved", "device total"] if cuda else []) + ["busiest GPU"]
+    rows = []
+    for r in cmp.rows:
+        row = [r.strategy, format_bytes(r.peak_bytes)]
+        if cuda:
+            row += [format_bytes(r.reserved_bytes), format_bytes(r.device_total_bytes)]
+        row.append(str(r.busiest_gpu) if r.per_device else "-")
+        if r.fits is not None:
+            row.append("fits" if r.fits else "DOES NOT FIT")
+        rows.append(row)
+    if any(r.fits is not None for r in cmp.rows):
+        headers.append(f"vs {format_bytes(first.budget_bytes)}")
+    lines.append(tabulate(rows, headers=headers, tablefmt="simple"))
+    lines.append("")
+    lines.append("figures are each strategy's busiest GPU; run one with --strategy NAME --gpus N for its breakdown")
+    return "\n".join(lines)
+
+
+def render_json(est) -> str:
+    """One JSON object, as ``--json`` prints it (an Estimate or a Comparison)."""
     return json.dumps(est.to_dict(), indent=2)
 
 

@@ -21,6 +21,7 @@ class Breakdown:
     outputs: int = 0
     inputs: int = 0
     workspaces: int = 0
+    communication: int = 0
     other: int = 0
 
     @classmethod
@@ -68,6 +69,41 @@ class BatchInfo:
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """One GPU's (or the CPU's) steady-state peak under a strategy, and what was live at it."""
+
+    index: int
+    peak_bytes: int
+    breakdown_at_peak: Breakdown
+    peak_phase: Phase
+    peak_module: str
+    peak_step: int  # 1-based
+    modules: tuple[ModuleMemory, ...]
+    train_peak_bytes: int  # the training steps' steady-state peak
+    eval_peak_bytes: int | None = None  # the evaluation pass's peak, when one was traced
+    reserved_bytes: int | None = None
+    fragmentation_bytes: int | None = None
+    context_bytes: int | None = None
+    device_total_bytes: int | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.device_total_bytes if self.device_total_bytes is not None else self.peak_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "peak_bytes": self.peak_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "breakdown_at_peak": self.breakdown_at_peak.to_dict(),
+            "peak_phase": self.peak_phase.value,
+            "train_peak_bytes": self.train_peak_bytes,
+            "eval_peak_bytes": self.eval_peak_bytes,
+        }
+
+
+@dataclass(frozen=True)
 class Estimate:
     """What one training step needs at its steady-state peak, on the target device."""
 
@@ -91,6 +127,22 @@ class Estimate:
     context_bytes: int | None = None  # CUDA context and libraries outside the allocator
     device_total_bytes: int | None = None  # reserved + context: what nvidia-smi shows as used
     gpu: GpuSpec | None = None
+    # Strategy (figures above are the busiest GPU's):
+    strategy: str = "single"
+    gpus: int = 1
+    accumulate: int = 1
+    checkpointing: tuple[str, ...] = ()  # the modules wrapped in torch.utils.checkpoint
+    train_peak_bytes: int | None = None
+    eval_peak_bytes: int | None = None  # None when no evaluation pass was traced
+    busiest_gpu: int = 0
+    per_device: tuple[DeviceMemory, ...] = ()  # multi-GPU strategies: every GPU, in order
+
+    @property
+    def peak_in(self) -> str:
+        """``"train"`` or ``"eval"``: which pass sets the peak."""
+        if self.eval_peak_bytes is not None and self.eval_peak_bytes > (self.train_peak_bytes or 0):
+            return "eval"
+        return "train"
 
     @property
     def total_bytes(self) -> int:
@@ -120,6 +172,9 @@ class Estimate:
             },
             "breakdown_at_peak": self.breakdown_at_peak.to_dict(),
             "peak_phase": self.peak_phase.value,
+            "peak_in": self.peak_in,
+            "train_peak_bytes": self.train_peak_bytes,
+            "eval_peak_bytes": self.eval_peak_bytes,
             "peak_module": self.peak_module,
             "peak_step": self.peak_step,
             "batch": {
@@ -129,6 +184,12 @@ class Estimate:
                 "input_shapes": {i.name: list(i.shape) for i in self.batch.inputs},
                 "input_dtypes": {i.name: i.dtype for i in self.batch.inputs},
             },
+            "strategy": self.strategy,
+            "gpus": self.gpus,
+            "busiest_gpu": self.busiest_gpu,
+            "per_device": [d.to_dict() for d in self.per_device],
+            "accumulate": self.accumulate,
+            "checkpointing": list(self.checkpointing),
             "device": self.device.value,
             "precision": self.precision.value,
             "optimizer": self.optimizer,
@@ -146,3 +207,25 @@ class Estimate:
         from memcheck.render import render_estimate
 
         return render_estimate(self)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One job under every strategy that applies to ``gpus`` GPUs (``memcheck --compare``)."""
+
+    gpus: int
+    rows: tuple[Estimate, ...]
+
+    @property
+    def fits(self) -> bool | None:
+        """True when some strategy fits its budget; None without a budget."""
+        verdicts = [r.fits for r in self.rows if r.fits is not None]
+        return any(verdicts) if verdicts else None
+
+    def to_dict(self) -> dict:
+        return {"gpus": self.gpus, "fits": self.fits, "rows": [r.to_dict() for r in self.rows]}
+
+    def __str__(self) -> str:
+        from memcheck.render import render_comparison
+
+        return render_comparison(self)

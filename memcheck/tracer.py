@@ -19,6 +19,7 @@ everything else is a temporary.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -45,8 +46,9 @@ LOSS_BACKWARD = "(loss, backward)"
 class TraceLog:
     """The ordered allocation events of a trace and what the tracer assumed.
 
-    ``events`` holds tuples ``(kind, storage_id, nbytes, category, module, phase, step)``;
-    ``kind`` is ALLOC, FREE or RECAT (a change of category, nbytes 0).
+    ``events`` holds tuples ``(kind, storage_id, nbytes, category, module, phase, step, gpu)``;
+    ``kind`` is ALLOC, FREE or RECAT (a change of category, nbytes 0); ``gpu`` is the
+    index of the device the storage lives on (0 unless a strategy emulates several).
     """
 
     events: list[tuple] = field(default_factory=list)
@@ -119,6 +121,14 @@ class MemoryTracer(TorchDispatchMode):
         self._optimizers: list[torch.optim.Optimizer] = []
         self._closed = False
         self._scratch_id = 0  # scratch buffers get negative ids, never a storage's
+        # Several GPUs (DataParallel): meta tensors have no device index, so the tracer
+        # keeps one per storage. An op's outputs live where its first tracked input
+        # does; ``on_gpu`` forces the index (copies between GPUs, factory calls).
+        self.multi_gpu = False
+        self._gpu: dict[int, int] = {}
+        self._forced_gpu: int | None = None
+        self._base_gpu = 0  # where factory calls (no tensor inputs) allocate
+        self._op_gpu = 0
         self.modules = ModuleTracker()
         self._kernel_mode = _KernelChoiceMode(self)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -144,6 +154,32 @@ class MemoryTracer(TorchDispatchMode):
             self._refs.clear()
 
     # ---- what the loop tells the tracer --------------------------------------------
+    @contextlib.contextmanager
+    def on_gpu(self, index: int, *, force: bool = True):
+        """Allocate on GPU ``index`` inside (multi-GPU strategies).
+
+        ``force`` puts every storage there (a copy between GPUs); otherwise only
+        ops without tensor inputs go there (a replica's factory calls), and the rest
+        follow their inputs.
+        """
+        before = self._forced_gpu, self._base_gpu, self._op_gpu
+        if force:
+            self._forced_gpu = index
+        else:
+            self._base_gpu = self._op_gpu = index
+        try:
+            yield
+        finally:
+            self._forced_gpu, self._base_gpu, self._op_gpu = before
+
+    def gpu_of(self, t: torch.Tensor) -> int:
+        """The GPU index of ``t``'s storage (0 when it is not tracked)."""
+        key = storage_key(t)
+        return self._gpu.get(key[0], 0) if key is not None else 0
+
+    def _current_gpu(self) -> int:
+        return self._forced_gpu if self._forced_gpu is not None else self._op_gpu
+
     def assume(self, text: str) -> None:
         """Note an assumption a rule made; it is listed in the report."""
         self.log.assumptions.setdefault(text, None)
@@ -156,8 +192,13 @@ class MemoryTracer(TorchDispatchMode):
             self.log.step_starts.append(len(self.log.events))
         self.step, self.phase = step, phase
 
-    def watch(self, model=None, batch=None, optimizer=None) -> None:
-        """Register memory that exists before the loop and hook the model and optimizer."""
+    def watch(self, model=None, batch=None, optimizer=None, *, root_outputs: bool = True) -> None:
+        """Register memory that exists before the loop and hook the model and optimizer.
+
+        ``root_outputs=False`` leaves the model's outputs uncategorised (a wrapper
+        that calls the model several times, DataParallel's replicas, watches its own
+        with ``watch_outputs``).
+        """
         if model is not None:
             root = type(model).__name__
             self._roots.append(model)
@@ -172,7 +213,8 @@ class MemoryTracer(TorchDispatchMode):
                         self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
                 for b in mod.buffers(recurse=False):
                     self.register(b, Category.BUFFER, fqn)
-            self._handles.append(model.register_forward_hook(self._on_root_output))
+            if root_outputs:
+                self.watch_outputs(model)
         if batch is not None:
             for t in tree_flatten(batch)[0]:
                 if isinstance(t, torch.Tensor):
@@ -180,6 +222,10 @@ class MemoryTracer(TorchDispatchMode):
         if optimizer is not None:
             self._optimizers.append(optimizer)
             self._register_optimizer_state()
+
+    def watch_outputs(self, module: torch.nn.Module) -> None:
+        """Categorise ``module``'s outputs as the model's outputs; the loss phase starts there."""
+        self._handles.append(module.register_forward_hook(self._on_root_output))
 
     def register(self, t: torch.Tensor, category: Category, module: str | None = None) -> None:
         """Count ``t``'s storage (if new) and put it in ``category``."""
@@ -208,17 +254,20 @@ class MemoryTracer(TorchDispatchMode):
         """
         sizes = [int(n) for n in nbytes if n > 0]
         module = self._module()
+        gpu = self._current_gpu()
         for i, n in enumerate(sizes):
             self._scratch_id -= 1
             self._sizes[self._scratch_id] = n
             self._cats[self._scratch_id] = Category.TEMPORARY
             self.live_bytes += n
-            self.log.events.append((ALLOC, self._scratch_id, n, Category.TEMPORARY, module, self.phase, self.step))
+            self.log.events.append(
+                (ALLOC, self._scratch_id, n, Category.TEMPORARY, module, self.phase, self.step, gpu)
+            )
         for sid in range(self._scratch_id, self._scratch_id + len(sizes)):
             n = self._sizes.pop(sid)
             self._cats.pop(sid)
             self.live_bytes -= n
-            self.log.events.append((FREE, sid, n, Category.TEMPORARY, None, self.phase, self.step))
+            self.log.events.append((FREE, sid, n, Category.TEMPORARY, None, self.phase, self.step, gpu))
 
     # ---- hooks -----------------------------------------------------------------------
     def _pack(self, t):
@@ -273,8 +322,11 @@ class MemoryTracer(TorchDispatchMode):
         self._cats[sid] = category
         self._refs[sid] = weakref.ref(st, lambda _, sid=sid: self._free(sid))
         self.live_bytes += n
+        gpu = self._current_gpu()
+        if gpu:
+            self._gpu[sid] = gpu
         self.log.events.append(
-            (ALLOC, sid, n, category, module or self._module(), self.phase, self.step)
+            (ALLOC, sid, n, category, module or self._module(), self.phase, self.step, gpu)
         )
 
     def _free(self, sid):
@@ -286,16 +338,35 @@ class MemoryTracer(TorchDispatchMode):
         category = self._cats.pop(sid)
         self._refs.pop(sid, None)
         self.live_bytes -= n
-        self.log.events.append((FREE, sid, n, category, None, self.phase, self.step))
+        self.log.events.append((FREE, sid, n, category, None, self.phase, self.step, self._gpu.pop(sid, 0)))
 
     def _recat(self, sid, category, module):
         self._cats[sid] = category
-        self.log.events.append((RECAT, sid, 0, category, module, self.phase, self.step))
+        self.log.events.append((RECAT, sid, 0, category, module, self.phase, self.step, self._gpu.get(sid, 0)))
 
     # ---- the dispatch hook -------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.multi_gpu:
+            return self._dispatch_on_input_gpu(func, args, kwargs)
         rule = DISPATCH_RULES.get(func)
         out = rule(self, func, args, kwargs) if rule is not None else func(*args, **kwargs)
         self.track(out)
         return out
+
+    def _dispatch_on_input_gpu(self, func, args, kwargs):
+        before = self._op_gpu
+        self._op_gpu = self._base_gpu
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)
+                if key is not None and key[0] in self._sizes:
+                    self._op_gpu = self._gpu.get(key[0], 0)
+                    break
+        try:
+            rule = DISPATCH_RULES.get(func)
+            out = rule(self, func, args, kwargs) if rule is not None else func(*args, **kwargs)
+            self.track(out)
+            return out
+        finally:
+            self._op_gpu = before

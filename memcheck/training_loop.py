@@ -47,8 +47,13 @@ def run_steps(
     *,
     autocast: Callable[[], ContextManager] | None = None,
     scaler: Any = None,
+    accumulate: int = 1,
 ) -> None:
     """Run ``steps`` full training steps: forward and loss, backward, step, zero_grad.
+
+    With ``accumulate`` N > 1 each step runs N micro-steps of forward and backward
+    (the loss divided by N, as the HF Trainer and Lightning do), so gradients stay
+    live across micro-steps, then one optimizer step.
 
     ``autocast`` is a factory of the context the forward and loss run in (for
     mixed precision, ``lambda: torch.autocast("cuda", torch.float16)``); backward
@@ -60,17 +65,20 @@ def run_steps(
     region = autocast or contextlib.nullcontext
     model.train()
     for step in range(steps):
-        on_phase(step, Phase.FORWARD)
-        with region():
-            loss = loss_fn(model, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TraceError(
-                f"the loss must be a one-element tensor, got {type(loss).__name__}"
-                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-            )
-        on_phase(step, Phase.BACKWARD)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        del loss
+        for micro in range(accumulate):
+            on_phase(step, Phase.FORWARD)
+            with region():
+                loss = loss_fn(model, batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TraceError(
+                    f"the loss must be a one-element tensor, got {type(loss).__name__}"
+                    + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                )
+            if accumulate > 1:
+                loss = loss / accumulate
+            on_phase(step, Phase.BACKWARD)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            del loss
         on_phase(step, Phase.OPTIMIZER)
         if scaler is not None:
             scaler.step(optimizer)
@@ -79,3 +87,65 @@ def run_steps(
             optimizer.step()
         on_phase(step, Phase.ZERO_GRAD)
         optimizer.zero_grad(set_to_none=True)
+
+
+def outputs_of(out: Any) -> list[torch.Tensor]:
+    """The prediction tensors of a model output: every tensor but the loss."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):  # transformers' ModelOutput is a dict
+        return [v for k, v in out.items() if k != "loss" and isinstance(v, torch.Tensor)]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def run_eval(
+    model: torch.nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    on_phase: Callable[[int, Phase], None] = lambda step, phase: None,
+    *,
+    step: int = 0,
+    autocast: Callable[[], ContextManager] | None = None,
+    keep_batches: int = 0,
+    inference_mode: bool = False,
+) -> None:
+    """One evaluation pass as a trainer runs it: forward and loss without autograd.
+
+    ``keep_batches`` N > 0 keeps the model's predictions (every output tensor but
+    the loss) on the device for N eval batches, concatenated batch after batch with
+    ``torch.cat`` the way the HF Trainer does without ``eval_accumulation_steps``.
+    Batch N is the costliest: it runs with N-1 batches of predictions held and
+    batch N-1's predictions still referenced, then the concatenation holds the
+    N-1 batches, batch N and the result (2N batches) at once. So the pass runs
+    batch 1, builds the N-1 batches in one concatenation, and runs batch N on top.
+    """
+    region = autocast or contextlib.nullcontext
+    grad_off = torch.inference_mode if inference_mode else torch.no_grad
+    kept: list[torch.Tensor] = []
+
+    def keep(module, args, out):
+        kept.extend(outputs_of(out))
+
+    model.eval()
+    on_phase(step, Phase.EVAL)
+    handle = model.register_forward_hook(keep) if keep_batches else None
+    try:
+        with grad_off(), region():
+            loss_fn(model, batch)
+            if keep_batches > 1:
+                previous = kept[:]
+                held = [torch.cat([p] * (keep_batches - 1)) for p in previous]
+                kept.clear()
+                loss_fn(model, batch)  # batch N
+                latest = kept[:]
+                kept.clear()
+                del previous  # replaced by batch N's predictions
+                held = [torch.cat([h, p]) for h, p in zip(held, latest)]
+                del held, latest
+    finally:
+        if handle is not None:
+            handle.remove()
+        kept.clear()
+        model.train()

@@ -115,8 +115,12 @@ ZOO = {
 }
 
 
-def measure_zoo(name, make_optimizer, *, autocast_dtype=None):
-    """A real CPU run of zoo model ``name``, measured by ``memcheck.measure.measure_cpu``."""
+def measure_zoo(name, make_optimizer, *, autocast_dtype=None, accumulate=1, prepare=None):
+    """A real CPU run of zoo model ``name``, measured by ``memcheck.measure.measure_cpu``.
+
+    ``prepare(model)``, if given, changes the real model first as a user would
+    (e.g. turns on gradient checkpointing in its own code).
+    """
     from memcheck.measure import measure_cpu
     from memcheck.training_loop import default_loss
 
@@ -126,18 +130,25 @@ def measure_zoo(name, make_optimizer, *, autocast_dtype=None):
     def build():
         torch.manual_seed(0)
         model, batch, loss = builder()
+        if prepare is not None:
+            prepare(model)
         box["loss"] = loss or default_loss
         return model, batch
 
     return measure_cpu(
-        build, make_optimizer, loss_fn=lambda m, b: box["loss"](m, b), steps=2, autocast_dtype=autocast_dtype
+        build, make_optimizer, loss_fn=lambda m, b: box["loss"](m, b), steps=2, autocast_dtype=autocast_dtype,
+        accumulate=accumulate,
     )
 
 
-def estimate_zoo(name, optimizer, *, device="cpu", precision="fp32"):
-    """memcheck's estimate of the same work, traced on meta."""
+def estimate_zoo(name, optimizer, *, device="cpu", precision="fp32", prepare=None, **options):
+    """memcheck's estimate of the same work, traced on meta; ``options`` go to ``memcheck.estimate``."""
     import memcheck
 
     with torch.device("meta"):
         model, batch, loss = ZOO[name]()
-    return memcheck.estimate(model, batch, device=device, optimizer=optimizer, loss_fn=loss, precision=precision)
+        if prepare is not None:
+            prepare(model)
+    return memcheck.estimate(
+        model, batch, device=device, optimizer=optimizer, loss_fn=loss, precision=precision, **options
+    )

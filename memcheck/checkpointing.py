@@ -1,0 +1,124 @@
+"""Gradient checkpointing applied to the traced twin: which modules, and how.
+
+``full`` wraps every repeated block: the children of the outermost ``ModuleList``
+or ``nn.Sequential`` containers whose children are two or more modules of one
+class with parameters (a transformer's layers, an HF ResNet's stages, a
+torchvision ResNet stage's blocks). transformers models that support it use
+their own ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
+before 5.x), the call the Trainer makes for ``gradient_checkpointing=True``.
+A list names modules by qualified name or ``fnmatch`` pattern (``transformer.h.*``).
+
+Checkpointing already in the user's code (``torch.utils.checkpoint`` or HF's
+flag, either ``use_reentrant``) needs nothing here: it runs under the tracer as
+it would for real, and the recomputed block's activations are traced during its
+backward.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from memcheck.errors import UsageError
+
+NONE, FULL = "none", "full"
+
+
+def parse_checkpointing(value) -> str | tuple[str, ...]:
+    """``"none"``, ``"full"``, or a tuple of module names/patterns from ``"a,b"`` or a list."""
+    if value is None or value is False:
+        return NONE
+    if value is True:
+        return FULL
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in (NONE, FULL):
+            return text.lower()
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+    elif isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
+        names = tuple(n.strip() for n in value if n.strip())
+    else:
+        raise UsageError(f"checkpointing must be 'none', 'full' or a list of module names, got {value!r}")
+    if not names:
+        raise UsageError(f"checkpointing names no modules: {value!r}")
+    return names
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[str]:
+    """Qualified names of the blocks ``full`` checkpointing wraps (outermost first)."""
+    found: list[str] = []
+
+    def visit(prefix: str, module: torch.nn.Module) -> None:
+        children = list(module.named_children())
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(children) >= 2:
+            kinds = {type(c) for _, c in children}
+            if len(kinds) == 1 and all(any(True for _ in c.parameters()) and list(c.children()) for _, c in children):
+                found.extend(f"{prefix}{name}" for name, _ in children)
+                return
+        for name, child in children:
+            visit(f"{prefix}{name}.", child)
+
+    visit("", model)
+    return found
+
+
+def _wrap(module: torch.nn.Module, use_reentrant: bool) -> None:
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        # Reentrant checkpointing takes positional tensors only; kwargs ride in a partial, as in HF.
+        return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=use_reentrant)
+
+    module.forward = checkpointed
+
+
+def _hf_enable(model: torch.nn.Module, use_reentrant: bool) -> bool:
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return False
+    kwargs = {"use_reentrant": use_reentrant}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return True
+
+
+def apply_checkpointing(model: torch.nn.Module, spec, *, use_reentrant: bool = False) -> tuple[str, ...]:
+    """Wrap ``model``'s modules in ``torch.utils.checkpoint`` as ``spec`` says; return what was wrapped.
+
+    Raises UsageError naming a pattern that matches no module, or when ``full``
+    finds no repeated block.
+    """
+    spec = parse_checkpointing(spec)
+    if spec == NONE:
+        return ()
+    names = dict(model.named_modules())
+    if spec == FULL:
+        blocks = repeated_blocks(model)
+        if not blocks:
+            raise UsageError(
+                f"checkpointing='full' found no repeated blocks in {type(model).__name__}; "
+                "name the modules to wrap instead (--checkpointing a.b,c.*)"
+            )
+        if _hf_enable(model, use_reentrant):
+            return ("(transformers' own checkpointing)",)
+    else:
+        blocks = []
+        for pattern in spec:
+            hits = [n for n in names if n and fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                raise UsageError(
+                    f"checkpointing: no module of {type(model).__name__} is named {pattern!r} "
+                    f"(names look like {', '.join(list(n for n in names if n)[:3])}, ...)"
+                )
+            blocks.extend(h for h in hits if h not in blocks)
+        # A module inside another wrapped module is recomputed with it already.
+        blocks = [b for b in blocks if not any(b.startswith(o + ".") for o in blocks)]
+    for name in blocks:
+        _wrap(names[name], use_reentrant)
+    return tuple(blocks)

@@ -65,6 +65,27 @@ def storage_key(t: torch.Tensor):
     return st._cdata, st
 
 
+class _ModuleNames(ModuleTracker):
+    """torch's ModuleTracker, minus its gradient hooks on a forward that runs inside
+    backward (gradient checkpointing's recomputation).
+
+    Those hooks wait for the gradients of every recomputed output; the ones that
+    never come (checkpoint stops recomputing early, or an output is unused) keep
+    the gradients that did come, so the trace would hold recomputed memory that a
+    real run frees (measured: +7.5% on a 4-block MLP with use_reentrant=False).
+    """
+
+    def _fw_pre_hook(self, mod, input) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            return super()._fw_pre_hook(mod, input)
+        self._get_append_fn(self._get_mod_name(mod), False)()
+
+    def _fw_post_hook(self, mod, input, output) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            return super()._fw_post_hook(mod, input, output)
+        self._get_pop_fn(self._get_mod_name(mod), False)()
+
+
 class _KernelChoiceMode(TorchFunctionMode):
     """Applies autocast's casts (when tracing mixed precision) and routes the few
     composite ops whose kernel depends on the device to their rules."""
@@ -115,6 +136,7 @@ class MemoryTracer(TorchDispatchMode):
         self._sizes: dict[int, int] = {}
         self._cats: dict[int, Category] = {}
         self._refs: dict[int, weakref.ref] = {}
+        self._ignored: set[int] = set()  # storages a strategy accounts for itself (sharded parameters)
         self._owner: dict[int, str] = {}  # id(param) -> module name
         self._handles: list = []
         self._roots: list[torch.nn.Module] = []
@@ -129,7 +151,7 @@ class MemoryTracer(TorchDispatchMode):
         self._forced_gpu: int | None = None
         self._base_gpu = 0  # where factory calls (no tensor inputs) allocate
         self._op_gpu = 0
-        self.modules = ModuleTracker()
+        self.modules = _ModuleNames()
         self._kernel_mode = _KernelChoiceMode(self)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -227,10 +249,22 @@ class MemoryTracer(TorchDispatchMode):
         """Categorise ``module``'s outputs as the model's outputs; the loss phase starts there."""
         self._handles.append(module.register_forward_hook(self._on_root_output))
 
+    def ignore(self, t: torch.Tensor) -> None:
+        """Stop counting ``t``'s storage, now and later (a FREE event if it was counted).
+
+        Sharded strategies use it for the full parameters: what a rank really holds
+        of them (its shard, a gathered copy) is allocated explicitly instead.
+        """
+        key = storage_key(t)
+        if key is None:
+            return
+        self._free(key[0])
+        self._ignored.add(key[0])
+
     def register(self, t: torch.Tensor, category: Category, module: str | None = None) -> None:
         """Count ``t``'s storage (if new) and put it in ``category``."""
         key = storage_key(t)
-        if key is None:
+        if key is None or key[0] in self._ignored:
             return
         sid, st = key
         if sid not in self._sizes:
@@ -243,7 +277,7 @@ class MemoryTracer(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 key = storage_key(t)
-                if key is not None and key[0] not in self._sizes:
+                if key is not None and key[0] not in self._sizes and key[0] not in self._ignored:
                     self._alloc(key[0], key[1], Category.TEMPORARY, None)
 
     def scratch(self, *nbytes: int) -> None:
@@ -272,7 +306,7 @@ class MemoryTracer(TorchDispatchMode):
     # ---- hooks -----------------------------------------------------------------------
     def _pack(self, t):
         key = storage_key(t) if isinstance(t, torch.Tensor) else None
-        if key is not None:
+        if key is not None and key[0] not in self._ignored:
             sid, st = key
             if sid not in self._sizes:
                 self._alloc(sid, st, Category.ACTIVATION, None)

@@ -36,8 +36,11 @@ TARGETS = {"allocated": 0.03, "reserved": 0.05, "device_total": 0.05}
 
 
 # --- workloads -------------------------------------------------------------------------
-# name -> (builder key, batch size, length, precision, attn). Builders return
-# (model, batch, loss_fn) on the current default device.
+# name -> (builder key, batch size, length, precision, attn[, options]). Builders return
+# (model, batch, loss_fn) on the current default device. ``options`` are the
+# single-GPU strategies of issue 4: ``accumulate`` N, and ``checkpointing`` "full"
+# (predicted with memcheck's --checkpointing full; the real run turns on HF's own
+# checkpointing, as a user would) with ``use_reentrant``.
 
 def _cnn(batch_size, _len, _attn):
     import torch
@@ -102,7 +105,19 @@ WORKLOADS = {
     "llama-shaped b4x2048 bf16 eager": ("llama", 4, 2048, "bf16", "eager"),
     "t5-small b8x512 fp32 eager": ("t5", 8, 512, "fp32", "eager"),
     "t5-small b8x512 amp-bf16 sdpa": ("t5", 8, 512, "amp-bf16", "sdpa"),
+    # single-GPU strategies (issue 4)
+    "gpt2 b8x1024 amp-bf16 sdpa accumulate 4": ("gpt2", 8, 1024, "amp-bf16", "sdpa", {"accumulate": 4}),
+    "gpt2 b8x1024 amp-bf16 sdpa checkpointing": ("gpt2", 8, 1024, "amp-bf16", "sdpa", {"checkpointing": "full"}),
+    "bert-base b16x512 fp32 sdpa checkpointing reentrant": (
+        "bert", 16, 512, "fp32", "sdpa", {"checkpointing": "full", "use_reentrant": True}),
+    "llama-shaped b4x2048 amp-bf16 sdpa checkpointing accumulate 2": (
+        "llama", 4, 2048, "amp-bf16", "sdpa", {"checkpointing": "full", "accumulate": 2}),
 }
+
+
+def _workload(name):
+    key, batch_size, length, precision, attn, *rest = WORKLOADS[name]
+    return key, batch_size, length, precision, attn, (rest[0] if rest else {})
 
 
 # --- one workload ----------------------------------------------------------------------
@@ -113,10 +128,11 @@ def predict(name: str, gpu) -> dict:
 
     import memcheck
 
-    key, batch_size, length, precision, attn = WORKLOADS[name]
+    key, batch_size, length, precision, attn, options = _workload(name)
     with torch.device("meta"):
         model, batch, loss = BUILDERS[key](batch_size, length, attn)
-    est = memcheck.estimate(model, batch, device="cuda", precision=precision, loss_fn=loss, steps=3, gpu=gpu)
+    est = memcheck.estimate(model, batch, device="cuda", precision=precision, loss_fn=loss, steps=3, gpu=gpu,
+                            **options)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         raise AssertionError(f"{name}: the prediction initialised CUDA")
     return {
@@ -132,17 +148,25 @@ def measure(name: str, baseline: int) -> dict:
     from memcheck.measure import measure_cuda
     from memcheck.training_loop import default_loss
 
-    key, batch_size, length, precision, attn = WORKLOADS[name]
+    key, batch_size, length, precision, attn, options = _workload(name)
     box = {}
 
     def build():
         torch.manual_seed(0)
         model, batch, loss = BUILDERS[key](batch_size, length, attn)
+        if options.get("checkpointing") == "full":  # as a user turns it on
+            kwargs = {"use_reentrant": options.get("use_reentrant", False)}
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         box["loss"] = loss or default_loss
         return model, batch
 
     m = measure_cuda(build, lambda p: torch.optim.AdamW(p), loss_fn=lambda mod, b: box["loss"](mod, b),
-                     steps=3, precision=precision, baseline_used_bytes=baseline)
+                     steps=3, precision=precision, baseline_used_bytes=baseline,
+                     accumulate=options.get("accumulate", 1))
     return {
         "allocated": m.steady_peak_allocated_bytes, "allocated_whole_run": m.peak_allocated_bytes,
         "reserved": m.peak_reserved_bytes, "device_total": m.device_used_bytes, "context": m.context_bytes,

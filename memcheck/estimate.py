@@ -21,10 +21,10 @@ from memcheck.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.optimizers import resolve_optimizer
 from memcheck.report import BatchInfo, Breakdown, DeviceMemory, Estimate, InputSpec, ModuleMemory
 from memcheck.strategies import StrategyConfig, train
-from memcheck.tracer import ALLOC, FREE, MemoryTracer, TraceLog
+from memcheck.tracer import ALLOC, FREE, RECAT, MemoryTracer, TraceLog
 from memcheck.training_loop import LossFn, default_loss, run_eval
 
-_STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER)
+_STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER, Category.COMMUNICATION)
 
 
 def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
@@ -219,16 +219,15 @@ def estimate(
         tracer.assume(
             f"accumulate={accumulate}: 2 micro-steps per step traced; micro-steps 3 to {accumulate} repeat the second"
         )
-    evaluate = None
-    if ebatch is not None:
-        def evaluate(module):
-            tracer.watch(batch=ebatch)
-            run_eval(module, ebatch, loss_fn, tracer.set_phase, step=steps, autocast=autocast,
-                     keep_batches=eval_accumulate_predictions)
+    def evaluate(module):
+        tracer.watch(batch=ebatch)
+        run_eval(module, ebatch, loss_fn, tracer.set_phase, step=steps, autocast=autocast,
+                 keep_batches=eval_accumulate_predictions)
     try:
         with tracer:
             gpu_map = train(config, tracer, twin, mbatch, loss_fn, make_optimizer, steps, autocast=autocast,
-                            scaler=scaler, accumulate=min(accumulate, 2), evaluate=evaluate)
+                            scaler=scaler, accumulate=min(accumulate, 2),
+                            evaluate=evaluate if ebatch is not None else None)
     except MemcheckError:
         raise
     except Exception as exc:  # the model's own code failed under the trace
@@ -349,8 +348,13 @@ def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch
         raise TraceError(f"tracing {name} recorded no memory after step 1")
 
     # Replay up to the peak to see what was live and why.
+    # Categories set just after the peak's allocation (a buffer created, then registered)
+    # belong to it too, so the replay runs on through those RECAT events.
+    end = best_at + 1
+    while end < len(events) and events[end][0] == RECAT:
+        end += 1
     state: dict = {}
-    for i, ev in enumerate(events[: best_at + 1]):
+    for i, ev in enumerate(events[:end]):
         kind, sid, n, cat, module = ev[:5]
         if kind == ALLOC:
             state[sid] = [sizes[i], cat, module]

@@ -113,6 +113,7 @@ def measure_cuda(
     steps: int = 3,
     precision: str = "fp32",
     baseline_used_bytes: int = 0,
+    accumulate: int = 1,
 ) -> MeasuredCuda:
     """Train ``steps`` real steps on the current CUDA device and read its memory.
 
@@ -148,7 +149,8 @@ def measure_cuda(
             first["reserved"] = torch.cuda.max_memory_reserved()
             torch.cuda.reset_peak_memory_stats()
 
-    run_steps(model, batch, loss_fn, optimizer, steps, on_phase, autocast=autocast, scaler=scaler)
+    run_steps(model, batch, loss_fn, optimizer, steps, on_phase, autocast=autocast, scaler=scaler,
+              accumulate=accumulate)
     torch.cuda.synchronize()
     steady = torch.cuda.max_memory_allocated()
     reserved = max(first.get("reserved", 0), torch.cuda.max_memory_reserved())

@@ -39,7 +39,8 @@ class Workload:
 
     def batch_at(self, batch_size: int) -> Any:
         """The same worst-case batch (lengths unchanged) with ``batch_size`` rows: for an eval pass."""
-        _check_sizes(batch_size, None, None)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise UsageError(f"--eval-batch-size must be a positive integer, got {batch_size!r}")
         if batch_size == self.batch_size or self.rebatch is None:
             if batch_size != self.batch_size:
                 raise UsageError(f"{self.name} cannot build a batch of another size ({batch_size})")

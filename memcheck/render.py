@@ -93,7 +93,7 @@ def render_estimate(est: Estimate) -> str:
         lines.append(
             tabulate(
                 mrows,
-                headers=["top modules at the peak", "weights+grads+optim", "activations", "total"],
+                headers=["top modules at the peak", "weights+grads+optim+comm", "activations", "total"],
                 tablefmt="simple",
             )
         )

@@ -41,7 +41,7 @@ class ModuleMemory:
     """Memory live at the peak that belongs to one module (by its qualified name)."""
 
     name: str
-    state_bytes: int  # parameters, buffers, gradients and optimizer state it owns
+    state_bytes: int  # parameters, buffers, gradients, optimizer state and communication buffers it owns
     activation_bytes: int  # activations, temporaries and outputs allocated inside it
 
     @property

@@ -116,3 +116,67 @@ def test_gpus_command_lists_the_table():
     for name in ("V100-16GB", "T4", "A10G", "RTX-3090", "RTX-4090", "L4", "L40S", "A100-40GB", "A100-80GB",
                  "H100-80GB", "H200"):
         assert name in result.output
+
+
+# ---- strategies (issue 4) ------------------------------------------------------------------------
+
+GPT2 = str(EXAMPLES / "gpt2_small.py")
+
+
+def test_strategy_json_lists_every_gpu():
+    result = run(TWO_BRANCH, "-b", "8", "--strategy", "dp", "--gpus", "2", "--gpu", "A100-80GB", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["strategy"] == "dp x2" and data["gpus"] == 2
+    assert [d["index"] for d in data["per_device"]] == [0, 1]
+    for d in data["per_device"]:
+        assert set(d) >= {"index", "peak_bytes", "reserved_bytes", "device_total_bytes", "breakdown_at_peak"}
+        assert sum(d["breakdown_at_peak"].values()) == d["peak_bytes"]
+    assert data["peak_bytes"] == max(d["peak_bytes"] for d in data["per_device"])
+
+
+def test_strategy_table_has_the_gpus_as_columns():
+    result = run(TWO_BRANCH, "-b", "8", "--strategy", "dp", "--gpus", "3", "--gpu", "A100-80GB")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"per GPU, at its own peak\s+GPU 0\s+GPU 1\s+GPU 2", result.output)
+    same = run(TWO_BRANCH, "-b", "8", "--strategy", "ddp", "--gpus", "4", "--gpu", "A100-80GB")
+    assert re.search(r"per GPU, at its own peak\s+GPU 0-3", same.output), same.output  # identical ranks share one
+
+
+def test_compare_prints_one_row_per_strategy():
+    result = run(TWO_BRANCH, "-b", "8", "--compare", "--gpus", "2", "--gpu", "A100-80GB")
+    assert result.exit_code == 0, result.output
+    for name in ("single", "dp x2", "dp-balanced x2", "ddp x2", "fsdp x2", "zero1 x2", "zero2 x2", "zero3 x2"):
+        assert re.search(rf"^{re.escape(name)}\s", result.output, re.M), name
+    data = json.loads(run(TWO_BRANCH, "-b", "8", "--compare", "--gpus", "2", "--device", "cpu", "--json").output)
+    assert len(data["rows"]) == 8 and data["gpus"] == 2
+
+
+def test_compare_with_one_gpu_lists_single_only():
+    result = run(TWO_BRANCH, "-b", "8", "--compare", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert "single" in result.output and "ddp" not in result.output
+
+
+def test_eval_and_checkpointing_flags_reach_the_report():
+    result = run(GPT2, "--max-len", "64", "-b", "2", "--device", "cpu", "--checkpointing", "full",
+                 "--eval-batch-size", "8", "--eval-accumulate-predictions", "4", "--accumulate", "4", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["accumulate"] == 4 and data["checkpointing"]
+    assert data["eval_peak_bytes"] > 0 and data["peak_in"] in ("train", "eval")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "fsdpp"], "unknown strategy 'fsdpp'"),
+    (["--strategy", "ddp", "--gpus", "1"], "needs at least 2 GPUs"),
+    (["--checkpointing", "nothing.here"], "'nothing.here'"),
+    (["--compare", "--strategy", "ddp"], "--compare lists every strategy"),
+    (["--eval-batch-size", "0"], "--eval-batch-size must be a positive integer, got 0"),
+    (["--offload", "gpu", "--strategy", "fsdp"], "unknown offload 'gpu'"),
+])
+def test_bad_strategy_flags_exit_2_with_one_line(args, message):
+    result = run(TWO_BRANCH, "-b", "8", "--device", "cpu", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1

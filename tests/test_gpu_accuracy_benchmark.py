@@ -19,12 +19,19 @@ def _load():
 
 def test_the_zoo_spans_models_precisions_attention_and_batch_sizes():
     bench = _load()
-    w = bench.WORKLOADS.values()
+    w = [bench._workload(n) for n in bench.WORKLOADS]
     assert len(bench.WORKLOADS) >= 12
-    assert {k for k, *_ in w} >= {"cnn", "vit", "bert", "gpt2", "llama", "t5"}
-    assert {p for *_, p, _ in w} >= {"fp32", "amp-bf16", "amp-fp16", "bf16"}
-    assert {a for *_, a in w} >= {"eager", "sdpa"}
-    assert any(len({b for k2, b, *_ in w if k2 == k}) >= 2 for k, *_ in w)  # one model at two batch sizes
+    assert {x[0] for x in w} >= {"cnn", "vit", "bert", "gpt2", "llama", "t5"}
+    assert {x[3] for x in w} >= {"fp32", "amp-bf16", "amp-fp16", "bf16"}
+    assert {x[4] for x in w} >= {"eager", "sdpa"}
+    assert any(len({y[1] for y in w if y[0] == x[0]}) >= 2 for x in w)  # one model at two batch sizes
+
+
+def test_the_single_gpu_strategies_of_issue_4_are_measured_too():
+    bench = _load()
+    options = [bench._workload(n)[5] for n in bench.WORKLOADS]
+    assert any(o.get("accumulate", 1) > 1 for o in options)
+    assert {o.get("use_reentrant", False) for o in options if o.get("checkpointing")} == {False, True}
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import memcheck
-from memcheck.enums import Category, Device, Phase
+from memcheck.enums import Device, Phase
 from memcheck.errors import UsageError
 from memcheck.optimizers import resolve_optimizer
 from memcheck.strategies import StrategyConfig, train
@@ -187,7 +187,9 @@ def test_zero3_fp32_master_is_the_partition_and_persistent_params_stay_gathered(
     est = _estimate("zero3", 2)
     assert est.peak_module == "(ZeRO-3 reduce-scatter)"
     bd = est.breakdown_at_peak
-    assert bd.params == 182 * 4 + 363 * 4  # partitions 728 B + every parameter gathered 1452 B
+    # partitions 728 B + every parameter gathered: step 1's step re-gathered the persistent ones into
+    # one buffer each of W * ceil(numel / W) elements (_allgather_params_coalesced): 2 * 182 * 4 = 1456 B
+    assert bd.params == 182 * 4 + 2 * 182 * 4
     assert bd.optimizer == 2 * 182 * 4 + 4  # Adam on the partition itself (no fp32 copy): 1460 B
     assert bd.grads == 182 * 4  # the gradient partition buffer: 728 B
     # IPG bucket + reduce_scatter_coalesced's concatenation of W * Q elements: 2e9 + 1456 B
@@ -251,8 +253,10 @@ def test_zero3_keeps_parameters_gathered_once_step_1_has_recorded_the_trace():
     at_backward_2 = _live_by_label(log, "(ZeRO-3 gathered params)", 1, Phase.BACKWARD)
     # step 1 (recording): every module's parameters, persistent ones included, went after its forward
     assert at_backward_1 == 0
-    # step 2: the whole model, full size: (3 * (102400 + 320) + 960 + 3) * 4 = 1_236_492 B
-    assert at_backward_2 == (3 * (102400 + 320) + 963) * 4
+    # step 2: the whole model; the weights full size, the persistent parameters in the padded
+    # buffers step 1's step re-gathered them into (head bias: 2 * ceil(3 / 2) = 4 elements):
+    # (3 * (102400 + 320) + 960 + 4) * 4 = 1_236_496 B
+    assert at_backward_2 == (3 * (102400 + 320) + 960 + 4) * 4
 
 
 # ---- a transformers model on the CUDA target --------------------------------------------------
@@ -306,41 +310,63 @@ def build_fsdp_mlp():
     return Net(d=512, layers=4, out=10), torch.randn(64, 512)
 
 
+def build_fsdp_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=2000, n_positions=128, bos_token_id=0,
+                        eos_token_id=0)
+    ids = torch.randint(0, 2000, (2, 64))
+    return GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}  # wte tied to lm_head
+
+
 def fsdp_blocks(model):
-    return list(model.blocks)
+    return list(model.blocks) if isinstance(model, Net) else list(model.transformer.h)
 
 
 def adamw(params):
     return torch.optim.AdamW(params)
 
 
-@pytest.fixture(scope="module")
-def fsdp_measured():
+BUILDS = {"mlp": build_fsdp_mlp, "gpt2": build_fsdp_gpt2}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDS))
+def fsdp_measured(request):
+    """The estimate, and each rank's steady-state peak in two real runs of FSDP2 over 2 CPU ranks."""
     from memcheck.measure_distributed import measure_fsdp_cpu
 
-    ranks = measure_fsdp_cpu(build_fsdp_mlp, adamw, world_size=2, steps=2, wrap=fsdp_blocks)
-    model, x = build_fsdp_mlp()
-    est = memcheck.estimate(model, x, device="cpu", strategy="fsdp", gpus=2)
-    return est.peak_bytes, [r.steady_peak_bytes for r in ranks]
+    if request.param == "gpt2":
+        pytest.importorskip("transformers")
+    build = BUILDS[request.param]
+    runs = [[r.steady_peak_bytes for r in measure_fsdp_cpu(build, adamw, world_size=2, steps=2, wrap=fsdp_blocks)]
+            for _ in range(2)]
+    model, batch = build()
+    return memcheck.estimate(model, batch, device="cpu", strategy="fsdp", gpus=2).peak_bytes, runs
 
 
 @pytest.mark.slow
-def test_fsdp_estimate_matches_the_quietest_measured_fsdp2_rank(fsdp_measured):
-    # gloo emulates reduce-scatter with a clone of the whole unsharded gradient, freed on a worker
-    # thread at a racy moment (memcheck.measure_distributed); NCCL has no such clone. The rank
-    # whose clone was gone by its peak measures what FSDP2 itself allocates.
-    estimated, measured = fsdp_measured
-    error = (estimated - min(measured)) / min(measured)
-    assert abs(error) <= TOLERANCE, f"estimated {estimated} B, ranks measured {measured} B ({error:+.2%})"
+def test_fsdp_estimate_matches_what_fsdp2_itself_allocates_on_a_cpu_rank(fsdp_measured):
+    # gloo emulates reduce-scatter with a clone of the whole unsharded gradient and all-gathers
+    # through a flat temporary, freed on a worker thread at a racy moment (memcheck.measure_distributed);
+    # NCCL makes neither. That noise only adds bytes, so the smallest rank peak of two runs is
+    # FSDP2's own allocation. Seen: mlp 12,153,028 B (estimate 12,153,020 B, -0.0001%),
+    # gpt2 17,443,832 B (estimate 17,444,776 B, +0.005%).
+    estimated, runs = fsdp_measured
+    measured = min(min(run) for run in runs)
+    error = (estimated - measured) / measured
+    assert abs(error) <= TOLERANCE, f"estimated {estimated} B, measured {runs} B ({error:+.2%})"
 
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason=(
-    "gloo's racy reduce-scatter clone: in 3 runs the estimate (12,153,020 B) matched one rank to 8 B and "
-    "the other measured 12,547,268 / 12,809,412 / 13,203,652 B (-3.1% / -5.1% / -8.0%); W=4: ranks "
-    "8,599,228 / 8,467,644 / 8,467,644 / 8,459,436 B vs 8,467,628 B estimated (-1.5% .. +0.1%)"))
+    "gloo's racy reduce-scatter clone: for the mlp the estimate (12,153,020 B) matched clean ranks to 8 B "
+    "(12,153,028 B) but a rank still holding gloo's clone measured 12,547,268 / 12,809,412 / 13,203,652 B "
+    "(-3.1% / -5.1% / -8.0%), 8 of 16 rank peaks in 8 scripted runs (under pytest, runs so far were clean); "
+    "with W=4 ranks measured 8,599,228 / 8,467,644 / 8,467,644 / 8,459,436 B vs 8,467,628 B estimated "
+    "(-1.5% .. +0.1%)"))
 def test_fsdp_estimate_is_within_2_percent_of_every_measured_fsdp2_rank(fsdp_measured):
-    estimated, measured = fsdp_measured
-    for rank, peak in enumerate(measured):
+    estimated, runs = fsdp_measured
+    for rank, peak in enumerate(runs[0]):
         error = (estimated - peak) / peak
         assert abs(error) <= TOLERANCE, f"rank {rank}: estimated {estimated} B, measured {peak} B ({error:+.2%})"

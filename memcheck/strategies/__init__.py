@@ -123,31 +123,29 @@ def train(
         return list(range(config.gpus))
 
     tracer.watch(model=model, batch=batch)
+    emulation = None  # what a wrapper adds to the plain loop: make_optimizer, on_phase, close
     if strategy in SHARDED:
-        from memcheck.strategies.sharded import train_sharded
+        from memcheck.strategies.sharded import sharded_emulation
 
-        train_sharded(config, tracer, model, batch, loss_fn, make_optimizer, steps,
-                      autocast=autocast, scaler=scaler, accumulate=accumulate, evaluate=evaluate)
-        return [0] * config.gpus
-    on_phase = tracer.set_phase
-    ddp = None
-    if strategy is Strategy.DDP:
+        emulation = sharded_emulation(config, tracer, model, accumulate)
+    elif strategy is Strategy.DDP:
         from memcheck.strategies.ddp import MetaDDP
 
-        ddp = MetaDDP(tracer, model, bucket_cap_mb=config.bucket_cap_mb, bucket_view=config.bucket_view)
-
-        def on_phase(step, phase):
-            tracer.set_phase(step, phase)
-            ddp.on_phase(step, phase)
-
-    opt = make_optimizer(model.parameters())
+        emulation = MetaDDP(tracer, model, bucket_cap_mb=config.bucket_cap_mb, bucket_view=config.bucket_view)
+    opt = emulation.make_optimizer(make_optimizer) if emulation else make_optimizer(model.parameters())
     tracer.watch(optimizer=opt)
+
+    def on_phase(step, phase):
+        tracer.set_phase(step, phase)
+        if emulation is not None:
+            emulation.on_phase(step, phase)
+
     try:
         run_steps(model, batch, loss_fn, opt, steps, on_phase, autocast=autocast, scaler=scaler,
                   accumulate=accumulate)
         if evaluate is not None:
             evaluate(model)
     finally:
-        if ddp is not None:
-            ddp.close()
+        if emulation is not None:
+            emulation.close()
     return [0] * config.gpus

@@ -41,6 +41,7 @@ class MetaDDP:
     def __init__(self, tracer, model: torch.nn.Module, *, bucket_cap_mb: float | None = None,
                  bucket_view: bool = False):
         self.tracer = tracer
+        self.model = model
         self.bucket_view = bucket_view
         cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         self.cap_bytes = int(cap * 1024 * 1024)
@@ -98,6 +99,9 @@ class MetaDDP:
         view.copy_(p.grad)  # mark_variable_ready_dense: the gradient (divided by world size) into its bucket
         if self.bucket_view and p.grad.untyped_storage()._cdata != view.untyped_storage()._cdata:
             p.grad = view  # the gradient becomes the bucket view; autograd's tensor is freed
+
+    def make_optimizer(self, make_optimizer):
+        return make_optimizer(self.model.parameters())
 
     def on_phase(self, step: int, phase: Phase) -> None:
         if phase is Phase.FORWARD and step == 1 and not self.rebuilt:

@@ -1,14 +1,17 @@
 """``fsdp`` and ``zero1``/``zero2``/``zero3``: sharded data parallelism, emulated on one rank.
 
 Every rank runs the same step on its own micro-batch, so rank 0 is traced and its
-figures hold for all (rank 0 always holds the largest shard). The model's full
+figures hold for all (under fsdp and zero3 rank 0 holds the largest shard; under
+zero1/2 ranks differ by the parameters straddling partition boundaries). The model's full
 parameters stay on meta for the forward and backward compute, but the tracer stops
 counting them (``MemoryTracer.ignore``): what a rank really holds, its shards,
 gathered copies and communication buffers, is allocated explicitly as meta tensors
 at the moment the real wrapper allocates it and dropped when it frees it. The
 optimizer runs on stand-ins of the rank's shard, so its state has the shard's size.
 Sources: torch 2.13 ``torch/distributed/fsdp/_fully_shard/`` and DeepSpeed 0.19.8
-``deepspeed/runtime/zero/`` (the files and lines below are theirs).
+``deepspeed/runtime/zero/`` (the files and lines below are theirs). Checked: fsdp on CPU
+ranks (``memcheck.measure_distributed``, gloo) matches FSDP2's own allocations to the byte,
+up to gloo's reduce-scatter clone (which NCCL does not make).
 
 **fsdp** (``fully_shard`` on each repeated block, then on the root, defaults):
 
@@ -55,21 +58,27 @@ bucket, reduce-scattered through a concatenated copy (``coalesced_collectives.py
 and added into the gradient partitions. The step releases every gathered
 parameter, flattens and casts each sub-group's gradients and re-gathers the
 persistent ones. ``offload="optimizer"`` puts the master, the optimizer state and the
-gradient partitions in host memory; ``offload="params"`` also the parameter
-partitions (except persistent ones).
+gradient partitions in host memory; ``offload="params"`` (``offload_param`` with
+``offload_optimizer``) also the parameter partitions, except persistent ones.
+
+DeepSpeed's bf16/fp16 modes (low-precision weights, fp32 master) are
+``precision="bf16"``/``"fp16"``; ``amp-*`` keeps fp32 weights under autocast, as
+DeepSpeed's ``torch_autocast`` does.
 
 Known limitations:
-    Allocated bytes only, one pool: the real wrappers allocate on several CUDA
-    streams, so reserved memory is higher. Optimizer-specific extras (FSDP's DTensor
-    foreach temporaries, DeepSpeed's FusedAdam/CPUAdam) follow the optimizer memcheck
-    is given. Each simplification is also stated as an assumption in the report.
+    The real wrappers allocate their buffers on several CUDA streams, each with its
+    own allocator pool; here they share one, so reserved memory comes out lower. The
+    optimizer is the one memcheck is given, run on the rank's stand-ins (DeepSpeed's
+    default FusedAdam and CPUAdam allocate no step temporaries). A block's (fsdp) or
+    module's (zero3) post-backward runs when its last gradient is accumulated; the
+    real hooks watch the gradients of its inputs. Only DeepSpeed's defaults are
+    modelled. Each of these is also stated as an assumption in the report.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -77,7 +86,6 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memcheck.checkpointing import repeated_blocks
 from memcheck.enums import Category, Device, Offload, Phase, Strategy
 from memcheck.errors import UsageError
-from memcheck.training_loop import run_steps
 
 # DeepSpeed 0.19.8 defaults, deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig), all in elements:
 REDUCE_BUCKET_SIZE = int(5e8)  # reduce_bucket_size (line 113)
@@ -94,9 +102,12 @@ def _e(n: int) -> str:
     return f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
 
 
-def train_sharded(config, tracer, model: torch.nn.Module, batch: Any, loss_fn, make_optimizer, steps: int, *,
-                  autocast=None, scaler=None, accumulate: int = 1, evaluate=None) -> None:
-    """Trace ``steps`` steps of one rank of ``config.strategy`` (fsdp or zero1-3) over ``config.gpus`` ranks."""
+def sharded_emulation(config, tracer, model: torch.nn.Module, accumulate: int = 1):
+    """The emulation of one rank of ``config.strategy`` (fsdp or zero1-3) over ``config.gpus`` ranks.
+
+    It has ``make_optimizer(make_optimizer)``, ``on_phase(step, phase)`` and ``close()``;
+    ``memcheck.strategies.train`` runs the steps with it.
+    """
     strategy, offload = config.strategy, config.offload
     if strategy is Strategy.FSDP and offload is Offload.OPTIMIZER:
         raise UsageError("fsdp has no optimizer-only offload (FSDP2's CPUOffloadPolicy moves the parameters, "
@@ -111,24 +122,11 @@ def train_sharded(config, tracer, model: torch.nn.Module, batch: Any, loss_fn, m
     else:
         emulation = _MetaZero12(tracer, model, config.gpus, 1 if strategy is Strategy.ZERO1 else 2,
                                 offload is Offload.OPTIMIZER, accumulate)
-    tracer.assume(f"{strategy.value}: rank 0 is traced; every rank holds as much (rank 0 has the largest shard)")
+    tracer.assume(f"{strategy.value}: rank 0 is traced and stands for every rank")
     if tracer.device is Device.CUDA:
         tracer.assume(f"{strategy.value}: communication buffers share the compute stream's allocator pool (the real "
                       "wrapper allocates them on its own streams, so it reserves more)")
-    opt = emulation.make_optimizer(make_optimizer)
-    tracer.watch(optimizer=opt)
-
-    def on_phase(step: int, phase: Phase) -> None:
-        tracer.set_phase(step, phase)
-        emulation.on_phase(phase)
-
-    try:
-        run_steps(model, batch, loss_fn, opt, steps, on_phase, autocast=autocast, scaler=scaler,
-                  accumulate=accumulate)
-        if evaluate is not None:
-            evaluate(model)
-    finally:
-        emulation.close()
+    return emulation
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -142,8 +140,6 @@ def _empty(tracer, numel: int, dtype: torch.dtype, category: Category, label: st
     return t
 
 
-
-
 def _tensors(out) -> list[torch.Tensor]:
     """The tensors in a module's output (tuples, lists, dicts and transformers' ModelOutput)."""
     if isinstance(out, torch.Tensor):
@@ -153,10 +149,6 @@ def _tensors(out) -> list[torch.Tensor]:
     if isinstance(out, (tuple, list)):
         return [t for item in out for t in _tensors(item)]
     return []
-
-
-def _unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return list(model.parameters())  # tied parameters once, in registration order
 
 
 class _Emulation:
@@ -170,7 +162,7 @@ class _Emulation:
         self.queued = False
         # What the rank holds of these is allocated explicitly. The tracer keys storages by
         # address, so an ignored one must outlive the trace (the model keeps them).
-        self.full = _unique_params(model)
+        self.full = list(model.parameters())  # tied parameters once, in registration order
         for p in self.full:
             if frozen_sharded or p.requires_grad:
                 tracer.ignore(p)
@@ -196,7 +188,7 @@ class _Emulation:
     def end_of_backward(self) -> None:
         pass
 
-    def on_phase(self, phase: Phase) -> None:
+    def on_phase(self, step: int, phase: Phase) -> None:
         pass
 
     def make_optimizer(self, make_optimizer) -> torch.optim.Optimizer:
@@ -324,7 +316,7 @@ class _MetaFSDP(_Emulation):
         del gathered  # backward: freed right after the copy-out
 
     def _pre_forward(self, g: _FsdpGroup) -> None:
-        if g.unsharded is None:
+        if g.params and g.unsharded is None:  # a root without parameters has no group to gather
             self._unshard(g, forward=True)
 
     def _post_forward(self, g: _FsdpGroup, output) -> None:
@@ -334,7 +326,8 @@ class _MetaFSDP(_Emulation):
             self.kept_all_gather = None  # the root's _post_forward flushes the last all-gather
         else:
             g.unsharded = None  # reshard_after_forward: blocks only
-        self.order.append(g)
+        if g.params:
+            self.order.append(g)
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
@@ -346,7 +339,7 @@ class _MetaFSDP(_Emulation):
             return
         g.in_backward = True
         self.queue_end_of_backward()
-        if g.unsharded is None:
+        if g.params and g.unsharded is None:
             self._unshard(g, forward=False)
         index = max((i for i, h in enumerate(self.order) if h is g), default=0)
         if index > 0:  # _backward_prefetch: one group ahead in reverse post-forward order
@@ -365,7 +358,6 @@ class _MetaFSDP(_Emulation):
 
     def _post_backward(self, g: _FsdpGroup) -> None:
         present = [i for i in g.trainable if g.params[i].grad is not None]
-        sizes = [(g.rows[i][0], g.rows[i][1]) for i in present]
         dtype = g.params[present[0]].grad.dtype if present else None
         grads = [g.params[i].grad for i in present]
         for i in present:
@@ -377,12 +369,13 @@ class _MetaFSDP(_Emulation):
             del grads
             return
         self.kept_reduce_scatter = None  # reduce_scatter_max_input_buffers=1: the previous input goes
-        padded = sum(n for n, _ in sizes)
+        padded = sum(g.rows[i][0] for i in present)
         rs_in = _empty(self.tracer, padded * self.world, dtype, Category.COMMUNICATION, "(FSDP reduce-scatter)")
         del grads  # chunk_cat copied them; autograd's unsharded gradients are freed
         rs_out = _empty(self.tracer, padded, dtype, Category.GRADIENT, "(FSDP sharded grads)")
         offset = 0
-        for i, (n, local) in zip(present, sizes):
+        for i in present:
+            n, local = g.rows[i]
             stand_in = self.stand_ins[id(g.params[i])]
             if self.offload:
                 if stand_in.grad is None:  # copied to host memory; the device output is dropped
@@ -485,7 +478,7 @@ class _MetaZero12(_Emulation):
             self.owner(g.master, "(ZeRO optimizer state)")
         return self.wrap_step(opt, self._step, host=self.offload)
 
-    def on_phase(self, phase: Phase) -> None:
+    def on_phase(self, step: int, phase: Phase) -> None:
         if phase is Phase.BACKWARD:
             self.micro += 1
         elif phase is Phase.OPTIMIZER:
@@ -521,8 +514,7 @@ class _MetaZero12(_Emulation):
         params = self.in_bucket[dtype]
         if not params:
             return
-        flat = _empty(self.tracer, self.elements[dtype], dtype, Category.COMMUNICATION, "(ZeRO all-reduce)")
-        del flat
+        _empty(self.tracer, self.elements[dtype], dtype, Category.COMMUNICATION, "(ZeRO all-reduce)")  # freed at once
         for p in params:
             g = self.group_of[id(p)]
             if id(p) in g.in_partition:
@@ -628,9 +620,8 @@ class _MetaZero3(_Emulation):
                       f"{_e(PARAM_PERSISTENCE_THRESHOLD)}, max_reuse_distance={_e(MAX_REUSE_DISTANCE)} elements; "
                       "step 1 records the module trace, so from step 2 parameters reused within max_reuse_distance "
                       "stay gathered")
-        tracer.assume("zero3: a module's parameters are released when its last gradient is accumulated (DeepSpeed "
-                      "hooks its inputs' gradients); the persistent ones are re-gathered after the step in one "
-                      "coalesced all-gather")
+        tracer.assume("zero3: a module's parameters are released when its last gradient is accumulated "
+                      "(DeepSpeed hooks its inputs' gradients)")
         _assume_zero_common(tracer, "zero3")
         if offload is Offload.PARAMS:
             tracer.assume("zero3 offload='params': offload_param and offload_optimizer both to the CPU")
@@ -866,10 +857,9 @@ class _MetaZero3(_Emulation):
         params = self.in_bucket[dtype]
         if not params:
             return
-        if not (len(params) == 1 and params[0].numel() % self.world == 0):
-            cat = _empty(self.tracer, self.world * sum(self.part[id(p)] for p in params), dtype,
-                         Category.COMMUNICATION, "(ZeRO-3 reduce-scatter)")
-            del cat
+        if not (len(params) == 1 and params[0].numel() % self.world == 0):  # a temporary: freed at once
+            _empty(self.tracer, self.world * sum(self.part[id(p)] for p in params), dtype,
+                   Category.COMMUNICATION, "(ZeRO-3 reduce-scatter)")
         for p in params:  # partition_grads: added into the gradient partitions, the full gradient freed
             p.grad = None
         params.clear()
@@ -904,10 +894,9 @@ class _MetaZero3(_Emulation):
                 del fp32
             out = inner(*args, **kwargs)
             master.grad = None
-        persistent = [p for p in self.full if id(p) in self.persist]
-        self._all_gather(persistent)  # _post_step re-gathers the persistent parameters
-        for p in persistent:
-            handle = self.inflight.pop(id(p), None)
-            if handle is not None:
-                handle.wait()
+        for p in self.full:  # _post_step: _allgather_params_coalesced, one padded buffer per parameter
+            if id(p) in self.persist:
+                self.gathered[id(p)] = _empty(self.tracer, self.part[id(p)] * self.world, p.dtype,
+                                              Category.PARAMETER, "(ZeRO-3 gathered params)")
+                self.n_available += p.numel()
         return out

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from memcheck.errors import UsageError
+from memcheck.errors import UsageError, require_int
 from memcheck.estimate import estimate
 from memcheck.report import Comparison
 from memcheck.strategies import applicable
@@ -19,8 +19,7 @@ def compare(model: torch.nn.Module, batch: Any, *, gpus: int = 1, **kwargs) -> C
     GPUs, so its rows trace ``gpus`` micro-batches stacked: every strategy then
     sees the same batch per GPU.
     """
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise UsageError(f"gpus must be a positive integer, got {gpus!r}")
+    require_int(gpus, "gpus")
     for key in ("strategy", "gpus", "bucket_view", "bucket_cap_mb", "offload"):
         if key in kwargs:
             raise UsageError(f"compare() sets {key} itself for each row; do not pass it")

@@ -29,6 +29,14 @@ class UnsupportedOpError(MemcheckError):
     """An operator has no meta kernel and no memcheck rule; register one with ``register_op_rule``."""
 
 
+def require_int(value, what: str, *, minimum: int = 1, message: str | None = None) -> int:
+    """Return ``value`` if it is an int (not a bool) of at least ``minimum``; otherwise raise
+    UsageError with ``message`` (by default "WHAT must be a positive integer, got VALUE")."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UsageError(message or f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
 def closest(name: str, allowed) -> str:
     """Return a ' (did you mean X?)' suffix for a mistyped ``name``, or ''."""
     import difflib

@@ -16,7 +16,7 @@ from memcheck.autocast import MetaAutocast, MetaGradScaler
 from memcheck.cuda_overhead import context_bytes, workspace_allocations
 from memcheck.checkpointing import apply_checkpointing
 from memcheck.enums import Category, Device, Offload, Phase, Precision, Strategy
-from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, UsageError
+from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, UsageError, require_int
 from memcheck.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.optimizers import resolve_optimizer
 from memcheck.report import BatchInfo, Breakdown, DeviceMemory, Estimate, InputSpec, ModuleMemory
@@ -163,15 +163,11 @@ def estimate(
     config = StrategyConfig.parse(strategy, gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb,
                                   offload=offload)
     target_gpu = _target_gpu(gpu, device)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise UsageError(f"steps must be an integer of at least 2 (step 1 has no optimizer state), got {steps!r}")
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise UsageError(f"accumulate must be a positive integer, got {accumulate!r}")
-    if isinstance(eval_accumulate_predictions, bool) or not isinstance(eval_accumulate_predictions, int) \
-            or eval_accumulate_predictions < 0:
-        raise UsageError(
-            f"eval_accumulate_predictions must be 0 or a positive integer, got {eval_accumulate_predictions!r}"
-        )
+    require_int(steps, "steps", minimum=2, message=(
+        f"steps must be an integer of at least 2 (step 1 has no optimizer state), got {steps!r}"))
+    require_int(accumulate, "accumulate")
+    require_int(eval_accumulate_predictions, "eval_accumulate_predictions", minimum=0, message=(
+        f"eval_accumulate_predictions must be 0 or a positive integer, got {eval_accumulate_predictions!r}"))
     if eval_accumulate_predictions and eval_batch is None:
         raise UsageError("eval_accumulate_predictions needs an eval batch (eval_batch= / --eval-batch-size)")
     if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):

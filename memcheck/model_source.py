@@ -20,7 +20,7 @@ import torch
 
 from memcheck import hf
 from memcheck.enums import Attention, Task
-from memcheck.errors import MemcheckError, ModelLoadError, UsageError
+from memcheck.errors import MemcheckError, ModelLoadError, UsageError, require_int
 
 
 @dataclass
@@ -39,8 +39,7 @@ class Workload:
 
     def batch_at(self, batch_size: int) -> Any:
         """The same worst-case batch (lengths unchanged) with ``batch_size`` rows: for an eval pass."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise UsageError(f"--eval-batch-size must be a positive integer, got {batch_size!r}")
+        require_int(batch_size, "--eval-batch-size")
         if batch_size == self.batch_size or self.rebatch is None:
             if batch_size != self.batch_size:
                 raise UsageError(f"{self.name} cannot build a batch of another size ({batch_size})")
@@ -98,8 +97,8 @@ def _call(path: Path, fn, what: str, *args):
 
 def _check_sizes(batch_size, max_len, target_len):
     for flag, value in (("--batch-size", batch_size), ("--max-len", max_len), ("--target-len", target_len)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise UsageError(f"{flag} must be a positive integer, got {value!r}")
+        if value is not None:
+            require_int(value, flag)
 
 
 def load_workload(

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from memcheck.enums import Offload, Strategy
-from memcheck.errors import UsageError
+from memcheck.errors import UsageError, require_int
 from memcheck.training_loop import LossFn, run_steps
 
 
@@ -42,8 +42,7 @@ class StrategyConfig:
         offload = Offload.parse(offload or "none", what="offload")
         if gpus is None:
             gpus = 1 if strategy is Strategy.SINGLE else 2
-        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-            raise UsageError(f"gpus must be a positive integer, got {gpus!r}")
+        require_int(gpus, "gpus")
         if strategy is Strategy.SINGLE and gpus != 1:
             raise UsageError(
                 f"strategy 'single' runs on one GPU, got gpus={gpus}; choose dp, dp-balanced, ddp, fsdp or zero1-3"
@@ -52,6 +51,12 @@ class StrategyConfig:
             raise UsageError(f"strategy {strategy.value!r} needs at least 2 GPUs, got gpus={gpus}")
         if offload is not Offload.NONE and strategy not in SHARDED:
             raise UsageError(f"offload={offload.value!r} applies to fsdp and zero1-3, not {strategy.value!r}")
+        if strategy is Strategy.FSDP and offload is Offload.OPTIMIZER:
+            raise UsageError("fsdp has no optimizer-only offload (FSDP2's CPUOffloadPolicy moves the parameters, "
+                             "gradients and optimizer state together); use offload='params', or zero1-3")
+        if strategy in (Strategy.ZERO1, Strategy.ZERO2) and offload is Offload.PARAMS:
+            raise UsageError(f"offload='params' needs zero3 (DeepSpeed offloads parameters in ZeRO-3 only), "
+                             f"not {strategy.value}; use offload='optimizer'")
         if strategy is not Strategy.DDP and (bucket_view or bucket_cap_mb is not None):
             raise UsageError(f"bucket settings apply to ddp only, not {strategy.value!r}")
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0):

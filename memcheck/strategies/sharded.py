@@ -108,13 +108,7 @@ def sharded_emulation(config, tracer, model: torch.nn.Module, accumulate: int = 
     It has ``make_optimizer(make_optimizer)``, ``on_phase(step, phase)`` and ``close()``;
     ``memcheck.strategies.train`` runs the steps with it.
     """
-    strategy, offload = config.strategy, config.offload
-    if strategy is Strategy.FSDP and offload is Offload.OPTIMIZER:
-        raise UsageError("fsdp has no optimizer-only offload (FSDP2's CPUOffloadPolicy moves the parameters, "
-                         "gradients and optimizer state together); use offload='params', or zero1-3")
-    if strategy in (Strategy.ZERO1, Strategy.ZERO2) and offload is Offload.PARAMS:
-        raise UsageError(f"offload='params' needs zero3 (DeepSpeed offloads parameters in ZeRO-3 only), "
-                         f"not {strategy.value}; use offload='optimizer'")
+    strategy, offload = config.strategy, config.offload  # the pair is validated by StrategyConfig.parse
     if strategy is Strategy.FSDP:
         emulation = _MetaFSDP(tracer, model, config.gpus, offload is Offload.PARAMS)
     elif strategy is Strategy.ZERO3:

@@ -268,8 +268,9 @@ def _target_gpu(gpu, device: Device) -> GpuSpec | None:
     return resolve_gpu(gpu)
 
 
-def _with_workspaces(events: list[tuple], arch) -> list[tuple]:
-    """One GPU's events with cuBLAS's workspaces allocated where a real step first needs them.
+def _with_workspaces(events: list[tuple], arch, start: int) -> tuple[list[tuple], int]:
+    """One GPU's events with cuBLAS's workspaces allocated where a real step first needs
+    them, and where event ``start`` (the steady state's first) now is.
 
     torch keeps one workspace per (cuBLAS handle, stream) in the caching allocator; the
     forward runs on the main thread and backward on autograd's device thread, each
@@ -279,13 +280,15 @@ def _with_workspaces(events: list[tuple], arch) -> list[tuple]:
     by_phase = {Phase.FORWARD: [], Phase.BACKWARD: []}
     for label, nbytes in workspace_allocations(arch):
         by_phase[Phase.BACKWARD if "autograd" in label else Phase.FORWARD].append((label, nbytes))
-    out = []
-    for ev in events:
+    out, new_start = [], None
+    for i, ev in enumerate(events):
         for label, nbytes in by_phase.pop(ev[5], ()):
             out.append((ALLOC, f"workspace:{label}:{ev[7]}", nbytes, Category.WORKSPACE, f"({label})", ev[5],
                         ev[6], ev[7]))
+        if i == start:
+            new_start = len(out)
         out.append(ev)
-    return out
+    return out, len(out) if new_start is None else new_start
 
 
 def _short(module: str | None, root: str) -> str:
@@ -313,8 +316,7 @@ def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch
     start = len(events) if start is None else start
     cuda = None
     if device is Device.CUDA:
-        events = _with_workspaces(events, arch)
-        start = _shift_start(events, start)
+        events, start = _with_workspaces(events, arch, start)
         sim = simulate(events, config=AllocatorConfig.from_env())
         sizes = sim.granted
         cuda = (sim.peak_reserved_bytes, context_bytes(gpu))
@@ -375,18 +377,6 @@ def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch
         modules=tuple(modules), train_peak_bytes=max(train_best, 0),
         eval_peak_bytes=eval_best if eval_best >= 0 else None, **_device_totals(best, cuda),
     )
-
-
-def _shift_start(events: list[tuple], n_before: int) -> int:
-    """Where the steady state starts once workspaces are inserted: after the first
-    ``n_before`` traced (non-workspace) events."""
-    seen = 0
-    for i, ev in enumerate(events):
-        if seen == n_before:
-            return i
-        if not (ev[3] is Category.WORKSPACE and isinstance(ev[1], str)):
-            seen += 1
-    return len(events)
 
 
 def _device_totals(allocated_peak: int, cuda) -> dict:

@@ -412,22 +412,9 @@ class MemoryTracer(TorchDispatchMode):
     # ---- the dispatch hook -------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.multi_gpu:
-            return self._dispatch_on_input_gpu(func, args, kwargs)
-        rule = DISPATCH_RULES.get(func)
-        out = rule(self, func, args, kwargs) if rule is not None else func(*args, **kwargs)
-        self.track(out)
-        return out
-
-    def _dispatch_on_input_gpu(self, func, args, kwargs):
         before = self._op_gpu
-        self._op_gpu = self._base_gpu
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor):
-                key = storage_key(t)
-                if key is not None and key[0] in self._sizes:
-                    self._op_gpu = self._gpu.get(key[0], 0)
-                    break
+        if self.multi_gpu:  # the op allocates where its first tracked input lives
+            self._op_gpu = self._input_gpu(args, kwargs)
         try:
             rule = DISPATCH_RULES.get(func)
             out = rule(self, func, args, kwargs) if rule is not None else func(*args, **kwargs)
@@ -435,3 +422,11 @@ class MemoryTracer(TorchDispatchMode):
             return out
         finally:
             self._op_gpu = before
+
+    def _input_gpu(self, args, kwargs) -> int:
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)
+                if key is not None and key[0] in self._sizes:
+                    return self._gpu.get(key[0], 0)
+        return self._base_gpu

@@ -109,9 +109,10 @@ def run_eval(
     step: int = 0,
     autocast: Callable[[], ContextManager] | None = None,
     keep_batches: int = 0,
-    inference_mode: bool = False,
 ) -> None:
-    """One evaluation pass as a trainer runs it: forward and loss without autograd.
+    """One evaluation pass as a trainer runs it: forward and loss under ``torch.no_grad()``
+    (``inference_mode`` differs in autograd bookkeeping, not in the tensors it allocates;
+    not measured separately).
 
     ``keep_batches`` N > 0 keeps the model's predictions (every output tensor but
     the loss) on the device for N eval batches, concatenated batch after batch with
@@ -122,7 +123,6 @@ def run_eval(
     batch 1, builds the N-1 batches in one concatenation, and runs batch N on top.
     """
     region = autocast or contextlib.nullcontext
-    grad_off = torch.inference_mode if inference_mode else torch.no_grad
     kept: list[torch.Tensor] = []
 
     def keep(module, args, out):
@@ -132,7 +132,7 @@ def run_eval(
     on_phase(step, Phase.EVAL)
     handle = model.register_forward_hook(keep) if keep_batches else None
     try:
-        with grad_off(), region():
+        with torch.no_grad(), region():
             loss_fn(model, batch)
             if keep_batches > 1:
                 previous = kept[:]

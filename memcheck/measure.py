@@ -19,6 +19,14 @@ from memcheck.training_loop import LossFn, default_loss, run_steps
 STEP_MARK = "memcheck.step"
 
 
+def mark_step(step: int, phase) -> None:
+    """A training loop's phase callback that leaves an empty profiler event named
+    ``STEP_MARK.<step>`` as each step's forward begins; its timestamp starts the step."""
+    if phase.value == "forward":
+        with record_function(f"{STEP_MARK}.{step}"):
+            pass
+
+
 @dataclass(frozen=True)
 class Measured:
     """Peaks of live CPU bytes, from the profiler's allocation events."""
@@ -68,15 +76,10 @@ def measure_cpu(
     autocast = None
     if autocast_dtype is not None:
         autocast = lambda: torch.autocast("cpu", dtype=autocast_dtype)  # noqa: E731
-    def on_phase(step, phase):
-        if phase.value == "forward":  # an empty marker event: its timestamp starts the step
-            with record_function(f"{STEP_MARK}.{step}"):
-                pass
-
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model, batch = build()
         optimizer = make_optimizer(model.parameters())
-        run_steps(model, batch, loss_fn, optimizer, steps, on_phase, autocast=autocast, accumulate=accumulate)
+        run_steps(model, batch, loss_fn, optimizer, steps, mark_step, autocast=autocast, accumulate=accumulate)
         del model, batch, optimizer
 
     raw = prof.profiler.kineto_results.events()

@@ -40,10 +40,10 @@ from datetime import timedelta
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 from memcheck.errors import MemcheckError, UsageError
-from memcheck.measure import STEP_MARK, Measured
+from memcheck.measure import STEP_MARK, Measured, mark_step
 from memcheck.training_loop import LossFn, default_loss, run_steps
 
 DEFAULT_TIMEOUT_S = 300.0  # seconds for the whole run, and for any one collective (gloo's timeout)
@@ -309,17 +309,11 @@ def _children_with_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _measure_rank(setup, make_optimizer, loss_fn, steps) -> Measured:
     """``measure_cpu``'s measurement, with ``setup()`` (build and wrap) inside the profiled region."""
-
-    def on_phase(step, phase):
-        if phase.value == "forward":  # an empty marker event: its timestamp starts the step
-            with record_function(f"{STEP_MARK}.{step}"):
-                pass
-
     with _process_wide_cpu_accounting() as process_wide:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             model, batch = setup()
             optimizer = make_optimizer(model.parameters())
-            run_steps(model, batch, loss_fn, optimizer, steps, on_phase)
+            run_steps(model, batch, loss_fn, optimizer, steps, mark_step)
             del model, batch, optimizer
     events, step_start = allocator_events(prof.profiler.kineto_results.experimental_event_tree())
     live = live_bytes_process_wide(events) if process_wide else live_bytes_paired(events)

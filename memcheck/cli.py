@@ -129,7 +129,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
     """
     if not allow_download:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from memcheck.errors import MemcheckError, UsageError
+    from memcheck.errors import MemcheckError, UsageError, require_int
     from memcheck.compare import compare as run_compare
     from memcheck.estimate import estimate as run_estimate
     from memcheck.model_source import load_workload
@@ -145,7 +145,9 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
             model, batch_size=batch_size, max_len=max_len, target_len=target_len,
             task=task, attn=attn, allow_download=allow_download,
         )
-        eval_batch = work.batch_at(eval_batch_size) if eval_batch_size is not None else None
+        eval_batch = None
+        if eval_batch_size is not None:
+            eval_batch = work.batch_at(require_int(eval_batch_size, "--eval-batch-size"))
         kwargs = dict(
             device=device, precision=precision,
             optimizer=optimizer or work.make_optimizer or "adamw", loss_fn=work.loss_fn,

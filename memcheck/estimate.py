@@ -19,7 +19,7 @@ from memcheck.enums import Category, Device, Offload, Phase, Precision, Strategy
 from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, UsageError, require_int
 from memcheck.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.optimizers import resolve_optimizer
-from memcheck.report import BatchInfo, Breakdown, DeviceMemory, Estimate, InputSpec, ModuleMemory
+from memcheck.report import BatchInfo, Breakdown, DeviceMemory, Estimate, InputSpec, ModuleMemory, Work
 from memcheck.strategies import StrategyConfig, train
 from memcheck.tracer import ALLOC, FREE, RECAT, MemoryTracer, TraceLog
 from memcheck.training_loop import LossFn, default_loss, run_eval
@@ -250,7 +250,26 @@ def estimate(
         strategy=config.label, gpus=config.gpus, accumulate=accumulate, checkpointing=wrapped,
         train_peak_bytes=busiest.train_peak_bytes, eval_peak_bytes=busiest.eval_peak_bytes,
         busiest_gpu=busiest.index, per_device=tuple(devices) if config.strategy.multi_gpu else (),
+        work=_work(tracer.log, step=steps - 1, micro_steps=min(accumulate, 2)),
     )
+
+
+_MICRO_PHASES = (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD)
+
+
+def _work(log: TraceLog, *, step: int, micro_steps: int) -> Work:
+    """The last traced step's compute on its busiest GPU (by FLOPs), per micro-step."""
+    per_gpu: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for (s, phase, gpu), (flops, kernels) in log.work.items():
+        if s != step:
+            continue
+        if phase in _MICRO_PHASES:
+            per_gpu[gpu][0] += flops
+            per_gpu[gpu][1] += kernels
+        elif phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
+            per_gpu[gpu][2] += kernels
+    flops, kernels, opt = max(per_gpu.values(), default=[0, 0, 0])
+    return Work(flops // micro_steps, kernels // micro_steps, opt)
 
 
 DEFAULT_ARCH = (8, 0)  # A100-class, when no GPU is named and none is local

@@ -35,16 +35,21 @@ class Workload:
     batch_size: int
     max_len: int | None
     target_len: int | None
-    rebatch: Callable[[int], Any] | None = None  # the worst-case batch at another batch size
+    # make(batch_size, max_len, target_len): the worst-case batch at other sizes or lengths
+    make: Callable[[int, int | None, int | None], Any] | None = None
+    max_len_limit: int | None = None  # the position limit, when the model has one
 
-    def batch_at(self, batch_size: int) -> Any:
-        """The same worst-case batch (lengths unchanged) with ``batch_size`` rows: for an eval pass."""
-        require_int(batch_size, "--eval-batch-size")
-        if batch_size == self.batch_size or self.rebatch is None:
-            if batch_size != self.batch_size:
-                raise UsageError(f"{self.name} cannot build a batch of another size ({batch_size})")
+    def batch_at(self, batch_size: int, max_len: int | None = None, target_len: int | None = None) -> Any:
+        """The worst-case batch with ``batch_size`` rows, padded to ``max_len`` (default: the
+        workload's own lengths); for an eval pass, the planner's search and its length profile."""
+        require_int(batch_size, "batch size")
+        max_len = self.max_len if max_len is None else max_len
+        target_len = self.target_len if target_len is None else target_len
+        if (batch_size, max_len, target_len) == (self.batch_size, self.max_len, self.target_len):
             return self.batch
-        return self.rebatch(batch_size)
+        if self.make is None:
+            raise UsageError(f"{self.name} cannot build a batch of another size or length")
+        return self.make(batch_size, max_len, target_len)
 
 
 def _where(exc: BaseException, path: Path) -> str:
@@ -126,12 +131,13 @@ def load_workload(
         if max_len is None and not hf.is_vision(model):
             max_len = hf.default_max_len(model, config)
         hf.check_lengths(model, config, max_len, target_len)
-        def rebatch(size):
-            with torch.device(device):
-                return hf.make_batch(model, config, task, size, max_len, target_len, device=device)
 
-        return Workload(type(model).__name__, model, rebatch(batch_size), None, None, batch_size, max_len,
-                        target_len, rebatch)
+        def make(size, length, target):
+            with torch.device(device):
+                return hf.make_batch(model, config, task, size, length, target, device=device)
+
+        return Workload(type(model).__name__, model, make(batch_size, max_len, target_len), None, None,
+                        batch_size, max_len, target_len, make, _limit(model, config))
 
     path = Path(spec)
     if path.suffix != ".py":
@@ -159,25 +165,31 @@ def load_workload(
                 raise UsageError(f"{path}: make_batch needs a length: give --max-len")
             if config is not None:
                 hf.check_lengths(model, config, max_len, target_len)
-            def rebatch(size):
+
+            def make(size, length, target):
                 with torch.device(device):
-                    return _call(path, module.make_batch, "make_batch()", size, max_len)
+                    return _call(path, module.make_batch, "make_batch()", size, length)
         elif config is not None and hasattr(model, "main_input_name"):
             task = task or hf.infer_task(config, model)
             if max_len is None and not hf.is_vision(model):
                 max_len = hf.default_max_len(model, config)
             hf.check_lengths(model, config, max_len, target_len)
 
-            def rebatch(size):
-                return hf.make_batch(model, config, task, size, max_len, target_len, device=device)
+            def make(size, length, target):
+                return hf.make_batch(model, config, task, size, length, target, device=device)
         else:
             raise ModelLoadError(
                 f"{path}: defines no make_batch(batch_size, max_len), and memcheck cannot infer "
                 f"inputs for {type(model).__name__}; add make_batch"
             )
-        batch = rebatch(batch_size)
+        batch = make(batch_size, max_len, target_len)
     loss_fn = getattr(module, "compute_loss", None)
     make_optimizer = getattr(module, "make_optimizer", None)
     return Workload(
-        path.stem, model, batch, loss_fn, make_optimizer, batch_size, max_len, target_len, rebatch
+        path.stem, model, batch, loss_fn, make_optimizer, batch_size, max_len, target_len, make,
+        _limit(model, config) if config is not None else None,
     )
+
+
+def _limit(model, config) -> int | None:
+    return None if hf.is_vision(model) else hf.position_limit(config)[0]

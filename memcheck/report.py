@@ -69,6 +69,21 @@ class BatchInfo:
 
 
 @dataclass(frozen=True)
+class Work:
+    """The compute one GPU runs per micro-step and per optimizer step, counted in the trace.
+
+    FLOPs are torch.utils.flop_counter's formulas (matmuls, convolutions, attention;
+    elementwise ops count 0) and include checkpointing's recomputation; kernels are
+    the ops that launch one (views and bare allocations excluded). The planner's
+    cost proxy (memcheck.plan) reads them.
+    """
+
+    flops_per_micro_step: int  # forward, loss and backward of one micro-batch
+    kernels_per_micro_step: int
+    optimizer_kernels: int  # optimizer.step() and zero_grad(), once per optimizer step
+
+
+@dataclass(frozen=True)
 class DeviceMemory:
     """One GPU's (or the CPU's) steady-state peak under a strategy, and what was live at it."""
 
@@ -136,6 +151,7 @@ class Estimate:
     eval_peak_bytes: int | None = None  # None when no evaluation pass was traced
     busiest_gpu: int = 0
     per_device: tuple[DeviceMemory, ...] = ()  # multi-GPU strategies: every GPU, in order
+    work: Work | None = None  # the busiest GPU's compute per micro-step, for the planner
 
     @property
     def peak_in(self) -> str:
@@ -190,6 +206,7 @@ class Estimate:
             "per_device": [d.to_dict() for d in self.per_device],
             "accumulate": self.accumulate,
             "checkpointing": list(self.checkpointing),
+            "work": None if self.work is None else asdict(self.work),
             "device": self.device.value,
             "precision": self.precision.value,
             "optimizer": self.optimizer,

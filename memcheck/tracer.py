@@ -27,12 +27,37 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.module_tracker import ModuleTracker
 
 from memcheck.enums import Category, Device, Phase
 from memcheck.op_rules import DISPATCH_RULES, FUNCTION_RULES
 
 ALLOC, FREE, RECAT = 0, 1, 2
+
+_aten = torch.ops.aten
+# Ops that launch no kernel: bare allocations, autograd's aliasing, reading a scalar back.
+_NO_KERNEL = frozenset({
+    _aten.empty, _aten.empty_strided, _aten.empty_like, _aten.detach, _aten.lift_fresh, _aten.alias,
+    _aten._local_scalar_dense, _aten.new_empty, _aten.new_empty_strided,
+})
+
+
+def _cpu_flash(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# torch.utils.flop_counter's formulas (matmuls, convolutions, the CUDA attention kernels),
+# plus the CPU flash-attention kernels it does not list, counted by the same formulas.
+_FLOPS = {
+    **flop_registry,
+    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+}
 
 # Categories that a later use (being saved for backward, being returned) must not overwrite.
 _PERSISTENT = frozenset(
@@ -54,6 +79,8 @@ class TraceLog:
     events: list[tuple] = field(default_factory=list)
     assumptions: dict[str, None] = field(default_factory=dict)
     step_starts: list[int] = field(default_factory=list)  # event index where each step begins
+    # (step, phase, gpu) -> [FLOPs, kernels]: the compute the planner's cost proxy reads
+    work: dict[tuple, list[int]] = field(default_factory=dict)
 
 
 def storage_key(t: torch.Tensor):
@@ -419,9 +446,26 @@ class MemoryTracer(TorchDispatchMode):
             rule = DISPATCH_RULES.get(func)
             out = rule(self, func, args, kwargs) if rule is not None else func(*args, **kwargs)
             self.track(out)
+            self._count_work(func, args, kwargs, out)
             return out
         finally:
             self._op_gpu = before
+
+    def _count_work(self, func, args, kwargs, out) -> None:
+        """Add the op's FLOPs (torch.utils.flop_counter's formulas) and one kernel launch,
+        unless the op only makes a view or an uninitialised buffer (no kernel runs)."""
+        if func.is_view or func._overloadpacket in _NO_KERNEL:
+            return
+        formula = _FLOPS.get(func._overloadpacket)
+        flops = 0
+        if formula is not None:
+            try:
+                flops = int(formula(*args, **kwargs, out_val=out))
+            except Exception:  # a formula that does not know this overload's arguments
+                flops = 0
+        work = self.log.work.setdefault((self.step, self.phase, self._current_gpu()), [0, 0])
+        work[0] += flops
+        work[1] += 1
 
     def _input_gpu(self, args, kwargs) -> int:
         for t in tree_flatten((args, kwargs))[0]:

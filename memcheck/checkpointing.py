@@ -119,6 +119,11 @@ def apply_checkpointing(model: torch.nn.Module, spec, *, use_reentrant: bool = F
             blocks.extend(h for h in hits if h not in blocks)
         # A module inside another wrapped module is recomputed with it already.
         blocks = [b for b in blocks if not any(b.startswith(o + ".") for o in blocks)]
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # A checkpointed transformers layer would update its KV cache again when it is
+        # recomputed; transformers turns the cache off under checkpointing, and so do we.
+        config.use_cache = False
     for name in blocks:
         _wrap(names[name], use_reentrant)
     return tuple(blocks)

@@ -259,17 +259,18 @@ _MICRO_PHASES = (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD)
 
 def _work(log: TraceLog, *, step: int, micro_steps: int) -> Work:
     """The last traced step's compute on its busiest GPU (by FLOPs), per micro-step."""
-    per_gpu: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
-    for (s, phase, gpu), (flops, kernels) in log.work.items():
+    per_gpu: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for (s, phase, gpu), (flops, low, kernels) in log.work.items():
         if s != step:
             continue
         if phase in _MICRO_PHASES:
             per_gpu[gpu][0] += flops
-            per_gpu[gpu][1] += kernels
-        elif phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
+            per_gpu[gpu][1] += low
             per_gpu[gpu][2] += kernels
-    flops, kernels, opt = max(per_gpu.values(), default=[0, 0, 0])
-    return Work(flops // micro_steps, kernels // micro_steps, opt)
+        elif phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
+            per_gpu[gpu][3] += kernels
+    flops, low, kernels, opt = max(per_gpu.values(), default=[0, 0, 0, 0])
+    return Work(flops // micro_steps, low // micro_steps, kernels // micro_steps, opt)
 
 
 DEFAULT_ARCH = (8, 0)  # A100-class, when no GPU is named and none is local

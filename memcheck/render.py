@@ -6,7 +6,7 @@ import json
 
 from tabulate import tabulate
 
-from memcheck.report import Comparison, DeviceMemory, Estimate
+from memcheck.report import Comparison, DeviceMemory, Estimate, Plan, PlanOption
 from memcheck.units import format_bytes
 
 _CATEGORY_LABELS = {
@@ -171,8 +171,136 @@ def render_comparison(cmp: Comparison) -> str:
     return "\n".join(lines)
 
 
+PADDING_NOTE = (
+    "padding: these figures are for every sequence padded to the length shown. The tokenizer's "
+    "padding=True pads each batch only to its longest sample, so shapes (and memory) vary from batch to "
+    "batch; only padding='max_length' (or a bucketing sampler capped at that length) makes the traced "
+    "worst case the real worst case."
+)
+
+
+def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
+    """The recommendation as memcheck flags and as transformers TrainingArguments."""
+    flags = [f"--batch-size {r.micro_batch_size}"]
+    args = [f"per_device_train_batch_size={r.micro_batch_size}"]
+    if r.accumulation_steps > 1:
+        flags.append(f"--accumulate {r.accumulation_steps}")
+    args.append(f"gradient_accumulation_steps={r.accumulation_steps}")
+    if r.checkpointing == "full":
+        flags.append("--checkpointing full")
+        args.append("gradient_checkpointing=True")
+    elif r.checkpointing == "half":
+        flags.append("--checkpointing " + ",".join(plan.checkpointed_modules))
+        args.append("gradient_checkpointing=False (wrap the listed blocks in torch.utils.checkpoint instead)")
+    if r.precision != "fp32":
+        flags.append(f"--precision {r.precision}")
+    args.append({"amp-bf16": "bf16=True", "amp-fp16": "fp16=True", "bf16": "bf16=True with the model loaded in "
+                 "torch.bfloat16", "fp16": "the model loaded in torch.float16 (no TrainingArguments flag)"}
+                .get(r.precision, "fp32 (neither bf16 nor fp16)"))
+    if plan.strategy != "single":
+        flags.append(f"--strategy {plan.strategy} --gpus {plan.gpus}")
+        args.append({"fsdp": 'fsdp="full_shard"', "zero3": "deepspeed= a ZeRO stage 3 config",
+                     "zero2": "deepspeed= a ZeRO stage 2 config", "zero1": "deepspeed= a ZeRO stage 1 config"}
+                    .get(plan.strategy, f"launched on {plan.gpus} GPUs (torchrun --nproc_per_node {plan.gpus})"))
+    return " ".join(flags), ", ".join(args)
+
+
+def _checkpointing_label(plan: Plan, option: PlanOption) -> str:
+    if option.checkpointing == "half":
+        return f"half ({len(plan.blocks[::2])} of {len(plan.blocks)} blocks)"
+    if option.checkpointing == "full" and plan.blocks:
+        return f"full ({len(plan.blocks)} blocks)"
+    return option.checkpointing
+
+
+def render_plan(plan: Plan) -> str:
+    """The table printed by ``memcheck plan``."""
+    where = plan.gpu.name if plan.gpu is not None else plan.device.value
+    head = f"memcheck plan: {plan.model} on {where}, {plan.gpus} GPU(s), {plan.strategy}"
+    if plan.global_batch is not None:
+        head += f", global batch {plan.global_batch}"
+    if plan.max_len:
+        head += f", every sequence padded to {plan.max_len}"
+    what = "device total" if plan.device.value == "cuda" else "peak"
+    lines = [
+        head,
+        f"limit: {what} at most {format_bytes(plan.limit_bytes)} = capacity {format_bytes(plan.capacity_bytes)} "
+        f"minus a {plan.margin:.0%} margin ({format_bytes(plan.margin_bytes)})",
+        "",
+    ]
+    r = plan.recommended
+    if r is not None:
+        per_step = r.micro_batch_size * r.accumulation_steps * plan.gpus
+        lines.append(
+            f"RECOMMENDED: micro-batch {r.micro_batch_size} x {r.accumulation_steps} accumulation step(s)"
+            + (f" x {plan.gpus} GPUs" if plan.gpus > 1 else "") + f" = {per_step} samples per optimizer step, "
+            f"checkpointing {_checkpointing_label(plan, r)}, {r.precision}"
+        )
+        if plan.global_batch is not None and per_step != plan.global_batch:
+            lines.append(f"  note: {per_step} is the nearest reachable to the global batch {plan.global_batch}")
+        lines.append(f"  {what} {format_bytes(r.predicted_device_total_bytes)} (traced at exactly this point)")
+        flags, args = _flags(plan, r)
+        lines.append(f"  memcheck flags:     {flags}")
+        lines.append(f"  TrainingArguments: {args}")
+        if r.checkpointing == "half":
+            lines.append(f"  checkpointed blocks: {', '.join(plan.checkpointed_modules)}")
+    else:
+        lines.append("NOTHING FITS: not even micro-batch 1 with the most checkpointing and the lowest precision allowed")
+        if plan.suggestion:
+            lines.append(f"  what would: {plan.suggestion}")
+    lines.append("")
+    rows = []
+    for o in ((r,) if r else ()) + plan.alternatives:
+        rows.append([
+            "*" if o is r else "", o.precision, _checkpointing_label(plan, o),
+            o.micro_batch_size if o.fits else "-", o.accumulation_steps if o.fits else "-",
+            format_bytes(o.predicted_device_total_bytes) + ("" if o.fits else " at micro-batch 1"),
+            ("not searched" if o.note else str(o.largest_fitting_micro_batch)
+             + ("" if o.boundary_confirmed else " (not pinned)")) if o.fits else "none", f"{o.relative_cost / r.relative_cost:.2f}" if (o.fits and r) else "-",
+            str(o.traces),
+        ])
+    lines.append(tabulate(rows, headers=["", "precision", "checkpointing", "micro-batch", "accumulation",
+                                         what, "largest fitting", "relative cost", "traces"], tablefmt="simple",
+                          disable_numparse=True))
+    lines.append("relative cost: the proxy's time per optimizer step (per sample without a global batch), "
+                 "1.00 = recommended; see memcheck.plan")
+    if plan.length_profile:
+        lines.append("")
+        lines.append(tabulate(
+            [[p.length, f"{100 * p.length / plan.max_len:.0f}%", format_bytes(p.predicted_device_total_bytes),
+              "fits" if p.fits else "DOES NOT FIT"] for p in plan.length_profile],
+            headers=[f"padded length (micro-batch {r.micro_batch_size})", "of max-len", what, ""],
+            tablefmt="simple",
+        ))
+        if plan.longest_fitting_length is not None:
+            lines.append(f"longest padded length that fits at micro-batch {r.micro_batch_size}: "
+                         f"{plan.longest_fitting_length}")
+    if plan.verification is not None:
+        lines.append("")
+        lines.append(render_verification(plan.verification))
+    lines.append("")
+    lines.append(f"traces: {plan.traces}")
+    if plan.max_len:
+        lines.append(PADDING_NOTE)
+    return "\n".join(lines)
+
+
+def render_verification(v) -> str:
+    """``--measure``'s line: the recommendation run for real."""
+    if v.out_of_memory:
+        return (f"MEASURED: ran out of memory after {v.steps} step(s) on {v.device}, predicted "
+                f"{format_bytes(v.predicted_bytes)}: {v.error}")
+    what = "device used (driver)" if v.device == "cuda" else "peak (profiler)"
+    text = (f"MEASURED over {v.steps} real steps on {v.device}: {what} {format_bytes(v.measured_bytes)}, "
+            f"predicted {format_bytes(v.predicted_bytes)} ({100 * v.error_fraction:+.1f}%)")
+    if v.peak_reserved_bytes is not None:
+        text += (f"; max_memory_allocated {format_bytes(v.peak_allocated_bytes)}, "
+                 f"max_memory_reserved {format_bytes(v.peak_reserved_bytes)}")
+    return text
+
+
 def render_json(est) -> str:
-    """One JSON object, as ``--json`` prints it (an Estimate or a Comparison)."""
+    """One JSON object, as ``--json`` prints it (an Estimate, a Comparison or a Plan)."""
     return json.dumps(est.to_dict(), indent=2)
 
 

@@ -79,6 +79,7 @@ class Work:
     """
 
     flops_per_micro_step: int  # forward, loss and backward of one micro-batch
+    low_precision_flops_per_micro_step: int  # of those, in bf16/fp16 (autocast or pure low precision)
     kernels_per_micro_step: int
     optimizer_kernels: int  # optimizer.step() and zero_grad(), once per optimizer step
 
@@ -246,3 +247,134 @@ class Comparison:
         from memcheck.render import render_comparison
 
         return render_comparison(self)
+
+
+@dataclass(frozen=True)
+class PlanOption:
+    """One (checkpointing, precision) option the planner traced, at its best micro-batch."""
+
+    micro_batch_size: int
+    accumulation_steps: int
+    checkpointing: str  # "none", "half" (every second repeated block) or "full"
+    precision: str
+    predicted_device_total_bytes: int  # the traced device total (the peak on the CPU target)
+    fits: bool
+    relative_cost: float  # the cost proxy: per optimizer step with a global batch, else per sample
+    traces: int  # traces this option took
+    largest_fitting_micro_batch: int  # 0 when micro-batch 1 does not fit
+    boundary_confirmed: bool  # the size above the largest fitting one was traced and does not fit
+    note: str = ""  # why the search stopped early, when it did
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["relative_cost"] = None if self.relative_cost == float("inf") else self.relative_cost
+        return out
+
+
+@dataclass(frozen=True)
+class LengthPoint:
+    """The traced device total at one padded length (the length profile)."""
+
+    length: int
+    predicted_device_total_bytes: int
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run so the job fits: ``memcheck plan``'s result."""
+
+    model: str
+    device: Device
+    gpu: GpuSpec | None
+    capacity_bytes: int
+    margin: float  # the fraction of the capacity held back
+    limit_bytes: int  # capacity * (1 - margin): the recommended device total stays at or below it
+    strategy: str
+    gpus: int
+    global_batch: int | None
+    recommended: PlanOption | None  # None when nothing fits
+    alternatives: tuple[PlanOption, ...]
+    length_profile: tuple[LengthPoint, ...]
+    longest_fitting_length: int | None  # at the recommended micro-batch
+    max_len: int | None
+    traces: int  # every trace the plan took
+    estimate: Estimate | None  # the recommended configuration's own trace
+    suggestion: str | None = None  # when nothing fits: what would
+    blocks: tuple[str, ...] = ()  # the repeated blocks "full" checkpoints ("half": every second)
+    verification: "Verification | None" = None  # --measure: the recommendation run for real
+
+    @property
+    def fits(self) -> bool:
+        return self.recommended is not None
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.capacity_bytes - self.limit_bytes
+
+    @property
+    def effective_global_batch(self) -> int | None:
+        r = self.recommended
+        return None if r is None else r.micro_batch_size * r.accumulation_steps * self.gpus
+
+    def to_dict(self) -> dict:
+        r = self.recommended
+        plan = {
+            "micro_batch_size": r.micro_batch_size if r else None,
+            "accumulation_steps": r.accumulation_steps if r else None,
+            "checkpointing": r.checkpointing if r else None,
+            "checkpointed_modules": list(self.checkpointed_modules),
+            "precision": r.precision if r else None,
+            "predicted_device_total_bytes": r.predicted_device_total_bytes if r else None,
+            "capacity_bytes": self.capacity_bytes,
+            "margin": self.margin,
+            "margin_bytes": self.margin_bytes,
+            "limit_bytes": self.limit_bytes,
+            "global_batch": self.global_batch,
+            "effective_global_batch": self.effective_global_batch,
+            "strategy": self.strategy,
+            "gpus": self.gpus,
+            "traces": self.traces,
+            "fits": self.fits,
+            "suggestion": self.suggestion,
+            "alternatives": [o.to_dict() for o in self.alternatives],
+            "length_profile": [asdict(p) for p in self.length_profile],
+            "longest_fitting_length": self.longest_fitting_length,
+            "verification": None if self.verification is None else self.verification.to_dict(),
+        }
+        return {"plan": plan, "estimate": None if self.estimate is None else self.estimate.to_dict()}
+
+    @property
+    def checkpointed_modules(self) -> tuple[str, ...]:
+        r = self.recommended
+        if r is None or r.checkpointing == "none":
+            return ()
+        return self.blocks if r.checkpointing == "full" else self.blocks[::2]
+
+    def __str__(self) -> str:
+        from memcheck.render import render_plan
+
+        return render_plan(self)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The recommended configuration run for real (``--measure``)."""
+
+    device: str  # "cuda" or "cpu"
+    steps: int  # optimizer steps run (fewer when it ran out of memory)
+    predicted_bytes: int  # the plan's device total (the peak on CPU)
+    measured_bytes: int | None  # the driver's used memory on CUDA, the profiler's peak on CPU
+    peak_allocated_bytes: int | None  # max_memory_allocated (CUDA)
+    peak_reserved_bytes: int | None  # max_memory_reserved (CUDA)
+    out_of_memory: bool
+    error: str | None = None  # the OOM's first line
+
+    @property
+    def error_fraction(self) -> float | None:
+        if not self.measured_bytes:
+            return None
+        return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "error_fraction": self.error_fraction}

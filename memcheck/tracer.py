@@ -51,6 +51,12 @@ def _cpu_flash_backward(grad_out, query, key, value, *args, out_val=None, **kwar
     return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
+def _low_precision(args) -> bool:
+    """Whether the op's first tensor input is bf16/fp16 (tensor-core matmuls)."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return first is not None and first.dtype in (torch.bfloat16, torch.float16)
+
+
 # torch.utils.flop_counter's formulas (matmuls, convolutions, the CUDA attention kernels),
 # plus the CPU flash-attention kernels it does not list, counted by the same formulas.
 _FLOPS = {
@@ -79,7 +85,7 @@ class TraceLog:
     events: list[tuple] = field(default_factory=list)
     assumptions: dict[str, None] = field(default_factory=dict)
     step_starts: list[int] = field(default_factory=list)  # event index where each step begins
-    # (step, phase, gpu) -> [FLOPs, kernels]: the compute the planner's cost proxy reads
+    # (step, phase, gpu) -> [FLOPs, of which in bf16/fp16, kernels]: what the planner's cost proxy reads
     work: dict[tuple, list[int]] = field(default_factory=dict)
 
 
@@ -463,9 +469,11 @@ class MemoryTracer(TorchDispatchMode):
                 flops = int(formula(*args, **kwargs, out_val=out))
             except Exception:  # a formula that does not know this overload's arguments
                 flops = 0
-        work = self.log.work.setdefault((self.step, self.phase, self._current_gpu()), [0, 0])
+        work = self.log.work.setdefault((self.step, self.phase, self._current_gpu()), [0, 0, 0])
         work[0] += flops
-        work[1] += 1
+        if flops and _low_precision(args):
+            work[1] += flops
+        work[2] += 1
 
     def _input_gpu(self, args, kwargs) -> int:
         for t in tree_flatten((args, kwargs))[0]:

@@ -1,0 +1,560 @@
+"""``plan()``: the micro-batch, accumulation, checkpointing and precision to run so a job fits.
+
+The planner searches by tracing, never by extrapolating a figure it reports:
+
+1. **Options.** Each (checkpointing, precision) pair is an option: checkpointing
+   ``none``, ``half`` (every second repeated block wrapped in ``torch.utils.checkpoint``)
+   and ``full`` (every block, through transformers' own switch where the model has
+   one); precisions from ``precision_options``.
+2. **The boundary, in at most 5 traces an option.** At a fixed shape, memory is
+   close to affine in the micro-batch. The planner traces micro-batches 1 and 4,
+   predicts from the line through them the largest micro-batch whose device total
+   stays under the limit, traces it, and then traces one more on the other side;
+   each further guess is the secant through the two traced points nearest the
+   boundary (regula falsi), kept strictly between the largest size known to fit and
+   the smallest known not to. The largest traced size that fits is the option's
+   maximum; every figure reported for it comes from its own trace.
+3. **The choice.** With ``global_batch`` G over N GPUs, an option's micro-batches m
+   up to its maximum each need ``ceil(G / (m * N))`` accumulation steps; the one
+   with the lowest cost per optimizer step wins. Without G, each option runs its
+   largest micro-batch and the highest throughput (samples per unit cost) wins.
+   The winner is traced at exactly its micro-batch and accumulation.
+4. **The limit.** The recommended configuration's own traced device total (the
+   peak, on the CPU target) is at most ``capacity * (1 - margin)``.
+
+The cost proxy (relative; it ranks configurations, it does not predict seconds):
+
+    cost per micro-step = FLOPs_fp32 / 19.5e12 + FLOPs_bf16/fp16 / 312e12 + kernels * 10e-6
+    cost per optimizer step = accumulation * cost per micro-step + optimizer kernels * 10e-6
+
+FLOPs are counted in the trace by torch.utils.flop_counter's formulas (matmuls,
+convolutions, attention), so checkpointing's recomputation is included. The
+rates are an A100's datasheet figures (FP32 19.5 TFLOP/s; BF16/FP16 tensor cores
+312 TFLOP/s); matmuls in fp32 do not use TF32 by default in PyTorch. The 10 µs per
+kernel is eager PyTorch's per-op overhead (Python, dispatch and launch), which is
+the penalty that makes small micro-batches slow: the same kernels run for fewer
+tokens. Memory-bound elementwise work is not counted.
+
+Known limitations:
+    The proxy ranks; it is not a measured throughput. The default margin comes
+    from the CUDA target's accuracy targets (device total within 5%), since no GPU
+    measurement has been committed yet (benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable
+
+import torch
+
+from memcheck.checkpointing import FULL, NONE, repeated_blocks
+from memcheck.enums import Device, Precision, Strategy
+from memcheck.errors import UsageError, require_int
+from memcheck.estimate import estimate
+from memcheck.gpus import GPUS, GpuSpec, resolve_gpu
+from memcheck.report import Estimate, LengthPoint, Plan, PlanOption, Work
+
+# Where the default margin comes from: issue 3's accuracy target for the CUDA
+# target's device total (|error| <= 5%). On the CPU target the traced peak is
+# measured within 0.01% on 16 of 17 workloads and +4.96% (an overestimate) on the
+# worst (README, "Accuracy, measured"); no GPU measurement has been committed.
+DEFAULT_MARGIN = 0.05
+TRACES_PER_OPTION = 5
+MAX_MICRO_BATCH = 65536  # the search's ceiling without a global batch
+HALF = "half"
+CHECKPOINTING_OPTIONS = (NONE, HALF, FULL)
+
+# The cost proxy's constants (see the module docstring).
+FP32_FLOPS_PER_SECOND = 19.5e12  # A100 datasheet, FP32 (non-tensor-core)
+LOW_PRECISION_FLOPS_PER_SECOND = 312e12  # A100 datasheet, BF16/FP16 tensor cores, dense
+SECONDS_PER_KERNEL = 10e-6  # eager PyTorch's per-op overhead, order of magnitude
+LENGTH_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+LENGTH_STEP = 8  # the longest fitting length is searched in multiples of 8 (pad_to_multiple_of=8)
+
+
+def micro_step_cost(work: Work) -> float:
+    """The proxy's cost of one micro-step (relative seconds)."""
+    high = work.flops_per_micro_step - work.low_precision_flops_per_micro_step
+    return (high / FP32_FLOPS_PER_SECOND + work.low_precision_flops_per_micro_step / LOW_PRECISION_FLOPS_PER_SECOND
+            + work.kernels_per_micro_step * SECONDS_PER_KERNEL)
+
+
+def step_cost(work: Work, accumulation: int) -> float:
+    """The proxy's cost of one optimizer step of ``accumulation`` micro-steps."""
+    return accumulation * micro_step_cost(work) + work.optimizer_kernels * SECONDS_PER_KERNEL
+
+
+def plan(
+    model: torch.nn.Module,
+    make_batch: Callable[..., Any],
+    *,
+    gpu: str | GpuSpec | None = None,
+    budget_bytes: int | None = None,
+    global_batch: int | None = None,
+    gpus: int | None = None,
+    strategy: str | Strategy = Strategy.SINGLE,
+    margin: float | None = None,
+    precision_options=("fp32",),
+    checkpointing_options=CHECKPOINTING_OPTIONS,
+    max_len: int | None = None,
+    target_len: int | None = None,
+    max_len_limit: int | None = None,
+    device: str | Device = Device.CUDA,
+    model_name: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    **estimate_kwargs,
+) -> Plan:
+    """Find the configuration that fits ``gpu`` and reaches ``global_batch`` fastest.
+
+    Args:
+        model: the model (meta or real; its weights are never touched).
+        make_batch: ``make_batch(batch_size)`` or ``make_batch(batch_size, max_len)``
+            returning the worst-case batch (every sequence padded to the length); with
+            a length parameter the plan includes a sequence-length profile.
+        gpu: the target GPU (a name, a size such as ``"24GiB"``, or a GpuSpec); its
+            capacity is the budget unless ``budget_bytes`` is given (needed on ``device="cpu"``).
+        global_batch: samples per optimizer step over all GPUs; without it the
+            micro-batch is maximised.
+        gpus, strategy: as in ``estimate``; the micro-batch is per GPU (under
+            ``dp`` the traced batch is the micro-batch times ``gpus``).
+        margin: the fraction of the capacity held back (default ``DEFAULT_MARGIN``).
+        precision_options: precisions the user accepts (``fp32``, ``amp-bf16``, ...).
+        checkpointing_options: among ``none``, ``half``, ``full``.
+        max_len, target_len: the traced lengths (for the length profile).
+        max_len_limit: the model's position limit; the longest fitting length is
+            searched up to it.
+        progress: called with a short line before each trace (the CLI's stderr progress).
+        estimate_kwargs: ``optimizer``, ``loss_fn``, ``steps``, ``use_reentrant``,
+            ``bucket_view``, ``bucket_cap_mb``, ``offload`` as in ``estimate``.
+
+    Returns:
+        A ``Plan``: ``recommended`` (None when nothing fits, with ``suggestion``
+        saying what would), ``alternatives``, ``length_profile``, ``traces``.
+
+    Example:
+        >>> p = memcheck.plan(model, lambda b, n: make(b, n), gpu="RTX-4090", global_batch=64,
+        ...                   max_len=1024, precision_options=("fp32", "amp-bf16"))
+        >>> p.recommended.micro_batch_size, p.recommended.accumulation_steps
+    """
+    device = Device.parse(device)
+    strategy = Strategy.parse(strategy, what="strategy")
+    gpus = gpus if gpus is not None else (1 if strategy is Strategy.SINGLE else 2)
+    require_int(gpus, "gpus")
+    if global_batch is not None:
+        require_int(global_batch, "global batch")
+        if global_batch % gpus:
+            below, above = global_batch // gpus * gpus, (global_batch // gpus + 1) * gpus
+            raise UsageError(
+                f"global batch {global_batch} is not divisible by {gpus} GPUs; every GPU takes the same share: "
+                f"use {below or above} or {above}"
+            )
+    margin = DEFAULT_MARGIN if margin is None else margin
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise UsageError(f"margin must be a fraction in [0, 1), such as 0.05; got {margin!r}")
+    target = _target(gpu, device)
+    if budget_bytes is None:
+        if target is None:
+            raise UsageError("a plan needs a capacity: name the GPU (--gpu H100-80GB or --gpu 24GiB) "
+                             "or give --gpu-memory")
+        budget_bytes = target.capacity_bytes
+    require_int(budget_bytes, "budget_bytes")
+    precisions = _unique(Precision.parse(p, what="precision") for p in _as_list(precision_options))
+    checkpoints = _unique(_parse_option(c) for c in _as_list(checkpointing_options))
+    if not precisions or not checkpoints:
+        raise UsageError("a plan needs at least one precision and one checkpointing option")
+    takes_length = _takes_length(make_batch)
+    name = model_name or type(model).__name__
+    blocks = repeated_blocks(model)
+    if not blocks:
+        checkpoints = [c for c in checkpoints if c == NONE] or [NONE]
+
+    limit = int(budget_bytes * (1 - margin))
+    search = _Search(
+        model, make_batch, takes_length, device=device, gpu=target, budget=budget_bytes, strategy=strategy,
+        gpus=gpus, global_batch=global_batch, max_len=max_len, target_len=target_len, blocks=blocks,
+        name=name, progress=progress, kwargs=estimate_kwargs,
+    )
+    cap = global_batch // gpus if global_batch is not None else MAX_MICRO_BATCH
+    options: list[PlanOption] = []
+    best: tuple[float, PlanOption] | None = None
+    # Likely winners first (low precision, no recomputation), so that later options can
+    # be dropped early: see _Search.option's bound.
+    for precision in sorted(precisions, key=lambda p: p is Precision.FP32):
+        for ck in checkpoints:
+            if best is not None and _dominated(best[1], ck, precision, cap):
+                continue
+            option = search.option(precision, ck, limit, cap, best[0] if best else None)
+            options.append(option)
+            if option.fits and (best is None or option.relative_cost < best[0]):
+                best = (option.relative_cost, option)
+    recommended = best[1] if best else None
+    alternatives = tuple(o for o in options if o is not recommended)
+    profile: tuple[LengthPoint, ...] = ()
+    longest = None
+    chosen_estimate = None
+    suggestion = None
+    if recommended is not None:
+        chosen_estimate = search.estimate_at(recommended.micro_batch_size, recommended.precision,
+                                             recommended.checkpointing, recommended.accumulation_steps)
+        if takes_length and max_len:
+            profile, longest = search.length_profile(recommended, limit, max_len_limit)
+    else:
+        suggestion = search.what_would_fit(precisions, checkpoints, margin)
+    return Plan(
+        model=name, device=device, gpu=target, capacity_bytes=budget_bytes, margin=margin,
+        limit_bytes=limit, strategy=strategy.value, gpus=gpus, global_batch=global_batch,
+        recommended=recommended, alternatives=alternatives, length_profile=profile,
+        longest_fitting_length=longest, max_len=max_len, traces=search.traces, estimate=chosen_estimate,
+        suggestion=suggestion, blocks=tuple(blocks),
+    )
+
+
+def _dominated(best: PlanOption, checkpointing: str, precision: Precision, cap: int) -> bool:
+    """An option with more checkpointing at the same precision cannot beat one that already
+    reaches the micro-batch ceiling: it runs the same micro-batches and recomputes."""
+    order = {NONE: 0, HALF: 1, FULL: 2}
+    return (best.precision == precision.value and best.micro_batch_size >= cap
+            and order[checkpointing] > order[best.checkpointing])
+
+
+class _Search:
+    """Traces the job at chosen points and remembers every trace."""
+
+    def __init__(self, model, make_batch, takes_length, *, device, gpu, budget, strategy, gpus, global_batch,
+                 max_len, target_len, blocks, name, progress, kwargs):
+        self.model, self.make_batch, self.takes_length = model, make_batch, takes_length
+        self.device, self.gpu, self.budget = device, gpu, budget
+        self.strategy, self.gpus, self.global_batch = strategy, gpus, global_batch
+        self.max_len, self.target_len, self.blocks = max_len, target_len, blocks
+        self.name, self.progress, self.kwargs = name, progress, kwargs
+        self.traces = 0
+        self._cache: dict[tuple, Estimate] = {}
+
+    def accumulation(self, micro: int) -> int:
+        if self.global_batch is None:
+            return 1
+        return math.ceil(self.global_batch / (micro * self.gpus))
+
+    def estimate_at(self, micro: int, precision: str | Precision, checkpointing: str, accumulate: int, *,
+                    length: int | None = None, gpu: GpuSpec | None = None, strategy: Strategy | None = None,
+                    gpus: int | None = None) -> Estimate:
+        """One trace (or the remembered one for the same point)."""
+        precision = Precision.parse(precision)
+        strategy = strategy or self.strategy
+        gpus = gpus or self.gpus
+        gpu = gpu or self.gpu
+        key = (micro, precision, checkpointing, accumulate, length, gpu, strategy, gpus)
+        if key in self._cache:
+            return self._cache[key]
+        if self.progress is not None:
+            self.progress(f"tracing micro-batch {micro}, {precision.value}, checkpointing {checkpointing}"
+                          + (f", length {length}" if length else "") + (f", {strategy.value} x{gpus}"
+                                                                         if strategy.multi_gpu else ""))
+        rows = micro * gpus if strategy in (Strategy.DP, Strategy.DP_BALANCED) else micro
+        if self.takes_length:
+            length = length or self.max_len
+            target = self.target_len
+            if target and self.max_len and length != self.max_len:
+                target = max(1, round(target * length / self.max_len))
+            batch = self.make_batch(rows, length, target) if _arity(self.make_batch) >= 3 else \
+                self.make_batch(rows, length)
+        else:
+            batch = self.make_batch(rows)
+        spec = {NONE: NONE, FULL: FULL, HALF: list(self.blocks[::2])}[checkpointing]
+        est = estimate(
+            self.model, batch, device=self.device, precision=precision, gpu=gpu if self.device is Device.CUDA
+            else None, budget_bytes=self.budget, strategy=strategy, gpus=gpus if strategy.multi_gpu else None,
+            accumulate=accumulate, checkpointing=spec, batch_size=micro, max_len=length or self.max_len,
+            target_len=self.target_len, model_name=self.name, top_modules=0, **self.kwargs,
+        )
+        self.traces += 1
+        self._cache[key] = est
+        return est
+
+    def option(self, precision: Precision, checkpointing: str, limit: int, cap: int,
+               best_cost: float | None = None) -> PlanOption:
+        """The largest micro-batch that fits under ``limit`` for one option.
+
+        With a global batch the candidates are the divisors of its per-GPU share, so
+        that micro-batch x accumulation x GPUs is exactly the global batch; without
+        one, every size up to ``cap``. Within one option the largest fitting
+        candidate is also the cheapest: FLOPs per sample do not change with the
+        micro-batch, and fewer micro-steps launch fewer kernels.
+
+        After the first trace, an option whose FLOPs alone (per sample, or for the global
+        batch) already cost more than ``best_cost`` cannot win, and its search stops.
+        """
+        before = self.traces
+        totals: dict[int, int] = {}
+        work: dict[int, Work] = {}
+        candidates = _divisors(cap) if self.global_batch is not None else None
+
+        def trace(m: int) -> bool:
+            est = self.estimate_at(m, precision, checkpointing, self.accumulation(m))
+            totals[m] = est.total_bytes
+            work[m] = est.work
+            return est.total_bytes <= limit
+
+        def above(m: int) -> int | None:  # the next candidate after m
+            if candidates is None:
+                return m + 1 if m < cap else None
+            return next((c for c in candidates if c > m), None)
+
+        def at_or_below(m: int) -> int:
+            if candidates is None:
+                return m
+            return max(c for c in candidates if c <= m)
+
+        lo, hi = 0, None
+        candidate = 1
+        while self.traces - before < TRACES_PER_OPTION:
+            if trace(candidate):
+                lo = candidate
+            else:
+                hi = candidate
+            if lo == 0 or above(lo) is None or above(lo) == hi:
+                break
+            if best_cost is not None and self._flops_bound(work[1]) >= best_cost:
+                return PlanOption(
+                    micro_batch_size=1, accumulation_steps=self.accumulation(1), checkpointing=checkpointing,
+                    precision=precision.value, predicted_device_total_bytes=totals[1], fits=True,
+                    relative_cost=step_cost(work[1], self.accumulation(1)),
+                    traces=self.traces - before, largest_fitting_micro_batch=1, boundary_confirmed=False,
+                    note="search stopped after 1 trace: its FLOPs alone cost more than a better option",
+                )
+            guess = at_or_below(_next_guess(totals, limit, lo, hi, cap))
+            candidate = guess if guess > lo else above(lo)
+        if lo == 0:
+            return PlanOption(
+                micro_batch_size=1, accumulation_steps=self.accumulation(1), checkpointing=checkpointing,
+                precision=precision.value, predicted_device_total_bytes=totals[1], fits=False,
+                relative_cost=math.inf, traces=self.traces - before, largest_fitting_micro_batch=0,
+                boundary_confirmed=True,
+            )
+        accumulation = self.accumulation(lo)
+        cost = step_cost(work[lo], accumulation)
+        if self.global_batch is None:
+            cost = cost / lo  # per sample: the throughput's inverse
+        return PlanOption(
+            micro_batch_size=lo, accumulation_steps=accumulation, checkpointing=checkpointing,
+            precision=precision.value, predicted_device_total_bytes=totals[lo], fits=True,
+            relative_cost=cost, traces=self.traces - before, largest_fitting_micro_batch=lo,
+            boundary_confirmed=above(lo) is None or above(lo) == hi,
+        )
+
+    def _flops_bound(self, work: Work) -> float:
+        """A lower bound on an option's cost from its micro-batch-1 trace: the FLOP terms only."""
+        high = work.flops_per_micro_step - work.low_precision_flops_per_micro_step
+        per_sample = (high / FP32_FLOPS_PER_SECOND
+                      + work.low_precision_flops_per_micro_step / LOW_PRECISION_FLOPS_PER_SECOND)
+        return per_sample * (self.global_batch // self.gpus if self.global_batch is not None else 1)
+
+    def length_profile(self, rec: PlanOption, limit: int, position_limit: int | None):
+        """Peaks at 25-100% of max_len at the recommended point, and the longest length that fits."""
+        points = []
+        lengths = {}
+        for fraction in LENGTH_FRACTIONS:
+            length = max(1, round(self.max_len * fraction))
+            est = self.estimate_at(rec.micro_batch_size, rec.precision, rec.checkpointing, rec.accumulation_steps,
+                                   length=None if length == self.max_len else length)
+            lengths[length] = est.total_bytes
+            points.append(LengthPoint(length, est.total_bytes, est.total_bytes <= limit))
+        ceiling = position_limit or self.max_len
+        fits = [n for n, b in lengths.items() if b <= limit]
+        longest = max(fits, default=None)
+        if longest == self.max_len and ceiling > self.max_len:
+            longest = self._longest(rec, lengths, limit, ceiling)
+        elif longest is not None and longest < self.max_len:
+            longest = self._longest(rec, lengths, limit, self.max_len)
+        return tuple(points), longest
+
+    def _longest(self, rec: PlanOption, lengths: dict[int, int], limit: int, ceiling: int) -> int:
+        """The longest multiple of LENGTH_STEP up to ``ceiling`` that fits: a quadratic through
+        the traced lengths predicts it, and traces confirm (at most 4)."""
+        lo = max(n for n, b in lengths.items() if b <= limit)
+        hi = min((n for n, b in lengths.items() if b > limit), default=None)
+        for _ in range(4):
+            top = (hi - 1) if hi is not None else ceiling
+            if top <= lo:
+                break
+            guess = _quadratic_root(lengths, limit)
+            guess = ceiling if guess is None else int(guess)
+            guess = max(lo + 1, min(top, guess // LENGTH_STEP * LENGTH_STEP if guess > LENGTH_STEP else guess))
+            if hi is not None and guess >= hi:
+                guess = (lo + hi) // 2
+            if guess <= lo:
+                guess = lo + 1
+            if guess > top:
+                break
+            est = self.estimate_at(rec.micro_batch_size, rec.precision, rec.checkpointing, rec.accumulation_steps,
+                                   length=guess)
+            lengths[guess] = est.total_bytes
+            if est.total_bytes <= limit:
+                lo = guess
+                if guess + LENGTH_STEP > top:
+                    break
+            else:
+                hi = guess
+        return lo
+
+    def what_would_fit(self, precisions, checkpoints, margin: float) -> str:
+        """When nothing fits at micro-batch 1: the smallest GPU in the table that holds the
+        most frugal option, and how many GPUs of this size a sharded strategy needs. Each
+        answer is confirmed by its own trace."""
+        precision = min(precisions, key=lambda p: 0 if p.weights_dtype is not None else
+                        1 if p.autocast_dtype is not None else 2)
+        checkpointing = FULL if FULL in checkpoints else checkpoints[-1]
+        how = f"micro-batch 1, {precision.value}, checkpointing {checkpointing}"
+        parts = []
+        if self.device is Device.CUDA:
+            base = self.estimate_at(1, precision, checkpointing, self.accumulation(1))
+            larger = [g for g in sorted(GPUS.values(), key=lambda g: g.capacity_bytes)
+                      if self.gpu is None or g.capacity_bytes > self.gpu.capacity_bytes]
+            for spec in larger:  # predicted from the trace on this GPU, then traced on that one
+                if base.reserved_bytes + spec.context_bytes > spec.capacity_bytes * (1 - margin):
+                    continue
+                est = self.estimate_at(1, precision, checkpointing, self.accumulation(1), gpu=spec)
+                if est.total_bytes <= spec.capacity_bytes * (1 - margin):
+                    parts.append(f"one {spec.name} ({_gib(spec.capacity_bytes)}) holds {how}: "
+                                 f"{_gib(est.total_bytes)}")
+                    break
+            else:
+                parts.append("no single GPU in `memcheck gpus` holds it")
+            parts.append(self._sharded_count(precision, checkpointing, margin, how))
+        return "; ".join(parts)
+
+    def _sharded_count(self, precision, checkpointing: str, margin: float, how: str) -> str:
+        """The fewest GPUs (a power of two) of this size that hold one rank under fsdp (or
+        zero3, if that was asked for): per-rank memory is close to R + S / N (S sharded),
+        so traces at 2 and 8 GPUs predict N, and traces confirm it."""
+        sharded = Strategy.ZERO3 if self.strategy is Strategy.ZERO3 else Strategy.FSDP
+        limit = self.budget * (1 - margin)
+        seen: dict[int, int] = {}
+
+        def trace(n: int) -> bool:
+            est = self.estimate_at(1, precision, checkpointing, self.accumulation(1), strategy=sharded, gpus=n)
+            seen[n] = est.total_bytes
+            return est.total_bytes <= limit
+
+        most = 1 << 16
+        if trace(2):
+            count = 2
+        elif trace(8):
+            count = 4 if trace(4) else 8
+        else:
+            sharded_bytes = (seen[2] - seen[8]) / (1 / 2 - 1 / 8)  # S, from the two traces
+            rest = seen[8] - sharded_bytes / 8  # R
+            if sharded_bytes <= 0 or rest >= limit:
+                return (f"{sharded.value} over more GPUs of this size would not hold {how}: "
+                        f"{_gib(seen[8])} per GPU with 8, and the part that shards is not what overflows")
+            count = 16
+            while count < most and rest + sharded_bytes / count > limit:
+                count *= 2
+            while not trace(count):
+                count *= 2
+                if count > most:
+                    return f"{sharded.value} does not hold {how} on up to {most} GPUs of this size"
+            if count // 2 > 8 and trace(count // 2):  # the other side of the boundary
+                count //= 2
+        return f"{sharded.value} over {count} GPUs of this size holds {how}: {_gib(seen[count])} per GPU"
+
+
+def _next_guess(totals: dict[int, int], limit: int, lo: int, hi: int | None, cap: int) -> int:
+    """The next micro-batch to trace: the secant through the two traced points nearest the
+    boundary, kept strictly between ``lo`` (fits) and ``hi`` (does not)."""
+    top = min(cap, hi - 1) if hi is not None else cap
+    if len(totals) == 1:  # one point so far: the line needs a second, well apart
+        return min(top, 4)
+    if hi is not None:
+        a, b = lo, hi
+    else:
+        a, b = sorted(totals)[-2:]
+    slope = (totals[b] - totals[a]) / (b - a)
+    if slope <= 0:
+        guess = top
+    else:
+        guess = a + math.floor((limit - totals[a]) / slope)
+    if guess <= lo:  # the prediction says lo is the boundary: confirm it from above
+        guess = lo + 1
+    return max(lo + 1, min(top, guess))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _quadratic_root(points: dict[int, int], limit: int) -> float | None:
+    """The length where a quadratic through the three traced points nearest the limit
+    reaches it (memory grows linearly in length with flash attention, quadratically
+    with eager attention's score matrix)."""
+    xs = sorted(points, key=lambda n: abs(points[n] - limit))[:3]
+    if len(xs) < 3:
+        return None
+    xs.sort()
+    (x0, x1, x2), (y0, y1, y2) = xs, [points[x] for x in xs]
+    # Newton's divided differences: y = y0 + d1 (x - x0) + d2 (x - x0)(x - x1)
+    d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+    d2 = (d12 - d01) / (x2 - x0)
+    a, b, c = d2, d01 - d2 * (x0 + x1), y0 - d01 * x0 + d2 * x0 * x1 - limit
+    if abs(a) < 1e-12:
+        return None if b <= 0 else -c / b
+    disc = b * b - 4 * a * c
+    if disc < 0:
+        return None
+    roots = [(-b + s * math.sqrt(disc)) / (2 * a) for s in (1, -1)]
+    ahead = [r for r in roots if r >= x0]
+    return min(ahead) if ahead else None
+
+
+def _target(gpu, device: Device) -> GpuSpec | None:
+    if device is not Device.CUDA:
+        if gpu is not None:
+            raise UsageError(f"gpu={gpu!r} applies to the cuda target only; the target is {device.value} "
+                             "(give the budget as --gpu-memory)")
+        return None
+    if isinstance(gpu, GpuSpec):
+        return gpu
+    return resolve_gpu(gpu)
+
+
+def _parse_option(value) -> str:
+    text = str(value).strip().lower()
+    if text not in CHECKPOINTING_OPTIONS:
+        raise UsageError(f"checkpointing option {value!r} is not one of {', '.join(CHECKPOINTING_OPTIONS)}")
+    return text
+
+
+def _as_list(value) -> list:
+    if isinstance(value, (str, Precision)):
+        return [v for v in str(value.value if isinstance(value, Precision) else value).split(",") if v.strip()]
+    return list(value)
+
+
+def _unique(items) -> list:
+    out = []
+    for item in items:
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def _arity(fn) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 3
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _takes_length(fn) -> bool:
+    return _arity(fn) >= 2
+
+
+def _gib(n: int) -> str:
+    from memcheck.units import format_bytes
+
+    return format_bytes(n)

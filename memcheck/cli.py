@@ -72,51 +72,64 @@ def main():
     """
 
 
+_WORKLOAD_OPTIONS = [
+    click.argument("model", metavar="MODEL"),
+    click.option("--max-len", type=int, default=None,
+                 help="Pad every sequence to this length (the worst case). Default for hf: models: the position limit."),
+    click.option("--target-len", type=int, default=None, help="Label length for seq2seq models."),
+    click.option("--task", default=None, metavar="TASK",
+                 help="Override the architecture's task: causal-lm, masked-lm, seq2seq, classification, "
+                      "image-classification."),
+    click.option("--attn", default=None, metavar="IMPL", help="transformers attention implementation: eager or sdpa."),
+    click.option("--device", default="cuda", show_default=True, metavar="DEVICE",
+                 help="Target device of the estimate: cpu or cuda."),
+    click.option("--optimizer", default=None, metavar="NAME",
+                 help="adamw (default), adamw-foreach, adamw-fused, adam, adam-fused, adafactor, adamw-8bit, sgd, "
+                      "sgd-momentum; a model file's make_optimizer wins unless this is given."),
+    click.option("--steps", default=2, show_default=True, type=int,
+                 help="Training steps to trace; the peak is taken from step 2 on."),
+    click.option("--gpu", default=None, metavar="NAME|SIZE",
+                 help="Target GPU: a name (H100-80GB, A100-40GB, RTX-4090, T4, ...; see `memcheck gpus`) or a "
+                      "capacity such as 24GiB. Default: the local GPU, if any. Exit code 1 when it does not fit."),
+    click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE",
+                 help="A memory budget such as 24GiB, checked against the device total (the peak on cpu)."),
+    click.option("--strategy", default="single", show_default=True, metavar="NAME",
+                 help="single, dp, dp-balanced, ddp, fsdp, zero1, zero2, zero3 (multi-GPU ones need --gpus)."),
+    click.option("--gpus", type=int, default=None, help="GPUs for a multi-GPU strategy (default 2; 1 for single)."),
+    click.option("--reentrant", is_flag=True, help="Checkpoint with use_reentrant=True (default False)."),
+    click.option("--bucket-view/--no-bucket-view", default=False, show_default=True,
+                 help="ddp: gradient_as_bucket_view."),
+    click.option("--bucket-cap-mb", type=float, default=None, help="ddp: bucket_cap_mb (DDP's default: 25)."),
+    click.option("--offload", default="none", show_default=True, metavar="none|optimizer|params",
+                 help="fsdp / zero: move the optimizer state or the parameters to CPU memory."),
+    click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table."),
+    click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise)."),
+    click.option("--debug", is_flag=True, help="Show the full traceback of errors."),
+]
+
+
+def _workload_options(command):
+    """The options every command that traces a model takes (estimate, plan)."""
+    for decorator in reversed(_WORKLOAD_OPTIONS):
+        command = decorator(command)
+    return command
+
+
 @main.command()
-@click.argument("model", metavar="MODEL")
-@click.option("--max-len", type=int, default=None,
-              help="Pad every sequence to this length (the worst case). Default for hf: models: the position limit.")
-@click.option("--target-len", type=int, default=None, help="Label length for seq2seq models.")
+@_workload_options
 @click.option("-b", "--batch-size", type=int, default=1, show_default=True, help="Micro-batch size per step.")
-@click.option("--task", default=None, metavar="TASK",
-              help="Override the architecture's task: causal-lm, masked-lm, seq2seq, classification, image-classification.")
-@click.option("--attn", default=None, metavar="IMPL", help="transformers attention implementation: eager or sdpa.")
-@click.option("--device", default="cuda", show_default=True, metavar="DEVICE",
-              help="Target device of the estimate: cpu or cuda.")
 @click.option("--precision", default="fp32", show_default=True, metavar="PREC",
               help="fp32; amp-bf16 / amp-fp16 (torch.autocast, fp16 with a GradScaler); or pure bf16 / fp16 weights.")
-@click.option("--optimizer", default=None, metavar="NAME",
-              help="adamw (default), adamw-foreach, adamw-fused, adam, adam-fused, adafactor, adamw-8bit, sgd, "
-                   "sgd-momentum; a model file's make_optimizer wins unless this is given.")
-@click.option("--steps", default=2, show_default=True, type=int,
-              help="Training steps to trace; the peak is taken from step 2 on.")
-@click.option("--gpu", default=None, metavar="NAME|SIZE",
-              help="Target GPU: a name (H100-80GB, A100-40GB, RTX-4090, T4, ...; see `memcheck gpus`) or a "
-                   "capacity such as 24GiB. Default: the local GPU, if any. Exit code 1 when it does not fit.")
-@click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE",
-              help="A memory budget such as 24GiB, checked against the device total (the peak on cpu).")
-@click.option("--strategy", default="single", show_default=True, metavar="NAME",
-              help="single, dp, dp-balanced, ddp, fsdp, zero1, zero2, zero3 (multi-GPU ones need --gpus).")
-@click.option("--gpus", type=int, default=None, help="GPUs for a multi-GPU strategy (default 2; 1 for single).")
 @click.option("--accumulate", type=int, default=1, show_default=True, help="Gradient accumulation steps.")
 @click.option("--checkpointing", default="none", show_default=True, metavar="none|full|LIST",
               help="Gradient checkpointing: full wraps every repeated block; or comma-separated module "
                    "names/patterns (transformer.h.*).")
-@click.option("--reentrant", is_flag=True, help="Checkpoint with use_reentrant=True (default False).")
-@click.option("--bucket-view/--no-bucket-view", default=False, show_default=True,
-              help="ddp: gradient_as_bucket_view.")
-@click.option("--bucket-cap-mb", type=float, default=None, help="ddp: bucket_cap_mb (DDP's default: 25).")
-@click.option("--offload", default="none", show_default=True, metavar="none|optimizer|params",
-              help="fsdp / zero: move the optimizer state or the parameters to CPU memory.")
 @click.option("--eval-batch-size", type=int, default=None,
               help="Also trace an evaluation pass (no_grad) at this batch size; the peak is the larger.")
 @click.option("--eval-accumulate-predictions", type=int, default=0, show_default=True, metavar="N",
               help="Keep N eval batches of predictions on the GPU (HF Trainer without eval_accumulation_steps).")
 @click.option("--compare", is_flag=True, help="One table of every strategy that applies to --gpus.")
 @click.option("--top", default=8, show_default=True, type=int, help="Modules to list in the table.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-@click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise).")
-@click.option("--debug", is_flag=True, help="Show the full traceback of errors.")
 def estimate(model, max_len, target_len, batch_size, task, attn, device, precision, optimizer, steps,
              gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, reentrant, bucket_view, bucket_cap_mb,
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug):
@@ -172,6 +185,109 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
               debug, EXIT_INTERNAL)
     click.echo(render_json(result) if as_json else str(result))
     sys.exit(EXIT_DOES_NOT_FIT if result.fits is False else EXIT_FITS)
+
+
+@main.command()
+@_workload_options
+@click.option("--global-batch", type=int, default=None,
+              help="Samples per optimizer step over all GPUs; micro-batch x accumulation x GPUs equals it. "
+                   "Without it the micro-batch is maximised.")
+@click.option("--margin", type=float, default=None,
+              help="Fraction of the capacity held back (default 0.05: the CUDA target's device-total accuracy target).")
+@click.option("--precision", default="fp32", show_default=True, metavar="PREC", help="The precision to plan for.")
+@click.option("--precision-options", default=None, metavar="PREC,PREC",
+              help="Precisions you accept (fp32,amp-bf16,...); the fastest that fits wins. Overrides --precision.")
+@click.option("--checkpointing-options", default="none,half,full", show_default=True, metavar="OPT,OPT",
+              help="Gradient checkpointing to consider: none, half (every second block), full.")
+@click.option("--measure", is_flag=True,
+              help="Then run the recommendation for real (20 steps at the worst-case batch) on this machine's "
+                   "GPU (or the CPU for --device cpu) and report measured vs predicted.")
+@click.option("--measure-steps", type=int, default=20, show_default=True, help="Optimizer steps --measure runs.")
+def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, gpu_memory, strategy, gpus,
+         reentrant, bucket_view, bucket_cap_mb, offload, as_json, allow_download, debug, global_batch, margin,
+         precision, precision_options, checkpointing_options, measure, measure_steps):
+    """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
+
+    \b
+    Every option is traced at the worst-case batch (every sequence padded to --max-len):
+    at most 5 traces per (checkpointing, precision) option, and the recommendation is
+    traced at exactly its own settings. Exit codes: 0 a configuration fits (and, with
+    --measure, ran without running out of memory), 1 nothing fits or --measure ran out of
+    memory, 2 bad input, 3 internal error.
+    """
+    if not allow_download:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from memcheck.errors import MemcheckError, UsageError, require_int
+    from memcheck.model_source import load_workload
+    from memcheck.plan import plan as run_plan
+    from memcheck.render import render_json
+    from memcheck.units import parse_size
+
+    _quiet_transformers()
+    progress = None
+    if not as_json and sys.stderr.isatty():
+        def progress(line):
+            click.echo(f"\r\033[K{line}", err=True, nl=False)
+    try:
+        budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
+        if measure:
+            require_int(measure_steps, "--measure-steps", minimum=2)
+        work = load_workload(model, batch_size=1, max_len=max_len, target_len=target_len, task=task, attn=attn,
+                             allow_download=allow_download)
+        result = run_plan(
+            work.model, work.make, gpu=gpu, budget_bytes=budget, global_batch=global_batch, gpus=gpus,
+            strategy=strategy, margin=margin, precision_options=precision_options or precision,
+            checkpointing_options=checkpointing_options, max_len=work.max_len, target_len=work.target_len,
+            max_len_limit=work.max_len_limit, device=device, model_name=work.name, progress=progress,
+            optimizer=optimizer or work.make_optimizer or "adamw", loss_fn=work.loss_fn, steps=steps,
+            use_reentrant=reentrant, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload,
+        )
+        if progress is not None:
+            click.echo("\r\033[K", err=True, nl=False)
+        if measure and result.recommended is not None:
+            if result.strategy != "single":
+                raise UsageError("--measure runs one process on one device; it cannot run a multi-GPU strategy")
+            from dataclasses import replace
+
+            result = replace(result, verification=_measure_plan(model, result, work, device, measure_steps,
+                                                                allow_download, optimizer, reentrant))
+    except MemcheckError as exc:
+        _fail(exc, debug, exc.exit_code)
+    except Exception as exc:  # a bug in memcheck: say so, briefly
+        _fail(RuntimeError(f"internal error ({type(exc).__name__}: {exc}); rerun with --debug and report it"),
+              debug, EXIT_INTERNAL)
+    click.echo(render_json(result) if as_json else str(result))
+    failed = result.verification is not None and (
+        result.verification.out_of_memory or result.verification.measured_bytes > result.capacity_bytes)
+    sys.exit(EXIT_DOES_NOT_FIT if not result.fits or failed else EXIT_FITS)
+
+
+def _measure_plan(spec, result, work, device, steps, allow_download, optimizer, reentrant):
+    """Build the model for real on the CPU, set it up as recommended, and run it (memcheck.measure.verify)."""
+    from memcheck.checkpointing import apply_checkpointing
+    from memcheck.measure import verify
+    from memcheck.model_source import load_workload
+    from memcheck.optimizers import resolve_optimizer
+
+    rec = result.recommended
+    load = dict(batch_size=rec.micro_batch_size, max_len=work.max_len, target_len=work.target_len,
+                allow_download=allow_download, device="cpu")
+
+    def build():  # inside the measured region, so the weights are measured too
+        real = load_workload(spec, **load)
+        if rec.checkpointing != "none":
+            apply_checkpointing(real.model, "full" if rec.checkpointing == "full"
+                                else list(result.checkpointed_modules), use_reentrant=reentrant)
+        return real.model, real.batch
+
+    from memcheck.enums import Device
+    from memcheck.training_loop import default_loss
+
+    _, make_optimizer = resolve_optimizer(optimizer or work.make_optimizer or "adamw", Device.parse(device))
+
+    return verify(build, make_optimizer, device=device, predicted_bytes=rec.predicted_device_total_bytes,
+                  loss_fn=work.loss_fn or default_loss, precision=rec.precision, accumulate=rec.accumulation_steps,
+                  steps=steps)
 
 
 @main.command()

@@ -321,6 +321,28 @@ def local_gpu(*, timeout: float = 5.0) -> GpuSpec | None:
     return None
 
 
+def device_used_bytes(*, timeout: float = 30.0) -> int | None:
+    """Memory in use on the GPU that would be ``cuda:0`` (nvidia-smi ``memory.used``, all
+    processes), without initialising CUDA; None when nvidia-smi cannot say."""
+    exe = shutil.which("nvidia-smi")
+    device = _visible_device()
+    if exe is None or device == "":
+        return None
+    select = ["-i", device] if device else ["-i", "0"]
+    try:
+        done = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", *select],
+                              capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
+    if done.returncode != 0 or not lines:
+        return None
+    try:
+        return int(float(lines[0])) * MiB
+    except ValueError:
+        return None
+
+
 def local_library_versions() -> dict[str, object]:
     """This torch build's CUDA toolkit and cuDNN versions, which decide attention kernels.
 

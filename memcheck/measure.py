@@ -14,6 +14,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from memcheck.enums import Precision
+from memcheck.errors import UsageError
+from memcheck.report import Verification
 from memcheck.training_loop import LossFn, default_loss, run_steps
 
 STEP_MARK = "memcheck.step"
@@ -117,6 +119,7 @@ def measure_cuda(
     precision: str = "fp32",
     baseline_used_bytes: int = 0,
     accumulate: int = 1,
+    on_phase: Callable | None = None,
 ) -> MeasuredCuda:
     """Train ``steps`` real steps on the current CUDA device and read its memory.
 
@@ -145,14 +148,16 @@ def measure_cuda(
     scaler = torch.amp.GradScaler("cuda") if precision is Precision.AMP_FP16 else None
     first = {}
 
-    def on_phase(step, phase):
+    def mark(step, phase):
+        if on_phase is not None:
+            on_phase(step, phase)
         if step == 1 and phase.value == "forward" and not first:
             torch.cuda.synchronize()
             first["allocated"] = torch.cuda.max_memory_allocated()
             first["reserved"] = torch.cuda.max_memory_reserved()
             torch.cuda.reset_peak_memory_stats()
 
-    run_steps(model, batch, loss_fn, optimizer, steps, on_phase, autocast=autocast, scaler=scaler,
+    run_steps(model, batch, loss_fn, optimizer, steps, mark, autocast=autocast, scaler=scaler,
               accumulate=accumulate)
     torch.cuda.synchronize()
     steady = torch.cuda.max_memory_allocated()
@@ -166,3 +171,55 @@ def measure_cuda(
         device_used_bytes=used,
         context_bytes=used - torch.cuda.memory_reserved(),
     )
+
+
+def verify(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    device: str,
+    predicted_bytes: int,
+    loss_fn: LossFn = default_loss,
+    precision: str = "fp32",
+    accumulate: int = 1,
+    steps: int = 20,
+) -> Verification:
+    """Run a configuration for real for ``steps`` optimizer steps and compare with the prediction.
+
+    On ``cuda`` the measured figure is the driver's used memory of this process
+    (nvidia-smi before CUDA starts, ``cudaMemGetInfo`` after), as the prediction's
+    device total is; an out-of-memory error is a measured result, and the GPU memory
+    is released afterwards. On ``cpu`` it is the allocator's steady-state peak from
+    the profiler. ``build()`` returns the model (already checkpointed as planned)
+    and the worst-case batch on the CPU.
+    """
+    precision = Precision.parse(precision)
+    if device == "cpu":
+        measured = measure_cpu(build, make_optimizer, loss_fn=loss_fn, steps=steps,
+                               autocast_dtype=precision.autocast_dtype, accumulate=accumulate)
+        return Verification("cpu", steps, predicted_bytes, measured.steady_peak_bytes, None, None, False)
+    if not torch.cuda.is_available():
+        raise UsageError("--measure on the cuda target needs a CUDA GPU, and torch sees none here")
+    from memcheck.gpus import device_used_bytes
+
+    baseline = device_used_bytes() or 0
+    done = {"steps": 0}
+
+    def count(step, phase):
+        if phase.value == "optimizer_step":
+            done["steps"] = step + 1
+
+    try:
+        real = measure_cuda(build, make_optimizer, loss_fn=loss_fn, steps=steps, precision=precision.value,
+                            baseline_used_bytes=baseline, accumulate=accumulate, on_phase=count)
+    except torch.cuda.OutOfMemoryError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "CUDA out of memory"
+        return Verification("cuda", done["steps"], predicted_bytes, None, torch.cuda.max_memory_allocated(),
+                            torch.cuda.max_memory_reserved(), True, first)
+    finally:
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    return Verification("cuda", steps, predicted_bytes, real.device_used_bytes, real.peak_allocated_bytes,
+                        real.peak_reserved_bytes, False)

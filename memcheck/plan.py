@@ -377,15 +377,9 @@ class _Search:
         hi = min((n for n, b in lengths.items() if b > limit), default=None)
         for _ in range(4):
             top = (hi - 1) if hi is not None else ceiling
-            if top <= lo:
-                break
             guess = _quadratic_root(lengths, limit)
-            guess = ceiling if guess is None else int(guess)
-            guess = max(lo + 1, min(top, guess // LENGTH_STEP * LENGTH_STEP if guess > LENGTH_STEP else guess))
-            if hi is not None and guess >= hi:
-                guess = (lo + hi) // 2
-            if guess <= lo:
-                guess = lo + 1
+            guess = top if guess is None else min(top, int(guess))
+            guess = max(guess // LENGTH_STEP * LENGTH_STEP, (lo // LENGTH_STEP + 1) * LENGTH_STEP)
             if guess > top:
                 break
             est = self.estimate_at(rec.micro_batch_size, rec.precision, rec.checkpointing, rec.accumulation_steps,
@@ -393,10 +387,10 @@ class _Search:
             lengths[guess] = est.total_bytes
             if est.total_bytes <= limit:
                 lo = guess
-                if guess + LENGTH_STEP > top:
-                    break
             else:
                 hi = guess
+            if hi is not None and (lo // LENGTH_STEP + 1) * LENGTH_STEP >= hi:
+                break  # confirmed from both sides
         return lo
 
     def what_would_fit(self, precisions, checkpoints, margin: float) -> str:

@@ -14,11 +14,13 @@ The planner searches by tracing, never by extrapolating a figure it reports:
    boundary (regula falsi), kept strictly between the largest size known to fit and
    the smallest known not to. The largest traced size that fits is the option's
    maximum; every figure reported for it comes from its own trace.
-3. **The choice.** With ``global_batch`` G over N GPUs, an option's micro-batches m
-   up to its maximum each need ``ceil(G / (m * N))`` accumulation steps; the one
-   with the lowest cost per optimizer step wins. Without G, each option runs its
-   largest micro-batch and the highest throughput (samples per unit cost) wins.
-   The winner is traced at exactly its micro-batch and accumulation.
+3. **The choice.** With ``global_batch`` G over N GPUs, the micro-batches tried are
+   the divisors m of G / N, each with ``G / (m * N)`` accumulation steps (so the
+   global batch is exactly G), and each option's largest fitting one is its
+   cheapest. The option with the lowest cost per optimizer step wins; without G,
+   each option runs its largest micro-batch and the lowest cost per sample wins.
+   Each option's figures come from the trace at exactly its micro-batch and
+   accumulation.
 4. **The limit.** The recommended configuration's own traced device total (the
    peak, on the CPU target) is at most ``capacity * (1 - margin)``.
 
@@ -57,9 +59,9 @@ from memcheck.gpus import GPUS, GpuSpec, resolve_gpu
 from memcheck.report import Estimate, LengthPoint, Plan, PlanOption, Work
 
 # Where the default margin comes from: issue 3's accuracy target for the CUDA
-# target's device total (|error| <= 5%). On the CPU target the traced peak is
-# measured within 0.01% on 16 of 17 workloads and +4.96% (an overestimate) on the
-# worst (README, "Accuracy, measured"); no GPU measurement has been committed.
+# target's device total (|error| <= 5%), because no GPU measurement has been
+# committed yet (benchmarks/results/). On the CPU target the fp32 zoo is within
+# 0.21% of the profiler's measured peak (README, "Accuracy, measured").
 DEFAULT_MARGIN = 0.05
 TRACES_PER_OPTION = 5
 MAX_MICRO_BATCH = 65536  # the search's ceiling without a global batch
@@ -207,7 +209,7 @@ def plan(
         limit_bytes=limit, strategy=strategy.value, gpus=gpus, global_batch=global_batch,
         recommended=recommended, alternatives=alternatives, length_profile=profile,
         longest_fitting_length=longest, max_len=max_len, traces=search.traces, estimate=chosen_estimate,
-        suggestion=suggestion, blocks=tuple(blocks),
+        suggestion=suggestion, blocks=tuple(blocks), position_limit=max_len_limit,
     )
 
 

@@ -273,8 +273,12 @@ def render_plan(plan: Plan) -> str:
             tablefmt="simple",
         ))
         if plan.longest_fitting_length is not None:
+            limit = plan.position_limit or plan.max_len
             lines.append(f"longest padded length that fits at micro-batch {r.micro_batch_size}: "
-                         f"{plan.longest_fitting_length}")
+                         f"{plan.longest_fitting_length}" + (
+                             " (the model's position limit)" if plan.longest_fitting_length == plan.position_limit
+                             else " (searched up to --max-len)" if limit == plan.max_len else
+                             f" (in multiples of 8, up to the position limit {limit})"))
     if plan.verification is not None:
         lines.append("")
         lines.append(render_verification(plan.verification))

@@ -302,6 +302,7 @@ class Plan:
     estimate: Estimate | None  # the recommended configuration's own trace
     suggestion: str | None = None  # when nothing fits: what would
     blocks: tuple[str, ...] = ()  # the repeated blocks "full" checkpoints ("half": every second)
+    position_limit: int | None = None  # the longest length the model's position embeddings take
     verification: "Verification | None" = None  # --measure: the recommendation run for real
 
     @property

@@ -52,7 +52,15 @@ predicted device total stays under CAP x (1 - ``memcheck.plan.DEFAULT_MARGIN``);
 the search fills the whole card. With memory affine in the micro-batch, fixed part F
 (weights, gradients, optimizer state, context), an exact prediction alone gives a
 ratio near ((1 - margin) x CAP - F) / (CAP - F): 0.94 for F = 2 GiB on 24 GiB with a
-5% margin. The ratio therefore measures the margin and the prediction's error together.
+5% margin. The ratio therefore measures the margin and the prediction's error together,
+and the rounding to whole samples (one sample in 14 is 7%).
+
+Known limitations:
+    The search's largest comes from a process that has hit OOMs (a fragmented cache,
+    3 steps a trial), so it can be a sample below what a fresh process trains; the
+    planned micro-batch is the one run for 50 steps in a fresh process. Nothing here
+    has been run on a GPU yet: the CPU tests cover the CLI, the search logic, the
+    fraction's arithmetic and the plan half.
 
 Workloads reuse ``benchmarks/gpu_accuracy.py``'s builders and table (its batch size
 is ignored: the micro-batch is what is searched); lengths are its own moderate ones
@@ -188,7 +196,8 @@ def _emulate(cap_bytes: int, baseline_bytes: int) -> dict:
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     context = total - free - baseline_bytes - torch.cuda.memory_reserved()
-    fraction = allocator_fraction(cap_bytes, context, total)
+    # below 0 only if another process freed memory after nvidia-smi was read: recorded as is
+    fraction = allocator_fraction(cap_bytes, max(context, 0), total)
     torch.cuda.set_per_process_memory_fraction(fraction)
     return {"context_at_start_bytes": context, "allocator_limit_bytes": int(fraction * total),
             "fraction": fraction, "device_total_bytes": total, "baseline_bytes": baseline_bytes}
@@ -290,6 +299,7 @@ def search_one(name: str, cap_bytes: int, baseline_bytes: int) -> dict:
 
     emulated = _emulate(cap_bytes, baseline_bytes)
     model, make, loss, optimizer, autocast, scaler = _cuda_job(name)
+    state = {"scaler": scaler}
     log = []
 
     def fits(b: int) -> bool:
@@ -300,7 +310,7 @@ def search_one(name: str, cap_bytes: int, baseline_bytes: int) -> dict:
         oom, batch = False, None
         try:
             batch = make(b)
-            run_steps(model, batch, loss, optimizer, STEPS_PER_TRIAL, autocast=autocast, scaler=scaler)
+            run_steps(model, batch, loss, optimizer, STEPS_PER_TRIAL, autocast=autocast, scaler=state["scaler"])
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - OOMs are the answer; anything else is re-raised
             if not is_oom(exc):
@@ -309,6 +319,8 @@ def search_one(name: str, cap_bytes: int, baseline_bytes: int) -> dict:
         del batch  # before the next trial's
         if oom:  # outside the except block, so the traceback's frames are gone
             optimizer.zero_grad(set_to_none=True)
+            if scaler is not None:  # an OOM inside scaler.step() leaves it mid-step; start afresh
+                state["scaler"] = torch.amp.GradScaler("cuda")
             gc.collect()
             torch.cuda.empty_cache()
         log.append({"micro_batch": b, "fits": not oom, "seconds": time.perf_counter() - start,
@@ -384,7 +396,7 @@ def run_workload(name: str, gpu, cap_bytes: int) -> dict:
                                    "--baseline", str(gpu_accuracy._device_used()))
     row["search"] = search and {**search, "process_seconds": seconds}
     if tail:
-        row.setdefault("error", []).append(f"search: {tail}")
+        row.setdefault("error", []).append("search: " + " ".join(tail))
     planned = row["plan"]["micro_batch"] if row["plan"] else None
     row["verify"] = None
     if planned:
@@ -392,7 +404,7 @@ def run_workload(name: str, gpu, cap_bytes: int) -> dict:
                                        "--baseline", str(gpu_accuracy._device_used()))
         row["verify"] = verify and {**verify, "process_seconds": seconds}
         if tail:
-            row.setdefault("error", []).append(f"verify: {tail}")
+            row.setdefault("error", []).append("verify: " + " ".join(tail))
     largest = search["largest"] if search else None
     row["ratio"] = planned / largest if planned is not None and largest else None
     row["planned_oom_in_50_steps"] = row["verify"]["oom"] if row["verify"] else None

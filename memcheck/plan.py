@@ -73,6 +73,8 @@ FP32_FLOPS_PER_SECOND = 19.5e12  # A100 datasheet, FP32 (non-tensor-core)
 LOW_PRECISION_FLOPS_PER_SECOND = 312e12  # A100 datasheet, BF16/FP16 tensor cores, dense
 SECONDS_PER_KERNEL = 10e-6  # eager PyTorch's per-op overhead, order of magnitude
 LENGTH_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+_ESTIMATE_KWARGS = frozenset({"optimizer", "loss_fn", "steps", "use_reentrant", "bucket_view", "bucket_cap_mb",
+                              "offload"})
 LENGTH_STEP = 8  # the longest fitting length is searched in multiples of 8 (pad_to_multiple_of=8)
 
 
@@ -106,6 +108,7 @@ def plan(
     device: str | Device = Device.CUDA,
     model_name: str | None = None,
     progress: Callable[[str], None] | None = None,
+    length_profile: bool = True,
     **estimate_kwargs,
 ) -> Plan:
     """Find the configuration that fits ``gpu`` and reaches ``global_batch`` fastest.
@@ -128,6 +131,7 @@ def plan(
         max_len_limit: the model's position limit; the longest fitting length is
             searched up to it.
         progress: called with a short line before each trace (the CLI's stderr progress).
+        length_profile: trace the length profile (needs a ``make_batch`` that takes a length).
         estimate_kwargs: ``optimizer``, ``loss_fn``, ``steps``, ``use_reentrant``,
             ``bucket_view``, ``bucket_cap_mb``, ``offload`` as in ``estimate``.
 
@@ -140,6 +144,10 @@ def plan(
         ...                   max_len=1024, precision_options=("fp32", "amp-bf16"))
         >>> p.recommended.micro_batch_size, p.recommended.accumulation_steps
     """
+    unknown = sorted(set(estimate_kwargs) - _ESTIMATE_KWARGS)
+    if unknown:
+        raise UsageError(f"plan() got unknown argument(s) {', '.join(unknown)}; it passes on to estimate() "
+                         f"only {', '.join(sorted(_ESTIMATE_KWARGS))}")
     device = Device.parse(device)
     strategy = Strategy.parse(strategy, what="strategy")
     gpus = gpus if gpus is not None else (1 if strategy is Strategy.SINGLE else 2)
@@ -200,7 +208,7 @@ def plan(
     if recommended is not None:
         chosen_estimate = search.estimate_at(recommended.micro_batch_size, recommended.precision,
                                              recommended.checkpointing, recommended.accumulation_steps)
-        if takes_length and max_len:
+        if length_profile and takes_length and max_len:
             profile, longest = search.length_profile(recommended, limit, max_len_limit)
     else:
         suggestion = search.what_would_fit(precisions, checkpoints, margin)
@@ -293,10 +301,15 @@ class _Search:
         work: dict[int, Work] = {}
         candidates = _divisors(cap) if self.global_batch is not None else None
 
+        per_sample: list[float] = []
+
         def trace(m: int) -> bool:
             est = self.estimate_at(m, precision, checkpointing, self.accumulation(m))
             totals[m] = est.total_bytes
             work[m] = est.work
+            if not per_sample:  # what grows with the batch, from the first trace (micro-batch 1)
+                b = est.breakdown_at_peak
+                per_sample.append(b.activations + b.temporaries + b.outputs + b.inputs)
             return est.total_bytes <= limit
 
         def above(m: int) -> int | None:  # the next candidate after m
@@ -326,7 +339,7 @@ class _Search:
                     traces=self.traces - before, largest_fitting_micro_batch=1, boundary_confirmed=False,
                     note="search stopped after 1 trace: its FLOPs alone cost more than a better option",
                 )
-            guess = at_or_below(_next_guess(totals, limit, lo, hi, cap))
+            guess = at_or_below(_next_guess(totals, limit, lo, hi, cap, per_sample[0]))
             candidate = guess if guess > lo else above(lo)
         if lo == 0:
             return PlanOption(
@@ -407,7 +420,7 @@ class _Search:
         if self.device is Device.CUDA:
             base = self.estimate_at(1, precision, checkpointing, self.accumulation(1))
             larger = [g for g in sorted(GPUS.values(), key=lambda g: g.capacity_bytes)
-                      if self.gpu is None or g.capacity_bytes > self.gpu.capacity_bytes]
+                      if g.capacity_bytes > self.budget]
             for spec in larger:  # predicted from the trace on this GPU, then traced on that one
                 if base.reserved_bytes + spec.context_bytes > spec.capacity_bytes * (1 - margin):
                     continue
@@ -457,12 +470,18 @@ class _Search:
         return f"{sharded.value} over {count} GPUs of this size holds {how}: {_gib(seen[count])} per GPU"
 
 
-def _next_guess(totals: dict[int, int], limit: int, lo: int, hi: int | None, cap: int) -> int:
+def _next_guess(totals: dict[int, int], limit: int, lo: int, hi: int | None, cap: int,
+                first_slope: float = 0) -> int:
     """The next micro-batch to trace: the secant through the two traced points nearest the
-    boundary, kept strictly between ``lo`` (fits) and ``hi`` (does not)."""
+    boundary, kept strictly between ``lo`` (fits) and ``hi`` (does not). After one trace
+    the slope is ``first_slope``: the bytes at micro-batch 1's peak that scale with the
+    batch (activations, temporaries, outputs, the batch itself)."""
     top = min(cap, hi - 1) if hi is not None else cap
-    if len(totals) == 1:  # one point so far: the line needs a second, well apart
-        return min(top, 4)
+    if len(totals) == 1:
+        (a, total), = totals.items()
+        if first_slope <= 0:
+            return max(lo + 1, min(top, 4))
+        return max(lo + 1, min(top, a + math.floor((limit - total) / first_slope)))
     if hi is not None:
         a, b = lo, hi
     else:

@@ -2,6 +2,7 @@
 
     python benchmarks/speed.py            # all workloads, prints a table of ratios
     python benchmarks/speed.py --quick    # GPT-2 only
+    python benchmarks/speed.py --plan     # `memcheck plan` against one plain estimate, wall seconds
 
 Each (tool, workload) runs in a fresh subprocess so that its wall time and its
 peak host RSS (ru_maxrss) are its own. Both tools trace two full training steps
@@ -9,16 +10,24 @@ peak host RSS (ru_maxrss) are its own. Both tools trace two full training steps
 device. The batch has no attention_mask, because MemTracker cannot get past
 transformers' data-dependent mask check on meta tensors; memcheck can, but runs
 the same batch here so that the work is the same.
+
+``--plan`` times the commands a user types, each a fresh ``python -m memcheck``
+process (interpreter start, imports and model build included): planning GPT-2
+small for a 24 GiB GPU with the default options, the same with ``--global-batch 64``,
+and one plain estimate of the same model for scale. The target (issue: plan) is a
+plan in under 20 s on a 2-core machine with no GPU.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -69,7 +78,57 @@ def run_one(tool: str, kind: str, batch_size: int, seq_len: int) -> dict:
     return {"seconds": seconds, "max_rss_bytes": rss, "peak_bytes": peak}
 
 
+ROOT = Path(__file__).resolve().parent.parent
+GPT2_SMALL = "examples/gpt2_small.py"
+PLAN_TARGET_SECONDS = 20.0  # the issue's target: GPT-2 small on a 24 GiB GPU, 2 cores, no GPU
+PLAN_COMMANDS = {
+    "estimate -b 8": [GPT2_SMALL, "--max-len", "1024", "--batch-size", "8", "--gpu", "24GiB"],
+    "plan": ["plan", GPT2_SMALL, "--max-len", "1024", "--gpu", "24GiB"],
+    "plan --global-batch 64": ["plan", GPT2_SMALL, "--max-len", "1024", "--gpu", "24GiB", "--global-batch", "64"],
+}
+
+
+def time_command(args: list[str]) -> dict:
+    """Run ``python -m memcheck ARGS`` in a fresh process from the repository root; its wall
+    seconds, exit code and, for a plan, the traces count its table prints."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "memcheck", *args], capture_output=True, text=True, cwd=ROOT)
+    seconds = time.perf_counter() - start
+    traces = re.search(r"^traces: (\d+)$", proc.stdout, re.M)
+    error = None
+    if proc.returncode not in (0, 1):  # 0 fits, 1 does not: both are answers; 2 and 3 are failures
+        error = (proc.stderr.strip().splitlines() or ["failed"])[-1]
+    return {"seconds": seconds, "exit_code": proc.returncode, "traces": int(traces.group(1)) if traces else None,
+            "error": error}
+
+
+def plan_speed() -> int:
+    """Time the plan commands against one plain estimate measured in the same run."""
+    results = {label: time_command(args) for label, args in PLAN_COMMANDS.items()}
+    base = results["estimate -b 8"]
+    print(f"{os.cpu_count()} CPU core(s); each command a fresh `python -m memcheck` process, wall seconds")
+    print(f"{'command':26s} {'wall s':>7s} {'traces':>7s} {'vs estimate':>12s} {'exit':>5s}")
+    status = 0
+    for label, r in results.items():
+        if r["error"]:
+            print(f"{label:26s} error: {r['error']}")
+            status = 1
+            continue
+        ratio = r["seconds"] / base["seconds"] if not base["error"] else float("nan")
+        traces = "-" if r["traces"] is None else str(r["traces"])
+        print(f"{label:26s} {r['seconds']:7.2f} {traces:>7s} {ratio:11.2f}x {r['exit_code']:5d}")
+    for label in ("plan", "plan --global-batch 64"):
+        r = results[label]
+        if not r["error"]:
+            verdict = "meets" if r["seconds"] < PLAN_TARGET_SECONDS else "MISSES"
+            print(f"{label}: {r['seconds']:.1f} s {verdict} the {PLAN_TARGET_SECONDS:.0f} s target")
+    print("commands: memcheck " + " | memcheck ".join(" ".join(a) for a in PLAN_COMMANDS.values()))
+    return status
+
+
 def main(argv):
+    if "--plan" in argv:
+        return plan_speed()
     if argv[:1] == ["--one"]:
         tool, kind, b, s = argv[1], argv[2], int(argv[3]), int(argv[4])
         print(json.dumps(run_one(tool, kind, b, s)))

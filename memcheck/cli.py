@@ -230,8 +230,16 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
             click.echo(f"\r\033[K{line}", err=True, nl=False)
     try:
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
-        if measure:
-            require_int(measure_steps, "--measure-steps", minimum=2)
+        if measure:  # what --measure needs is checked before any tracing
+            require_int(measure_steps, "--measure-steps", minimum=2,
+                        message=f"--measure-steps must be an integer of at least 2, got {measure_steps!r}")
+            if strategy != "single":
+                raise UsageError("--measure runs one process on one device; it cannot run a multi-GPU strategy")
+            if device == "cuda":
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise UsageError("--measure on the cuda target needs a CUDA GPU, and torch sees none here")
         work = load_workload(model, batch_size=1, max_len=max_len, target_len=target_len, task=task, attn=attn,
                              allow_download=allow_download)
         result = run_plan(
@@ -242,18 +250,17 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
             optimizer=optimizer or work.make_optimizer or "adamw", loss_fn=work.loss_fn, steps=steps,
             use_reentrant=reentrant, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload,
         )
-        if progress is not None:
-            click.echo("\r\033[K", err=True, nl=False)
+        _clear(progress)
         if measure and result.recommended is not None:
-            if result.strategy != "single":
-                raise UsageError("--measure runs one process on one device; it cannot run a multi-GPU strategy")
             from dataclasses import replace
 
             result = replace(result, verification=_measure_plan(model, result, work, device, measure_steps,
-                                                                allow_download, optimizer, reentrant))
+                                                                allow_download, optimizer, reentrant, task, attn))
     except MemcheckError as exc:
+        _clear(progress)
         _fail(exc, debug, exc.exit_code)
     except Exception as exc:  # a bug in memcheck: say so, briefly
+        _clear(progress)
         _fail(RuntimeError(f"internal error ({type(exc).__name__}: {exc}); rerun with --debug and report it"),
               debug, EXIT_INTERNAL)
     click.echo(render_json(result) if as_json else str(result))
@@ -262,7 +269,13 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
     sys.exit(EXIT_DOES_NOT_FIT if not result.fits or failed else EXIT_FITS)
 
 
-def _measure_plan(spec, result, work, device, steps, allow_download, optimizer, reentrant):
+def _clear(progress) -> None:
+    """Erase the progress line, if one is showing."""
+    if progress is not None:
+        click.echo("\r\033[K", err=True, nl=False)
+
+
+def _measure_plan(spec, result, work, device, steps, allow_download, optimizer, reentrant, task, attn):
     """Build the model for real on the CPU, set it up as recommended, and run it (memcheck.measure.verify)."""
     from memcheck.checkpointing import apply_checkpointing
     from memcheck.measure import verify
@@ -270,8 +283,8 @@ def _measure_plan(spec, result, work, device, steps, allow_download, optimizer, 
     from memcheck.optimizers import resolve_optimizer
 
     rec = result.recommended
-    load = dict(batch_size=rec.micro_batch_size, max_len=work.max_len, target_len=work.target_len,
-                allow_download=allow_download, device="cpu")
+    load = dict(batch_size=rec.micro_batch_size, max_len=work.max_len, target_len=work.target_len, task=task,
+                attn=attn, allow_download=allow_download, device="cpu")
 
     def build():  # inside the measured region, so the weights are measured too
         real = load_workload(spec, **load)

@@ -195,6 +195,16 @@ def verify(
     """
     precision = Precision.parse(precision)
     if device == "cpu":
+        if precision.weights_dtype is not None:  # pure bf16/fp16: weights and float inputs in that dtype
+            from torch.utils._pytree import tree_map_only
+
+            plain, dtype = build, precision.weights_dtype
+
+            def build():
+                model, batch = plain()
+                cast = tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
+                return model.to(dtype), cast
+
         measured = measure_cpu(build, make_optimizer, loss_fn=loss_fn, steps=steps,
                                autocast_dtype=precision.autocast_dtype, accumulate=accumulate)
         return Verification("cpu", steps, predicted_bytes, measured.steady_peak_bytes, None, None, False)

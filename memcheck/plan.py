@@ -57,6 +57,7 @@ from memcheck.errors import UsageError, require_int
 from memcheck.estimate import estimate
 from memcheck.gpus import GPUS, GpuSpec, resolve_gpu
 from memcheck.report import Estimate, LengthPoint, Plan, PlanOption, Work
+from memcheck.strategies import StrategyConfig
 
 # Where the default margin comes from: issue 3's accuracy target for the CUDA
 # target's device total (|error| <= 5%), because no GPU measurement has been
@@ -149,16 +150,17 @@ def plan(
         raise UsageError(f"plan() got unknown argument(s) {', '.join(unknown)}; it passes on to estimate() "
                          f"only {', '.join(sorted(_ESTIMATE_KWARGS))}")
     device = Device.parse(device)
-    strategy = Strategy.parse(strategy, what="strategy")
-    gpus = gpus if gpus is not None else (1 if strategy is Strategy.SINGLE else 2)
-    require_int(gpus, "gpus")
+    config = StrategyConfig.parse(strategy, gpus, bucket_view=estimate_kwargs.get("bucket_view", False),
+                                  bucket_cap_mb=estimate_kwargs.get("bucket_cap_mb"),
+                                  offload=estimate_kwargs.get("offload"))
+    strategy, gpus = config.strategy, config.gpus
     if global_batch is not None:
         require_int(global_batch, "global batch")
         if global_batch % gpus:
             below, above = global_batch // gpus * gpus, (global_batch // gpus + 1) * gpus
             raise UsageError(
                 f"global batch {global_batch} is not divisible by {gpus} GPUs; every GPU takes the same share: "
-                f"use {below or above} or {above}"
+                + (f"use {below} or {above}" if below else f"use {above} or another multiple of {gpus}")
             )
     margin = DEFAULT_MARGIN if margin is None else margin
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:

@@ -216,7 +216,8 @@ def _checkpointing_label(plan: Plan, option: PlanOption) -> str:
 def render_plan(plan: Plan) -> str:
     """The table printed by ``memcheck plan``."""
     where = plan.gpu.name if plan.gpu is not None else plan.device.value
-    head = f"memcheck plan: {plan.model} on {where}, {plan.gpus} GPU(s), {plan.strategy}"
+    head = f"memcheck plan: {plan.model} on {where}" + (
+        f", {plan.gpus} GPU(s), {plan.strategy}" if plan.device.value == "cuda" else "")
     if plan.global_batch is not None:
         head += f", global batch {plan.global_batch}"
     if plan.max_len:

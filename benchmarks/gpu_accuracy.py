@@ -174,11 +174,10 @@ def measure(name: str, baseline: int) -> dict:
 
 
 def _device_used() -> int:
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-        capture_output=True, text=True, timeout=30,
-    )
-    return int(out.stdout.strip().splitlines()[0]) << 20 if out.returncode == 0 else 0
+    """Memory in use on the GPU before a measured subprocess starts (nvidia-smi; 0 if unknown)."""
+    from memcheck.gpus import device_used_bytes
+
+    return device_used_bytes() or 0
 
 
 def _versions() -> dict:

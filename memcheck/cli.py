@@ -224,10 +224,7 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
     from memcheck.units import parse_size
 
     _quiet_transformers()
-    progress = None
-    if not as_json and sys.stderr.isatty():
-        def progress(line):
-            click.echo(f"\r\033[K{line}", err=True, nl=False)
+    progress = _progress_line if not as_json and sys.stderr.isatty() else None
     try:
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         if measure:  # what --measure needs is checked before any tracing
@@ -267,6 +264,11 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
     failed = result.verification is not None and (
         result.verification.out_of_memory or result.verification.measured_bytes > result.capacity_bytes)
     sys.exit(EXIT_DOES_NOT_FIT if not result.fits or failed else EXIT_FITS)
+
+
+def _progress_line(line: str) -> None:
+    """Progress on stderr, one line rewritten in place (only when stderr is a terminal)."""
+    click.echo(f"\r\033[K{line}", err=True, nl=False)
 
 
 def _clear(progress) -> None:

@@ -22,7 +22,7 @@ from memcheck.optimizers import resolve_optimizer
 from memcheck.report import BatchInfo, Breakdown, DeviceMemory, Estimate, InputSpec, ModuleMemory, Work
 from memcheck.strategies import StrategyConfig, train
 from memcheck.tracer import ALLOC, FREE, RECAT, MemoryTracer, TraceLog
-from memcheck.training_loop import LossFn, default_loss, run_eval
+from memcheck.training_loop import LossFn, default_loss, run_eval, to_precision
 
 _STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER, Category.COMMUNICATION)
 
@@ -162,7 +162,7 @@ def estimate(
     precision = Precision.parse(precision)
     config = StrategyConfig.parse(strategy, gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb,
                                   offload=offload)
-    target_gpu = _target_gpu(gpu, device)
+    target = target_gpu(gpu, device)
     require_int(steps, "steps", minimum=2, message=(
         f"steps must be an integer of at least 2 (step 1 has no optimizer state), got {steps!r}"))
     require_int(accumulate, "accumulate")
@@ -172,8 +172,8 @@ def estimate(
         raise UsageError("eval_accumulate_predictions needs an eval batch (eval_batch= / --eval-batch-size)")
     if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
         raise UsageError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
-    if budget_bytes is None and target_gpu is not None and target_gpu.capacity_bytes:
-        budget_bytes = target_gpu.capacity_bytes
+    if budget_bytes is None and target is not None and target.capacity_bytes:
+        budget_bytes = target.capacity_bytes
     name = model_name or type(model).__name__
     opt_label, make_optimizer = resolve_optimizer(optimizer, device)
     loss_fn = loss_fn or default_loss
@@ -185,10 +185,7 @@ def estimate(
     dtype = precision.weights_dtype
 
     def prepare(b):
-        b = meta_batch(b)
-        if dtype is not None:
-            b = tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, b)
-        return b
+        return to_precision(meta_batch(b), dtype)
 
     mbatch = prepare(batch)
     ebatch = prepare(eval_batch) if eval_batch is not None else None
@@ -196,11 +193,11 @@ def estimate(
         twin = twin.to(dtype)
     info = describe_batch(mbatch, batch_size, max_len, target_len)
 
-    arch = target_gpu.arch if target_gpu is not None else DEFAULT_ARCH
+    arch = target.arch if target is not None else DEFAULT_ARCH
     tracer = MemoryTracer(device, arch=arch)
     for key, value in local_library_versions().items():  # the CUDA/cuDNN this torch would use
         setattr(tracer, key, value)
-    if device is Device.CUDA and target_gpu is None:
+    if device is Device.CUDA and target is None:
         tracer.assume(
             f"no GPU named (gpu=/--gpu): kernels chosen as on sm{arch[0]}{arch[1]} and a generic CUDA context"
         )
@@ -233,7 +230,7 @@ def estimate(
     for index, traced in enumerate(gpu_map):  # ranks that look alike are summarised once
         if traced not in traced_summaries:
             traced_summaries[traced] = _device_summary(
-                tracer.log, traced, index, device, arch, target_gpu, root=type(twin).__name__, name=name,
+                tracer.log, traced, index, device, arch, target, root=type(twin).__name__, name=name,
                 top_modules=top_modules,
             )
         devices.append(dataclasses.replace(traced_summaries[traced], index=index))
@@ -246,7 +243,7 @@ def estimate(
         peak_phase=busiest.peak_phase, peak_module=busiest.peak_module, peak_step=busiest.peak_step,
         modules=busiest.modules, assumptions=tuple(tracer.log.assumptions), budget_bytes=budget_bytes,
         reserved_bytes=busiest.reserved_bytes, fragmentation_bytes=busiest.fragmentation_bytes,
-        context_bytes=busiest.context_bytes, device_total_bytes=busiest.device_total_bytes, gpu=target_gpu,
+        context_bytes=busiest.context_bytes, device_total_bytes=busiest.device_total_bytes, gpu=target,
         strategy=config.label, gpus=config.gpus, accumulate=accumulate, checkpointing=wrapped,
         train_peak_bytes=busiest.train_peak_bytes, eval_peak_bytes=busiest.eval_peak_bytes,
         busiest_gpu=busiest.index, per_device=tuple(devices) if config.strategy.multi_gpu else (),
@@ -276,16 +273,17 @@ def _work(log: TraceLog, *, step: int, micro_steps: int) -> Work:
 DEFAULT_ARCH = (8, 0)  # A100-class, when no GPU is named and none is local
 
 
-def _target_gpu(gpu, device: Device) -> GpuSpec | None:
-    if isinstance(gpu, GpuSpec):
-        return gpu
-    if gpu is not None and not isinstance(gpu, str):
+def target_gpu(gpu, device: Device) -> GpuSpec | None:
+    """The CUDA target's GpuSpec from a name, a size or a spec (the local GPU by default);
+    None on the CPU target, where naming a GPU is an error (the budget is ``budget_bytes``)."""
+    if gpu is not None and not isinstance(gpu, (str, GpuSpec)):
         raise UsageError(f"gpu must be a name such as 'H100-80GB', a size such as '24GiB', or a GpuSpec; got {gpu!r}")
     if device is not Device.CUDA:
         if gpu is not None:
-            raise UsageError(f"gpu={gpu!r} applies to the cuda target only; the target is {device.value}")
+            raise UsageError(f"gpu={gpu!r} applies to the cuda target only; the target is {device.value} "
+                             "(give the budget as --gpu-memory)")
         return None
-    return resolve_gpu(gpu)
+    return gpu if isinstance(gpu, GpuSpec) else resolve_gpu(gpu)
 
 
 def _with_workspaces(events: list[tuple], arch, start: int) -> tuple[list[tuple], int]:

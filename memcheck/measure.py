@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from memcheck.enums import Precision
 from memcheck.errors import UsageError
 from memcheck.report import Verification
-from memcheck.training_loop import LossFn, default_loss, run_steps
+from memcheck.training_loop import LossFn, default_loss, run_steps, to_precision
 
 STEP_MARK = "memcheck.step"
 
@@ -130,19 +130,11 @@ def measure_cuda(
     ``baseline_used_bytes`` is what the device had in use before this process
     started (other processes), subtracted from the driver's figure.
     """
-    from torch.utils._pytree import tree_map_only
-
     precision = Precision.parse(precision)
     dtype, amp = precision.weights_dtype, precision.autocast_dtype
     model, batch = build()
     model = model.to("cuda", dtype) if dtype is not None else model.to("cuda")
-
-    def move(t):
-        if dtype is not None and t.is_floating_point():
-            return t.to("cuda", dtype)
-        return t.to("cuda")
-
-    batch = tree_map_only(torch.Tensor, move, batch)
+    batch = to_precision(batch, dtype, "cuda")
     optimizer = make_optimizer(model.parameters())
     autocast = (lambda: torch.autocast("cuda", dtype=amp)) if amp is not None else None
     scaler = torch.amp.GradScaler("cuda") if precision is Precision.AMP_FP16 else None
@@ -196,14 +188,11 @@ def verify(
     precision = Precision.parse(precision)
     if device == "cpu":
         if precision.weights_dtype is not None:  # pure bf16/fp16: weights and float inputs in that dtype
-            from torch.utils._pytree import tree_map_only
-
             plain, dtype = build, precision.weights_dtype
 
             def build():
                 model, batch = plain()
-                cast = tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
-                return model.to(dtype), cast
+                return model.to(dtype), to_precision(batch, dtype)
 
         measured = measure_cpu(build, make_optimizer, loss_fn=loss_fn, steps=steps,
                                autocast_dtype=precision.autocast_dtype, accumulate=accumulate)

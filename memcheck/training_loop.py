@@ -37,6 +37,22 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return out.float().sum() if out.dtype in (torch.float16, torch.bfloat16) else out.sum()
 
 
+def to_precision(batch: Any, dtype: torch.dtype | None, device: Any = None) -> Any:
+    """The batch with its floating tensors in ``dtype`` (pure bf16/fp16 training; None keeps
+    them) and every tensor on ``device`` (None keeps it), as the traced and real runs feed it."""
+    from torch.utils._pytree import tree_map_only
+
+    if dtype is None and device is None:
+        return batch
+
+    def move(t):
+        if dtype is not None and t.is_floating_point():
+            return t.to(device, dtype) if device is not None else t.to(dtype)
+        return t.to(device) if device is not None else t
+
+    return tree_map_only(torch.Tensor, move, batch)
+
+
 def run_steps(
     model: torch.nn.Module,
     batch: Any,

@@ -25,6 +25,12 @@ from torch.utils.checkpoint import checkpoint
 from memcheck.errors import UsageError
 
 NONE, FULL = "none", "full"
+HALF = "half"  # the planner's selective option: every second repeated block
+
+
+def half_of(blocks) -> tuple[str, ...]:
+    """The blocks ``half`` checkpointing wraps: every second one, from the first."""
+    return tuple(blocks)[::2]
 
 
 def parse_checkpointing(value) -> str | tuple[str, ...]:

@@ -297,50 +297,49 @@ def local_gpu(*, timeout: float = 5.0) -> GpuSpec | None:
         With ``CUDA_DEVICE_ORDER`` unset, CUDA numbers devices fastest first while
         nvidia-smi uses PCI order; on a machine with mixed GPUs the two can differ.
     """
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    device = _visible_device()
-    if device == "":
-        return None
-    select = ["-i", device] if device else []
     for fields in ("name,memory.total,compute_cap", "name,memory.total"):
-        try:
-            done = subprocess.run(
-                [exe, f"--query-gpu={fields}", "--format=csv,noheader,nounits", *select],
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                check=False,
-            )
-        except (OSError, subprocess.SubprocessError):
+        answer = _query_smi(fields, timeout)
+        if answer is None:
             return None
-        if done.returncode == 0:
-            lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
-            return gpu_from_smi(lines[0]) if lines else None
+        returncode, line = answer
+        if returncode == 0:
+            return gpu_from_smi(line) if line else None
     return None
 
 
 def device_used_bytes(*, timeout: float = 30.0) -> int | None:
     """Memory in use on the GPU that would be ``cuda:0`` (nvidia-smi ``memory.used``, all
     processes), without initialising CUDA; None when nvidia-smi cannot say."""
+    answer = _query_smi("memory.used", timeout)
+    if answer is None or answer[0] != 0 or not answer[1]:
+        return None
+    try:
+        return int(float(answer[1])) * MiB
+    except ValueError:
+        return None
+
+
+def _query_smi(fields: str, timeout: float) -> tuple[int, str | None] | None:
+    """``(returncode, first non-empty line)`` of ``nvidia-smi --query-gpu=FIELDS`` for the
+    device ``cuda:0`` would be; None when nvidia-smi is missing, fails to run, or no
+    device is visible."""
     exe = shutil.which("nvidia-smi")
     device = _visible_device()
     if exe is None or device == "":
         return None
-    select = ["-i", device] if device else ["-i", "0"]
+    select = ["-i", device] if device else []
     try:
-        done = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", *select],
-                              capture_output=True, text=True, timeout=timeout, check=False)
+        done = subprocess.run(
+            [exe, f"--query-gpu={fields}", "--format=csv,noheader,nounits", *select],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
-    if done.returncode != 0 or not lines:
-        return None
-    try:
-        return int(float(lines[0])) * MiB
-    except ValueError:
-        return None
+    return done.returncode, (lines[0] if lines else None)
 
 
 def local_library_versions() -> dict[str, object]:

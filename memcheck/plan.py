@@ -51,13 +51,14 @@ from typing import Any, Callable
 
 import torch
 
-from memcheck.checkpointing import FULL, NONE, repeated_blocks
+from memcheck.checkpointing import FULL, HALF, NONE, half_of, repeated_blocks
 from memcheck.enums import Device, Precision, Strategy
 from memcheck.errors import UsageError, require_int
-from memcheck.estimate import estimate
-from memcheck.gpus import GPUS, GpuSpec, resolve_gpu
+from memcheck.estimate import estimate, target_gpu
+from memcheck.gpus import GPUS, GpuSpec
 from memcheck.report import Estimate, LengthPoint, Plan, PlanOption, Work
 from memcheck.strategies import StrategyConfig
+from memcheck.units import format_bytes
 
 # Where the default margin comes from: issue 3's accuracy target for the CUDA
 # target's device total (|error| <= 5%), because no GPU measurement has been
@@ -66,7 +67,6 @@ from memcheck.strategies import StrategyConfig
 DEFAULT_MARGIN = 0.05
 TRACES_PER_OPTION = 5
 MAX_MICRO_BATCH = 65536  # the search's ceiling without a global batch
-HALF = "half"
 CHECKPOINTING_OPTIONS = (NONE, HALF, FULL)
 
 # The cost proxy's constants (see the module docstring).
@@ -79,11 +79,15 @@ _ESTIMATE_KWARGS = frozenset({"optimizer", "loss_fn", "steps", "use_reentrant", 
 LENGTH_STEP = 8  # the longest fitting length is searched in multiples of 8 (pad_to_multiple_of=8)
 
 
+def _flop_seconds(work: Work) -> float:
+    """The proxy's FLOP terms for one micro-step."""
+    high = work.flops_per_micro_step - work.low_precision_flops_per_micro_step
+    return high / FP32_FLOPS_PER_SECOND + work.low_precision_flops_per_micro_step / LOW_PRECISION_FLOPS_PER_SECOND
+
+
 def micro_step_cost(work: Work) -> float:
     """The proxy's cost of one micro-step (relative seconds)."""
-    high = work.flops_per_micro_step - work.low_precision_flops_per_micro_step
-    return (high / FP32_FLOPS_PER_SECOND + work.low_precision_flops_per_micro_step / LOW_PRECISION_FLOPS_PER_SECOND
-            + work.kernels_per_micro_step * SECONDS_PER_KERNEL)
+    return _flop_seconds(work) + work.kernels_per_micro_step * SECONDS_PER_KERNEL
 
 
 def step_cost(work: Work, accumulation: int) -> float:
@@ -165,7 +169,7 @@ def plan(
     margin = DEFAULT_MARGIN if margin is None else margin
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise UsageError(f"margin must be a fraction in [0, 1), such as 0.05; got {margin!r}")
-    target = _target(gpu, device)
+    target = target_gpu(gpu, device)
     if budget_bytes is None:
         if target is None:
             raise UsageError("a plan needs a capacity: name the GPU (--gpu H100-80GB or --gpu 24GiB) "
@@ -176,7 +180,7 @@ def plan(
     checkpoints = _unique(_parse_option(c) for c in _as_list(checkpointing_options))
     if not precisions or not checkpoints:
         raise UsageError("a plan needs at least one precision and one checkpointing option")
-    takes_length = _takes_length(make_batch)
+    arity = _arity(make_batch)
     name = model_name or type(model).__name__
     blocks = repeated_blocks(model)
     if not blocks:
@@ -184,7 +188,7 @@ def plan(
 
     limit = int(budget_bytes * (1 - margin))
     search = _Search(
-        model, make_batch, takes_length, device=device, gpu=target, budget=budget_bytes, strategy=strategy,
+        model, make_batch, arity, device=device, gpu=target, budget=budget_bytes, strategy=strategy,
         gpus=gpus, global_batch=global_batch, max_len=max_len, target_len=target_len, blocks=blocks,
         name=name, progress=progress, kwargs=estimate_kwargs,
     )
@@ -210,7 +214,7 @@ def plan(
     if recommended is not None:
         chosen_estimate = search.estimate_at(recommended.micro_batch_size, recommended.precision,
                                              recommended.checkpointing, recommended.accumulation_steps)
-        if length_profile and takes_length and max_len:
+        if length_profile and search.takes_length and max_len:
             profile, longest = search.length_profile(recommended, limit, max_len_limit)
     else:
         suggestion = search.what_would_fit(precisions, checkpoints, margin)
@@ -226,17 +230,17 @@ def plan(
 def _dominated(best: PlanOption, checkpointing: str, precision: Precision, cap: int) -> bool:
     """An option with more checkpointing at the same precision cannot beat one that already
     reaches the micro-batch ceiling: it runs the same micro-batches and recomputes."""
-    order = {NONE: 0, HALF: 1, FULL: 2}
-    return (best.precision == precision.value and best.micro_batch_size >= cap
-            and order[checkpointing] > order[best.checkpointing])
+    more = CHECKPOINTING_OPTIONS.index(checkpointing) > CHECKPOINTING_OPTIONS.index(best.checkpointing)
+    return best.precision == precision.value and best.micro_batch_size >= cap and more
 
 
 class _Search:
     """Traces the job at chosen points and remembers every trace."""
 
-    def __init__(self, model, make_batch, takes_length, *, device, gpu, budget, strategy, gpus, global_batch,
+    def __init__(self, model, make_batch, arity, *, device, gpu, budget, strategy, gpus, global_batch,
                  max_len, target_len, blocks, name, progress, kwargs):
-        self.model, self.make_batch, self.takes_length = model, make_batch, takes_length
+        self.model, self.make_batch, self.arity = model, make_batch, arity
+        self.takes_length = arity >= 2  # make_batch(batch_size, max_len[, target_len])
         self.device, self.gpu, self.budget = device, gpu, budget
         self.strategy, self.gpus, self.global_batch = strategy, gpus, global_batch
         self.max_len, self.target_len, self.blocks = max_len, target_len, blocks
@@ -270,11 +274,10 @@ class _Search:
             target = self.target_len
             if target and self.max_len and length != self.max_len:
                 target = max(1, round(target * length / self.max_len))
-            batch = self.make_batch(rows, length, target) if _arity(self.make_batch) >= 3 else \
-                self.make_batch(rows, length)
+            batch = self.make_batch(rows, length, target) if self.arity >= 3 else self.make_batch(rows, length)
         else:
             batch = self.make_batch(rows)
-        spec = {NONE: NONE, FULL: FULL, HALF: list(self.blocks[::2])}[checkpointing]
+        spec = {NONE: NONE, FULL: FULL, HALF: list(half_of(self.blocks))}[checkpointing]
         est = estimate(
             self.model, batch, device=self.device, precision=precision, gpu=gpu if self.device is Device.CUDA
             else None, budget_bytes=self.budget, strategy=strategy, gpus=gpus if strategy.multi_gpu else None,
@@ -303,15 +306,9 @@ class _Search:
         work: dict[int, Work] = {}
         candidates = _divisors(cap) if self.global_batch is not None else None
 
-        per_sample: list[float] = []
-
         def trace(m: int) -> bool:
             est = self.estimate_at(m, precision, checkpointing, self.accumulation(m))
-            totals[m] = est.total_bytes
-            work[m] = est.work
-            if not per_sample:  # what grows with the batch, from the first trace (micro-batch 1)
-                b = est.breakdown_at_peak
-                per_sample.append(b.activations + b.temporaries + b.outputs + b.inputs)
+            totals[m], work[m] = est.total_bytes, est.work
             return est.total_bytes <= limit
 
         def above(m: int) -> int | None:  # the next candidate after m
@@ -324,6 +321,14 @@ class _Search:
                 return m
             return max(c for c in candidates if c <= m)
 
+        def result(micro: int, fits: bool, cost: float, confirmed: bool, note: str = "") -> PlanOption:
+            return PlanOption(
+                micro_batch_size=micro, accumulation_steps=self.accumulation(micro), checkpointing=checkpointing,
+                precision=precision.value, predicted_device_total_bytes=totals[micro], fits=fits,
+                relative_cost=cost, traces=self.traces - before, largest_fitting_micro_batch=lo,
+                boundary_confirmed=confirmed, note=note,
+            )
+
         lo, hi = 0, None
         candidate = 1
         while self.traces - before < TRACES_PER_OPTION:
@@ -334,39 +339,27 @@ class _Search:
             if lo == 0 or above(lo) is None or above(lo) == hi:
                 break
             if best_cost is not None and self._flops_bound(work[1]) >= best_cost:
-                return PlanOption(
-                    micro_batch_size=1, accumulation_steps=self.accumulation(1), checkpointing=checkpointing,
-                    precision=precision.value, predicted_device_total_bytes=totals[1], fits=True,
-                    relative_cost=step_cost(work[1], self.accumulation(1)),
-                    traces=self.traces - before, largest_fitting_micro_batch=1, boundary_confirmed=False,
-                    note="search stopped after 1 trace: its FLOPs alone cost more than a better option",
-                )
-            guess = at_or_below(_next_guess(totals, limit, lo, hi, cap, per_sample[0]))
+                return result(1, True, step_cost(work[1], self.accumulation(1)), False,
+                              "search stopped after 1 trace: its FLOPs alone cost more than a better option")
+            guess = at_or_below(_next_guess(totals, limit, lo, hi, cap, self._per_sample_bytes(precision,
+                                                                                                checkpointing)))
             candidate = guess if guess > lo else above(lo)
         if lo == 0:
-            return PlanOption(
-                micro_batch_size=1, accumulation_steps=self.accumulation(1), checkpointing=checkpointing,
-                precision=precision.value, predicted_device_total_bytes=totals[1], fits=False,
-                relative_cost=math.inf, traces=self.traces - before, largest_fitting_micro_batch=0,
-                boundary_confirmed=True,
-            )
-        accumulation = self.accumulation(lo)
-        cost = step_cost(work[lo], accumulation)
+            return result(1, False, math.inf, True)
+        cost = step_cost(work[lo], self.accumulation(lo))
         if self.global_batch is None:
             cost = cost / lo  # per sample: the throughput's inverse
-        return PlanOption(
-            micro_batch_size=lo, accumulation_steps=accumulation, checkpointing=checkpointing,
-            precision=precision.value, predicted_device_total_bytes=totals[lo], fits=True,
-            relative_cost=cost, traces=self.traces - before, largest_fitting_micro_batch=lo,
-            boundary_confirmed=above(lo) is None or above(lo) == hi,
-        )
+        return result(lo, True, cost, above(lo) is None or above(lo) == hi)
+
+    def _per_sample_bytes(self, precision: Precision, checkpointing: str) -> int:
+        """What grows with the batch, from the micro-batch-1 trace (remembered, not re-run):
+        activations, temporaries, outputs and the batch itself at its peak."""
+        b = self.estimate_at(1, precision, checkpointing, self.accumulation(1)).breakdown_at_peak
+        return b.activations + b.temporaries + b.outputs + b.inputs
 
     def _flops_bound(self, work: Work) -> float:
         """A lower bound on an option's cost from its micro-batch-1 trace: the FLOP terms only."""
-        high = work.flops_per_micro_step - work.low_precision_flops_per_micro_step
-        per_sample = (high / FP32_FLOPS_PER_SECOND
-                      + work.low_precision_flops_per_micro_step / LOW_PRECISION_FLOPS_PER_SECOND)
-        return per_sample * (self.global_batch // self.gpus if self.global_batch is not None else 1)
+        return _flop_seconds(work) * (self.global_batch // self.gpus if self.global_batch is not None else 1)
 
     def length_profile(self, rec: PlanOption, limit: int, position_limit: int | None):
         """Peaks at 25-100% of max_len at the recommended point, and the longest length that fits."""
@@ -378,13 +371,9 @@ class _Search:
                                    length=None if length == self.max_len else length)
             lengths[length] = est.total_bytes
             points.append(LengthPoint(length, est.total_bytes, est.total_bytes <= limit))
+        # The recommendation fits at max_len, so the longest fitting length is at least that.
         ceiling = position_limit or self.max_len
-        fits = [n for n, b in lengths.items() if b <= limit]
-        longest = max(fits, default=None)
-        if longest == self.max_len and ceiling > self.max_len:
-            longest = self._longest(rec, lengths, limit, ceiling)
-        elif longest is not None and longest < self.max_len:
-            longest = self._longest(rec, lengths, limit, self.max_len)
+        longest = self._longest(rec, lengths, limit, ceiling) if ceiling > self.max_len else self.max_len
         return tuple(points), longest
 
     def _longest(self, rec: PlanOption, lengths: dict[int, int], limit: int, ceiling: int) -> int:
@@ -428,8 +417,8 @@ class _Search:
                     continue
                 est = self.estimate_at(1, precision, checkpointing, self.accumulation(1), gpu=spec)
                 if est.total_bytes <= spec.capacity_bytes * (1 - margin):
-                    parts.append(f"one {spec.name} ({_gib(spec.capacity_bytes)}) holds {how}: "
-                                 f"{_gib(est.total_bytes)}")
+                    parts.append(f"one {spec.name} ({format_bytes(spec.capacity_bytes)}) holds {how}: "
+                                 f"{format_bytes(est.total_bytes)}")
                     break
             else:
                 parts.append("no single GPU in `memcheck gpus` holds it")
@@ -459,7 +448,7 @@ class _Search:
             rest = seen[8] - sharded_bytes / 8  # R
             if sharded_bytes <= 0 or rest >= limit:
                 return (f"{sharded.value} over more GPUs of this size would not hold {how}: "
-                        f"{_gib(seen[8])} per GPU with 8, and the part that shards is not what overflows")
+                        f"{format_bytes(seen[8])} per GPU with 8, and the part that shards is not what overflows")
             count = 16
             while count < most and rest + sharded_bytes / count > limit:
                 count *= 2
@@ -469,7 +458,7 @@ class _Search:
                     return f"{sharded.value} does not hold {how} on up to {most} GPUs of this size"
             if count // 2 > 8 and trace(count // 2):  # the other side of the boundary
                 count //= 2
-        return f"{sharded.value} over {count} GPUs of this size holds {how}: {_gib(seen[count])} per GPU"
+        return f"{sharded.value} over {count} GPUs of this size holds {how}: {format_bytes(seen[count])} per GPU"
 
 
 def _next_guess(totals: dict[int, int], limit: int, lo: int, hi: int | None, cap: int,
@@ -525,17 +514,6 @@ def _quadratic_root(points: dict[int, int], limit: int) -> float | None:
     return min(ahead) if ahead else None
 
 
-def _target(gpu, device: Device) -> GpuSpec | None:
-    if device is not Device.CUDA:
-        if gpu is not None:
-            raise UsageError(f"gpu={gpu!r} applies to the cuda target only; the target is {device.value} "
-                             "(give the budget as --gpu-memory)")
-        return None
-    if isinstance(gpu, GpuSpec):
-        return gpu
-    return resolve_gpu(gpu)
-
-
 def _parse_option(value) -> str:
     text = str(value).strip().lower()
     if text not in CHECKPOINTING_OPTIONS:
@@ -565,13 +543,3 @@ def _arity(fn) -> int:
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return 3
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
-
-
-def _takes_length(fn) -> bool:
-    return _arity(fn) >= 2
-
-
-def _gib(n: int) -> str:
-    from memcheck.units import format_bytes
-
-    return format_bytes(n)

@@ -6,6 +6,7 @@ import json
 
 from tabulate import tabulate
 
+from memcheck.checkpointing import half_of
 from memcheck.report import Comparison, DeviceMemory, Estimate, Plan, PlanOption
 from memcheck.units import format_bytes
 
@@ -207,7 +208,7 @@ def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
 
 def _checkpointing_label(plan: Plan, option: PlanOption) -> str:
     if option.checkpointing == "half":
-        return f"half ({len(plan.blocks[::2])} of {len(plan.blocks)} blocks)"
+        return f"half ({len(half_of(plan.blocks))} of {len(plan.blocks)} blocks)"
     if option.checkpointing == "full" and plan.blocks:
         return f"full ({len(plan.blocks)} blocks)"
     return option.checkpointing

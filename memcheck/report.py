@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from memcheck.checkpointing import half_of
 from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.gpus import GpuSpec
 
@@ -350,7 +351,7 @@ class Plan:
         r = self.recommended
         if r is None or r.checkpointing == "none":
             return ()
-        return self.blocks if r.checkpointing == "full" else self.blocks[::2]
+        return self.blocks if r.checkpointing == "full" else half_of(self.blocks)
 
     def __str__(self) -> str:
         from memcheck.render import render_plan

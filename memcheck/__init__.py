@@ -8,10 +8,13 @@ from memcheck.errors import (
     TraceError,
     UnsupportedOpError,
     UsageError,
+    WillNotFit,
 )
 from memcheck.estimate import estimate
 from memcheck.op_rules import register_op_rule
-from memcheck.report import Breakdown, Comparison, DeviceMemory, Estimate, ModuleMemory
+from memcheck.plan import plan
+from memcheck.preflight import check, preflight
+from memcheck.report import Breakdown, Comparison, DeviceMemory, Estimate, EvalFix, ModuleMemory, Plan, Verdict
 
 __all__ = [
     "Breakdown",
@@ -20,19 +23,26 @@ __all__ = [
     "Device",
     "DeviceMemory",
     "Estimate",
+    "EvalFix",
     "MemcheckError",
     "ModelLoadError",
     "ModuleMemory",
     "Offload",
     "Phase",
+    "Plan",
     "Precision",
     "Strategy",
     "Task",
     "TraceError",
     "UnsupportedOpError",
     "UsageError",
+    "Verdict",
+    "WillNotFit",
+    "check",
     "compare",
     "estimate",
+    "plan",
+    "preflight",
     "register_op_rule",
 ]
 __version__ = "0.1.0"

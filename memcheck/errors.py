@@ -29,6 +29,22 @@ class UnsupportedOpError(MemcheckError):
     """An operator has no meta kernel and no memcheck rule; register one with ``register_op_rule``."""
 
 
+class WillNotFit(MemcheckError):
+    """The job will not fit: ``memcheck.preflight`` and the trainer callbacks raise it.
+
+    The message is the verdict on one line and the fix on the next; ``.verdict`` is the
+    whole ``memcheck.report.Verdict`` (its ``estimate``, ``fix`` and ``eval_fix``).
+    """
+
+    exit_code = 1
+
+    def __init__(self, verdict, style: str = "python"):
+        from memcheck.render import fix_line, verdict_line
+
+        self.verdict = verdict
+        super().__init__(f"{verdict_line(verdict)}\n{fix_line(verdict, style)}")
+
+
 def require_int(value, what: str, *, minimum: int = 1, message: str | None = None) -> int:
     """Return ``value`` if it is an int (not a bool) of at least ``minimum``; otherwise raise
     UsageError with ``message`` (by default "WHAT must be a positive integer, got VALUE")."""

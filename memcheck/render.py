@@ -7,7 +7,7 @@ import json
 from tabulate import tabulate
 
 from memcheck.checkpointing import half_of
-from memcheck.report import Comparison, DeviceMemory, Estimate, Plan, PlanOption
+from memcheck.report import Comparison, DeviceMemory, Estimate, Plan, PlanOption, Verdict
 from memcheck.units import format_bytes
 
 _CATEGORY_LABELS = {
@@ -289,6 +289,83 @@ def render_plan(plan: Plan) -> str:
     if plan.max_len:
         lines.append(PADDING_NOTE)
     return "\n".join(lines)
+
+
+def _where(v: Verdict) -> str:
+    gpu = v.estimate.gpu
+    return (f"{gpu.name} {format_bytes(v.capacity_bytes)}" if gpu is not None
+            else f"{v.estimate.device.value} budget {format_bytes(v.capacity_bytes)}")
+
+
+def verdict_line(v: Verdict) -> str:
+    """One line: does the job fit, by how much, and at which settings."""
+    est = v.estimate
+    what = "device total" if est.device_total_bytes is not None else "peak"
+    settings = (f"micro-batch {est.batch.batch_size} x {est.accumulate} accumulation step(s), {est.precision.value}, "
+                f"checkpointing {'none' if not est.checkpointing else f'{len(est.checkpointing)} module(s)'}"
+                + (f", {est.strategy} x{est.gpus}" if est.gpus > 1 else ""))
+    limit = (f"the {format_bytes(v.limit_bytes)} limit ({_where(v)} minus a {v.margin:.0%} margin)"
+             if v.margin else f"the {format_bytes(v.limit_bytes)} capacity ({_where(v)})")
+    if v.fits:
+        return f"fits: {est.model} needs {format_bytes(est.total_bytes)} ({what}) of {limit} at {settings}"
+    where = "the evaluation pass" if est.peak_in == "eval" else est.peak_phase.value
+    return (f"will not fit: {est.model} needs {format_bytes(est.total_bytes)} ({what}, peak in {where}) "
+            f"over {limit} at {settings}")
+
+
+_FIX_STYLES = ("python", "memcheck", "trainer", "lightning", "config")
+
+
+def fix_line(v: Verdict, style: str = "python") -> str:
+    """One line: what to run instead, in the words of where the job is configured:
+    ``python`` (check()'s arguments), ``memcheck`` (CLI flags), ``trainer`` (transformers'
+    TrainingArguments), ``lightning`` (Trainer arguments) or ``config`` (``memcheck check`` keys)."""
+    if style not in _FIX_STYLES:
+        raise ValueError(f"style must be one of {', '.join(_FIX_STYLES)}, got {style!r}")
+    if v.fits:
+        return "fix: none needed"
+    if v.eval_fix is not None:
+        e = v.eval_fix
+        words = {
+            "python": f"eval_batch_size={e.eval_batch_size}, eval_accumulate_predictions={e.eval_accumulate_predictions}",
+            "memcheck": f"--eval-batch-size {e.eval_batch_size} --eval-accumulate-predictions "
+                        f"{e.eval_accumulate_predictions}",
+            "trainer": f"per_device_eval_batch_size={e.eval_batch_size}"
+                       + (f", eval_accumulation_steps={e.eval_accumulate_predictions}"
+                          if e.eval_accumulate_predictions else ""),
+            "lightning": f"an evaluation DataLoader with batch_size={e.eval_batch_size}",
+            "config": f"eval_batch = {e.eval_batch_size}, eval_accumulate_predictions = {e.eval_accumulate_predictions}",
+        }[style]
+        return (f"fix: training fits, evaluation does not; evaluate with {words} "
+                f"({format_bytes(e.predicted_device_total_bytes)}, traced)")
+    if v.fix is None:
+        if v.estimate.peak_in == "eval":
+            return "fix: not even an evaluation batch of 1 fits next to the training state; use a larger GPU"
+        return "fix: not searched (check(fix=False))"
+    plan, r = v.fix, v.fix.recommended
+    if r is None:
+        return (f"fix: no micro-batch, accumulation and checkpointing at {v.estimate.precision.value} fits; "
+                f"what would: {plan.suggestion or 'a larger GPU'}")
+    flags, args = _flags(plan, r)
+    ck = "none" if r.checkpointing == "none" else "full" if r.checkpointing == "full" else list(
+        plan.checkpointed_modules)
+    words = {
+        "python": f"batch_size={r.micro_batch_size}, accumulate={r.accumulation_steps}, checkpointing={ck!r}",
+        "memcheck": flags,
+        "trainer": args,
+        "lightning": f"batch_size={r.micro_batch_size} in the DataLoader, Trainer(accumulate_grad_batches="
+                     f"{r.accumulation_steps})" + ("" if r.checkpointing == "none" else
+                                                    ", gradient checkpointing on " + _checkpointing_label(plan, r)),
+        "config": f"micro_batch = {r.micro_batch_size}, accumulation = {r.accumulation_steps}, checkpointing = "
+                  + (f'"{ck}"' if isinstance(ck, str) else "[" + ", ".join(f'"{m}"' for m in ck) + "]"),
+    }[style]
+    return (f"fix: {words} (global batch {plan.effective_global_batch} kept; "
+            f"{format_bytes(r.predicted_device_total_bytes)}, traced at exactly these settings)")
+
+
+def render_verdict(v: Verdict, style: str = "python") -> str:
+    """The verdict and, for a job that does not fit, the fix: two lines."""
+    return verdict_line(v) if v.fits else f"{verdict_line(v)}\n{fix_line(v, style)}"
 
 
 def render_verification(v) -> str:

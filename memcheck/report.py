@@ -380,3 +380,49 @@ class Verification:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "error_fraction": self.error_fraction}
+
+
+@dataclass(frozen=True)
+class EvalFix:
+    """When training fits and the evaluation pass does not: an evaluation that fits."""
+
+    eval_batch_size: int
+    eval_accumulate_predictions: int  # evaluation batches whose predictions stay on the device
+    predicted_device_total_bytes: int  # traced at exactly these settings (the peak on CPU)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``memcheck.check``'s result: the job's estimate judged against the capacity minus the margin."""
+
+    estimate: Estimate
+    capacity_bytes: int
+    margin: float  # the fraction of the capacity held back
+    limit_bytes: int  # capacity * (1 - margin)
+    fix: "Plan | None" = None  # for a job over the limit: the plan at the job's own global batch
+    eval_fix: EvalFix | None = None  # for a job whose evaluation pass alone is over the limit
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.total_bytes <= self.limit_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.capacity_bytes - self.limit_bytes
+
+    def __str__(self) -> str:
+        from memcheck.render import render_verdict
+
+        return render_verdict(self)
+
+    def to_dict(self) -> dict:
+        return {
+            "fits": self.fits,
+            "total_bytes": self.estimate.total_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "margin": self.margin,
+            "limit_bytes": self.limit_bytes,
+            "fix": None if self.fix is None else self.fix.to_dict()["plan"],
+            "eval_fix": None if self.eval_fix is None else asdict(self.eval_fix),
+            "estimate": self.estimate.to_dict(),
+        }

@@ -345,7 +345,7 @@ def fix_line(v: Verdict, style: str = "python") -> str:
     plan, r = v.fix, v.fix.recommended
     if r is None:
         return (f"fix: no micro-batch, accumulation and checkpointing at {v.estimate.precision.value} fits; "
-                f"what would: {plan.suggestion or 'a larger GPU'}")
+                f"what would: {plan.suggestion or ('a larger GPU' if plan.device.value == 'cuda' else 'a larger budget')}")
     flags, args = _flags(plan, r)
     ck = "none" if r.checkpointing == "none" else "full" if r.checkpointing == "full" else list(
         plan.checkpointed_modules)

@@ -13,8 +13,11 @@ from memcheck.errors import (
 from memcheck.estimate import estimate
 from memcheck.op_rules import register_op_rule
 from memcheck.plan import plan
+from memcheck.plot import plot_timeline
 from memcheck.preflight import check, preflight
 from memcheck.report import Breakdown, Comparison, DeviceMemory, Estimate, EvalFix, ModuleMemory, Plan, Verdict
+from memcheck.snapshot import write_snapshot
+from memcheck.timeline import Timeline
 
 __all__ = [
     "Breakdown",
@@ -33,6 +36,7 @@ __all__ = [
     "Precision",
     "Strategy",
     "Task",
+    "Timeline",
     "TraceError",
     "UnsupportedOpError",
     "UsageError",
@@ -42,7 +46,9 @@ __all__ = [
     "compare",
     "estimate",
     "plan",
+    "plot_timeline",
     "preflight",
     "register_op_rule",
+    "write_snapshot",
 ]
 __version__ = "0.1.0"

@@ -720,7 +720,9 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
     Known limitations:
         One device, one stream (no ``record_stream``, no cross-stream reuse), no CUDA
         graphs or private memory pools, no ``empty_cache()`` calls and no
-        ``garbage_collection_threshold`` / memory-fraction GC. Ties between equal-size
+        ``garbage_collection_threshold`` / memory-fraction GC. A zero-byte request takes
+        no block (``NativeCachingAllocator::allocate`` calls ``malloc`` only for a nonzero
+        size). Ties between equal-size
         cached blocks go to the lower simulated address, and new segments get ever higher
         addresses, which real ``cudaMalloc`` does not promise.
     """
@@ -729,9 +731,16 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
     peak_alloc = frag = segs = 0
     seen_reserved = 0
     first_oom = None
+    empty = set()  # zero-byte storages: torch's allocate() hands out a null pointer, no block
     for n, ev in enumerate(events):
         kind = ev[0]
-        if kind == ALLOC:
+        if kind == ALLOC and ev[2] == 0:
+            empty.add(ev[1])
+            granted.append(0)
+        elif kind == FREE and ev[1] in empty:
+            empty.discard(ev[1])
+            granted.append(0)
+        elif kind == ALLOC:
             got = alloc.malloc(ev[1], ev[2])
             granted.append(got)
             if not got and first_oom is None:

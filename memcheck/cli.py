@@ -1,8 +1,8 @@
 """The command line: parse, call the library, render, map errors to exit codes.
 
 Exit codes:
-    0  the job fits (or no budget was given)
-    1  the job does not fit the budget
+    0  the job fits (or no budget was given); check: every job in the configs fits
+    1  the job does not fit the budget; check: any job does not fit
     2  bad input: a flag, the model file, the config, an op memcheck cannot trace
     3  a bug in memcheck itself (please report it with --debug output)
 """
@@ -130,9 +130,14 @@ def _workload_options(command):
               help="Keep N eval batches of predictions on the GPU (HF Trainer without eval_accumulation_steps).")
 @click.option("--compare", is_flag=True, help="One table of every strategy that applies to --gpus.")
 @click.option("--top", default=8, show_default=True, type=int, help="Modules to list in the table.")
+@click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
+              help="Write the simulated allocator trace for PyTorch's memory viewer (pytorch.org/memory_viz).")
+@click.option("--plot", "plot_path", default=None, metavar="FILE.png",
+              help="Draw memory over the steady-state training step, by category (needs matplotlib).")
 def estimate(model, max_len, target_len, batch_size, task, attn, device, precision, optimizer, steps,
              gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, reentrant, bucket_view, bucket_cap_mb,
-             offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug):
+             offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
+             snapshot_path, plot_path):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
 
     \b
@@ -147,13 +152,20 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
     from memcheck.estimate import estimate as run_estimate
     from memcheck.model_source import load_workload
     from memcheck.render import render_json
+    from memcheck.timeline import check_pictures, write_pictures
     from memcheck.units import parse_size
 
     _quiet_transformers()
+    progress = _progress_line if not as_json and sys.stderr.isatty() else None
     try:
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         if top < 0:
             raise UsageError(f"--top must be 0 or more, got {top}")
+        if compare and (snapshot_path or plot_path):
+            raise UsageError("--snapshot and --plot draw one estimate; they cannot be used with --compare")
+        check_pictures(snapshot_path, plot_path)  # before anything is traced
+        if progress is not None:
+            progress(f"loading {model}")
         work = load_workload(
             model, batch_size=batch_size, max_len=max_len, target_len=target_len,
             task=task, attn=attn, allow_download=allow_download,
@@ -167,7 +179,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
             steps=steps, budget_bytes=budget, batch_size=work.batch_size, max_len=work.max_len,
             target_len=work.target_len, model_name=work.name, top_modules=top, gpu=gpu,
             accumulate=accumulate, checkpointing=checkpointing, use_reentrant=reentrant,
-            eval_batch=eval_batch, eval_accumulate_predictions=eval_accumulate_predictions,
+            eval_batch=eval_batch, eval_accumulate_predictions=eval_accumulate_predictions, progress=progress,
         )
         if compare:
             if strategy != "single" or bucket_view or bucket_cap_mb is not None or offload != "none":
@@ -176,11 +188,15 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
         else:
             result = run_estimate(
                 work.model, work.batch, strategy=strategy, gpus=gpus, bucket_view=bucket_view,
-                bucket_cap_mb=bucket_cap_mb, offload=offload, **kwargs,
+                bucket_cap_mb=bucket_cap_mb, offload=offload, timeline=bool(snapshot_path or plot_path), **kwargs,
             )
+            write_pictures(result, snapshot_path, plot_path)
+        _clear(progress)
     except MemcheckError as exc:
+        _clear(progress)
         _fail(exc, debug, exc.exit_code)
     except Exception as exc:  # a bug in memcheck: say so, briefly
+        _clear(progress)
         _fail(RuntimeError(f"internal error ({type(exc).__name__}: {exc}); rerun with --debug and report it"),
               debug, EXIT_INTERNAL)
     click.echo(render_json(result) if as_json else str(result))
@@ -203,9 +219,13 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
               help="Then run the recommendation for real (20 steps at the worst-case batch) on this machine's "
                    "GPU (or the CPU for --device cpu) and report measured vs predicted.")
 @click.option("--measure-steps", type=int, default=20, show_default=True, help="Optimizer steps --measure runs.")
+@click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
+              help="Write the simulated allocator trace for PyTorch's memory viewer (pytorch.org/memory_viz).")
+@click.option("--plot", "plot_path", default=None, metavar="FILE.png",
+              help="Draw memory over the recommendation's steady-state step, by category (needs matplotlib).")
 def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, gpu_memory, strategy, gpus,
          reentrant, bucket_view, bucket_cap_mb, offload, as_json, allow_download, debug, global_batch, margin,
-         precision, precision_options, checkpointing_options, measure, measure_steps):
+         precision, precision_options, checkpointing_options, measure, measure_steps, snapshot_path, plot_path):
     """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
 
     \b
@@ -221,6 +241,7 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
     from memcheck.model_source import load_workload
     from memcheck.plan import plan as run_plan
     from memcheck.render import render_json
+    from memcheck.timeline import check_pictures, write_pictures
     from memcheck.units import parse_size
 
     _quiet_transformers()
@@ -237,6 +258,7 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
 
                 if not torch.cuda.is_available():
                     raise UsageError("--measure on the cuda target needs a CUDA GPU, and torch sees none here")
+        check_pictures(snapshot_path, plot_path)  # before anything is traced
         work = load_workload(model, batch_size=1, max_len=max_len, target_len=target_len, task=task, attn=attn,
                              allow_download=allow_download)
         result = run_plan(
@@ -253,6 +275,30 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
 
             result = replace(result, verification=_measure_plan(model, result, work, device, measure_steps,
                                                                 allow_download, optimizer, reentrant, task, attn))
+        if (snapshot_path or plot_path) and result.recommended is not None:
+            # A plan keeps no timeline: the recommendation is traced once more, with one, at the
+            # settings the plan traced it at (memcheck.plan._Search.estimate_at), and must agree.
+            from memcheck.estimate import estimate as run_estimate
+
+            rec, multi = result.recommended, result.strategy != "single"
+            rows = rec.micro_batch_size * (result.gpus if result.strategy in ("dp", "dp-balanced") else 1)
+            traced = run_estimate(
+                work.model, work.batch_at(rows),
+                device=device, precision=rec.precision, gpu=result.gpu, budget_bytes=result.capacity_bytes,
+                strategy=result.strategy, gpus=result.gpus if multi else None, accumulate=rec.accumulation_steps,
+                checkpointing=list(result.checkpointed_modules) if rec.checkpointing == "half" else rec.checkpointing,
+                batch_size=rec.micro_batch_size, max_len=work.max_len, target_len=work.target_len,
+                model_name=work.name, top_modules=0, optimizer=optimizer or work.make_optimizer or "adamw",
+                loss_fn=work.loss_fn, steps=steps, use_reentrant=reentrant, bucket_view=bucket_view,
+                bucket_cap_mb=bucket_cap_mb, offload=offload, progress=progress, timeline=True,
+            )
+            _clear(progress)
+            if (traced.peak_bytes, traced.total_bytes) != (result.estimate.peak_bytes, result.estimate.total_bytes):
+                raise RuntimeError("the recommendation traced again for --snapshot/--plot differs from the plan's")
+            write_pictures(traced, snapshot_path, plot_path, margin=result.margin)
+        elif snapshot_path or plot_path:
+            click.echo("memcheck: note: nothing fits, so --snapshot/--plot have no recommendation to draw; "
+                       "nothing written", err=True)
     except MemcheckError as exc:
         _clear(progress)
         _fail(exc, debug, exc.exit_code)
@@ -303,6 +349,76 @@ def _measure_plan(spec, result, work, device, steps, allow_download, optimizer, 
     return verify(build, make_optimizer, device=device, predicted_bytes=rec.predicted_device_total_bytes,
                   loss_fn=work.loss_fn or default_loss, precision=rec.precision, accumulate=rec.accumulation_steps,
                   steps=steps)
+
+
+@main.command("check")
+@click.argument("files", nargs=-1, required=True, metavar="FILE...")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every job's result.")
+@click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise).")
+@click.option("--debug", is_flag=True, help="Show the full traceback of errors.")
+def check_configs(files, as_json, allow_download, debug):
+    """Check the jobs in config files (TOML, JSON, YAML, or pyproject.toml's [tool.memcheck]).
+
+    \b
+    A file holds one job (model, gpu or gpu_memory, micro_batch, accumulation, precision,
+    checkpointing, ... at the top level) or several ([jobs.NAME] tables, inheriting the
+    top-level keys). Model files are resolved relative to the config and must lie inside
+    its git repository: memcheck runs their code. A pyproject.toml without [tool.memcheck]
+    is skipped with a note. Every file is read and every model loaded before anything is
+    traced. Exit codes: 0 every job fits, 1 a job does not fit (its fix is printed in
+    config keys), 2 a config or model error, 3 internal error.
+    """
+    if not allow_download:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from memcheck.errors import MemcheckError
+    from memcheck.job_config import load_configs
+    from memcheck.model_source import load_workload
+    from memcheck.preflight import check as run_check
+    from memcheck.render import render_config_check
+
+    _quiet_transformers()
+    progress = _progress_line if not as_json and sys.stderr.isatty() else None
+    job, results = None, []
+    try:
+        jobs, skipped = load_configs(files)
+        for path in skipped:
+            click.echo(f"memcheck: note: {path} has no [tool.memcheck] table; skipped", err=True)
+        workloads = []
+        for job in jobs:  # every model is loaded (its code run) before the first trace
+            if progress is not None:
+                progress(f"{job.label}: loading the model")
+            workloads.append(load_workload(job.model, batch_size=job.micro_batch, max_len=job.max_len,
+                                           target_len=job.target_len, task=job.task, attn=job.attn,
+                                           allow_download=allow_download))
+            job.check_modules(workloads[-1].model)
+        for job, work in zip(jobs, workloads):
+            where = job.label
+            results.append((job, run_check(
+                work.model, work.make, max_len=work.max_len, target_len=work.target_len, model_name=work.name,
+                optimizer=job.optimizer or work.make_optimizer or "adamw", loss_fn=work.loss_fn,
+                progress=None if progress is None else (lambda line, where=where: progress(f"{where}: {line}")),
+                **job.check_kwargs(),
+            )))
+        job = None
+        _clear(progress)
+    except MemcheckError as exc:
+        _clear(progress)
+        _fail(_in_job(exc, job, str(exc)), debug, exc.exit_code)
+    except Exception as exc:  # a bug in memcheck: say so, briefly
+        _clear(progress)
+        _fail(_in_job(exc, job, f"internal error ({type(exc).__name__}: {exc}); rerun with --debug and report it"),
+              debug, EXIT_INTERNAL)
+    if results or as_json:
+        click.echo(render_config_check(results, skipped, as_json=as_json))
+    sys.exit(EXIT_DOES_NOT_FIT if any(not v.fits for _, v in results) else EXIT_FITS)
+
+
+def _in_job(exc: BaseException, job, message: str) -> BaseException:
+    """The error as one line that names the config file and job it happened in (the cause kept for --debug)."""
+    named = job is None or message.startswith(job.label)
+    located = RuntimeError(message if named else f"{job.label}: {message}")
+    located.__cause__ = exc
+    return located
 
 
 @main.command()

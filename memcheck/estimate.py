@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import re
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -104,6 +104,8 @@ def estimate(
     offload: str | Offload | None = None,
     eval_batch: Any = None,
     eval_accumulate_predictions: int = 0,
+    progress: Callable[[str], None] | None = None,
+    timeline: bool = False,
 ) -> Estimate:
     """Trace ``steps`` training steps of ``model`` on ``batch`` and return the steady-state peak.
 
@@ -140,6 +142,10 @@ def estimate(
         eval_batch: a batch for an evaluation pass after training (no autograd, same
             precision); ``eval_accumulate_predictions`` N keeps N eval batches' predictions
             on the device. The peak is the larger of training's and evaluation's.
+        progress: called with a short line as the trace enters each phase (the CLI's
+            stderr progress on a terminal).
+        timeline: also keep the busiest GPU's memory event by event as ``Estimate.timeline``
+            (a ``memcheck.timeline.Timeline``), for ``write_snapshot`` and ``plot_timeline``.
 
     Returns:
         An ``Estimate``; ``str()`` is the table, ``to_dict()`` the JSON.
@@ -195,6 +201,9 @@ def estimate(
 
     arch = target.arch if target is not None else DEFAULT_ARCH
     tracer = MemoryTracer(device, arch=arch)
+    if progress is not None:
+        tracer.on_phase = lambda step, phase: progress(
+            f"tracing {name}: " + ("evaluation" if phase is Phase.EVAL else f"step {step + 1} of {steps}, {phase.value}"))
     for key, value in local_library_versions().items():  # the CUDA/cuDNN this torch would use
         setattr(tracer, key, value)
     if device is Device.CUDA and target is None:
@@ -213,6 +222,7 @@ def estimate(
             f"accumulate={accumulate}: 2 micro-steps per step traced; micro-steps 3 to {accumulate} repeat the second"
         )
     def evaluate(module):
+        tracer.set_phase(steps, Phase.EVAL)  # the eval batch arrives with the evaluation, not in training
         tracer.watch(batch=ebatch)
         run_eval(module, ebatch, loss_fn, tracer.set_phase, step=steps, autocast=autocast,
                  keep_batches=eval_accumulate_predictions)
@@ -248,6 +258,8 @@ def estimate(
         train_peak_bytes=busiest.train_peak_bytes, eval_peak_bytes=busiest.eval_peak_bytes,
         busiest_gpu=busiest.index, per_device=tuple(devices) if config.strategy.multi_gpu else (),
         work=_work(tracer.log, step=steps - 1, micro_steps=min(accumulate, 2)),
+        timeline=_timeline(tracer.log, gpu_map[busiest.index], busiest, device, arch, root=type(twin).__name__)
+        if timeline else None,
     )
 
 
@@ -319,10 +331,8 @@ def _short(module: str | None, root: str) -> str:
     return module.split(".", 1)[1] if module.startswith(root + ".") else module
 
 
-def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch, gpu: GpuSpec | None, *,
-                    root: str, name: str, top_modules: int) -> DeviceMemory:
-    """The steady-state peak of one traced GPU (or the CPU), what was live at it, and on CUDA
-    what the caching allocator reserves and the device shows in use."""
+def _device_events(log: TraceLog, traced: int, device: Device, arch) -> tuple[list[tuple], int]:
+    """One traced GPU's events (with cuBLAS's workspaces on CUDA), and the index of step 2's first."""
     second = log.step_starts[1] if len(log.step_starts) > 1 else 0
     events, start = [], None
     for i, ev in enumerate(log.events):
@@ -332,9 +342,27 @@ def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch
             start = len(events)
         events.append(ev)
     start = len(events) if start is None else start
-    cuda = None
     if device is Device.CUDA:
         events, start = _with_workspaces(events, arch, start)
+    return events, start
+
+
+def _timeline(log: TraceLog, traced: int, busiest: DeviceMemory, device: Device, arch, *, root: str):
+    """The busiest GPU's memory event by event (``estimate(timeline=True)``)."""
+    from memcheck.timeline import build_timeline
+
+    events, start = _device_events(log, traced, device, arch)
+    return build_timeline(events, start, device=device, gpu=busiest.index, context_bytes=busiest.context_bytes,
+                          config=AllocatorConfig.from_env(), module_label=lambda m: _short(m, root))
+
+
+def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch, gpu: GpuSpec | None, *,
+                    root: str, name: str, top_modules: int) -> DeviceMemory:
+    """The steady-state peak of one traced GPU (or the CPU), what was live at it, and on CUDA
+    what the caching allocator reserves and the device shows in use."""
+    events, start = _device_events(log, traced, device, arch)
+    cuda = None
+    if device is Device.CUDA:
         sim = simulate(events, config=AllocatorConfig.from_env())
         sizes = sim.granted
         cuda = (sim.peak_reserved_bytes, context_bytes(gpu))

@@ -192,7 +192,9 @@ def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
         args.append("gradient_checkpointing=True")
     elif r.checkpointing == "half":
         flags.append("--checkpointing " + ",".join(plan.checkpointed_modules))
-        args.append("gradient_checkpointing=False (wrap the listed blocks in torch.utils.checkpoint instead)")
+        # transformers' every_n_layers checkpoints layers 0, n, 2n, ... (modeling_utils.py
+        # _set_gradient_checkpointing): with n = 2 the blocks half_of() names.
+        args.append("gradient_checkpointing=True, gradient_checkpointing_kwargs={'every_n_layers': 2}")
     if r.precision != "fp32":
         flags.append(f"--precision {r.precision}")
     args.append({"amp-bf16": "bf16=True", "amp-fp16": "fp16=True", "bf16": "bf16=True with the model loaded in "
@@ -309,7 +311,7 @@ def verdict_line(v: Verdict) -> str:
     if v.fits:
         return f"fits: {est.model} needs {format_bytes(est.total_bytes)} ({what}) of {limit} at {settings}"
     where = "the evaluation pass" if est.peak_in == "eval" else est.peak_phase.value
-    return (f"will not fit: {est.model} needs {format_bytes(est.total_bytes)} ({what}, peak in {where}) "
+    return (f"will not fit: {est.model} needs {format_bytes(est.total_bytes)} ({what}, reached in {where}) "
             f"over {limit} at {settings}")
 
 
@@ -400,3 +402,27 @@ def render_gpus(gpus, as_json: bool = False) -> str:
         [[r["name"], format_bytes(r["capacity_bytes"]), r["arch"], format_bytes(r["context_bytes"])] for r in rows],
         headers=["GPU", "capacity", "arch", "CUDA context (estimate)"], tablefmt="simple",
     )
+
+
+def render_config_check(results, skipped=(), as_json: bool = False) -> str:
+    """``memcheck check``'s output for ``(JobConfig, Verdict)`` pairs: one line per job that
+    fits; for one that does not, its verdict and its fix in config keys. ``--json``: one
+    object, ``{"fits", "results": [...], "skipped": [...]}``."""
+    if as_json:
+        return json.dumps({
+            "fits": all(v.fits for _, v in results),
+            "results": [{"file": job.file, "job": job.name, "table": job.where or None,
+                         "verdict_line": verdict_line(v), "fix_line": None if v.fits else fix_line(v, "config"),
+                         **v.to_dict()} for job, v in results],
+            "skipped": list(skipped),
+        }, indent=2)
+    lines = []
+    for job, v in results:
+        if v.fits:
+            what = "device total" if v.estimate.device_total_bytes is not None else "peak"
+            lines.append(f"ok    {job.label}: {what} {format_bytes(v.estimate.total_bytes)} of the "
+                         f"{format_bytes(v.limit_bytes)} limit")
+        else:
+            lines.append(f"FAIL  {job.label}: {verdict_line(v)}")
+            lines.append(f"      {fix_line(v, 'config')}")
+    return "\n".join(lines)

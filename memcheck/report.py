@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from memcheck.checkpointing import half_of
 from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.gpus import GpuSpec
+
+if TYPE_CHECKING:
+    from memcheck.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,8 @@ class Estimate:
     busiest_gpu: int = 0
     per_device: tuple[DeviceMemory, ...] = ()  # multi-GPU strategies: every GPU, in order
     work: Work | None = None  # the busiest GPU's compute per micro-step, for the planner
+    # estimate(timeline=True): the busiest GPU's memory event by event (--snapshot, --plot); not in to_dict
+    timeline: Timeline | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak_in(self) -> str:

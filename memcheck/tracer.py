@@ -190,6 +190,7 @@ class MemoryTracer(TorchDispatchMode):
         self.device = Device.parse(device)
         self.arch = arch  # CUDA compute capability of the target GPU; rules pick kernels by it
         self.autocast = None  # a memcheck.autocast.MetaAutocast while tracing mixed precision
+        self.on_phase = None  # called as on_phase(step, phase) when the loop enters a phase (progress)
         self.log = TraceLog()
         self.phase = Phase.SETUP
         self.step = 0
@@ -274,6 +275,8 @@ class MemoryTracer(TorchDispatchMode):
         if phase is Phase.FORWARD and step != self.step or not self.log.step_starts:
             self.log.step_starts.append(len(self.log.events))
         self.step, self.phase = step, phase
+        if self.on_phase is not None:
+            self.on_phase(step, phase)
 
     def watch(self, model=None, batch=None, optimizer=None, *, root_outputs: bool = True) -> None:
         """Register memory that exists before the loop and hook the model and optimizer.

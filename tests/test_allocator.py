@@ -161,6 +161,15 @@ def test_granted_is_the_block_handed_out_including_an_unsplit_leftover():
     assert stats.fragmentation_bytes == 22 * MiB - (21 * MiB // 2 + 1024)  # at the peak, 1 had been freed
 
 
+def test_a_zero_byte_storage_takes_no_block():
+    # NativeCachingAllocator::allocate calls malloc only when size != 0 (a null data pointer
+    # otherwise), so an empty tensor costs nothing: only the 512 B request opens a segment.
+    stats = simulate([ev(ALLOC, 1, 0), ev(ALLOC, 2, 100), ev(FREE, 1), ev(FREE, 2)])
+    assert stats.granted == (0, 512, 0, 0)
+    assert stats.peak_allocated_bytes == 512
+    assert stats.peak_reserved_bytes == 2 * MiB  # one small-pool segment
+
+
 def test_storage_ids_may_be_reused_after_their_free():
     # sid 7 is allocated, freed and allocated again; each ALLOC has its own granted entry.
     stats = simulate([ev(ALLOC, 7, 4 * MiB), ev(FREE, 7), ev(ALLOC, 7, 2 * MiB), ev(FREE, 7), ev(FREE, 7)])

@@ -1,0 +1,90 @@
+"""What both trainer callbacks share: their settings, validated once, and the verdict acted on."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memcheck.errors import UsageError, WillNotFit, require_int
+from memcheck.gpus import GpuSpec, resolve_gpu
+from memcheck.report import Verdict
+
+
+@dataclass(frozen=True)
+class CallbackSettings:
+    """A callback's constructor arguments, checked when the callback is built (not at step 1)."""
+
+    gpu: GpuSpec | None = None
+    budget_bytes: int | None = None
+    margin: float | None = None
+    check_eval: bool = True
+    fix: bool = True
+
+    def __post_init__(self):
+        if self.gpu is not None and not isinstance(self.gpu, GpuSpec):
+            # A name or a size, resolved now so that a typo fails when the callback is built.
+            if not isinstance(self.gpu, str):
+                raise UsageError(f"gpu must be a name such as 'A100-80GB' or a size such as '24GiB', "
+                                 f"got {self.gpu!r}")
+            object.__setattr__(self, "gpu", resolve_gpu(self.gpu))
+        if self.budget_bytes is not None:
+            require_int(self.budget_bytes, "budget_bytes")
+        m = self.margin
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1):
+            raise UsageError(f"margin must be a fraction in [0, 1), such as 0.05; got {m!r}")
+        for name in ("check_eval", "fix"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+
+def target(device: torch.device, settings: CallbackSettings) -> dict:
+    """``check()``'s target arguments for the device the trainer runs on."""
+    kind = device.type
+    if kind == "cuda":
+        return {"device": "cuda", "gpu": settings.gpu, "budget_bytes": settings.budget_bytes}
+    if kind == "cpu":
+        if settings.budget_bytes is None:
+            raise UsageError("the trainer runs on the CPU: give MemcheckCallback(budget_bytes=...), the host "
+                             "memory the job may use")
+        if settings.gpu is not None:
+            raise UsageError(f"gpu={settings.gpu.name!r} was given but the trainer runs on the CPU; "
+                             "give budget_bytes= instead")
+        return {"device": "cpu", "budget_bytes": settings.budget_bytes}
+    raise UsageError(f"the trainer runs on {kind!r}; memcheck checks cuda and cpu jobs only")
+
+
+def zero_strategy(config: dict | None, world: int) -> tuple[str, int, dict]:
+    """A DeepSpeed config's ZeRO stage and offload as memcheck's (strategy, gpus, settings);
+    stage 0 is plain data parallelism, which memcheck traces as ddp."""
+    zero = (config or {}).get("zero_optimization", {}) or {}
+    stage = int(zero.get("stage", 0) or 0)
+    if stage == 0:
+        return "ddp", world, {}
+    offload = None
+    if (zero.get("offload_param") or {}).get("device") == "cpu":
+        offload = "params"
+    elif (zero.get("offload_optimizer") or {}).get("device") == "cpu":
+        offload = "optimizer"
+    return f"zero{stage}", world, ({"offload": offload} if offload else {})
+
+
+def act_on(verdict: Verdict, style: str, logger: logging.Logger, announce: bool) -> None:
+    """Raise ``WillNotFit`` for a job that will not fit; otherwise log the verdict's line
+    (when ``announce``: on the main process only)."""
+    if not verdict.fits:
+        raise WillNotFit(verdict, style=style)
+    if announce:
+        from memcheck.render import verdict_line
+
+        logger.info("memcheck: %s", verdict_line(verdict))
+
+
+def first_batch(loader: Any) -> Any:
+    """The loader's first batch, taken without disturbing the training run: torch's CPU
+    random state (which a shuffling sampler and the workers' seeds draw from) is restored."""
+    base = getattr(loader, "base_dataloader", loader)  # accelerate's wrapper keeps its own state
+    with torch.random.fork_rng(devices=[]):
+        return next(iter(base))

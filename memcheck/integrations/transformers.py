@@ -1,0 +1,353 @@
+"""``MemcheckCallback`` for the transformers ``Trainer``: the job checked before step 1.
+
+Example:
+    >>> from memcheck.integrations.transformers import MemcheckCallback
+    >>> trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
+    ...                   callbacks=[MemcheckCallback(gpu="A100-80GB")])
+    >>> trainer.train()   # raises memcheck.WillNotFit before step 1 if the job will not fit
+
+At ``on_train_begin`` the callback reads the job from ``TrainingArguments`` and the
+model, builds the worst-case batch (every sequence padded to the longest length, see
+``memcheck.hf.make_batch``), and runs ``memcheck.check`` on a meta twin of the model
+(no weights are copied). The ``Verdict`` is kept as ``callback.verdict``. A job that
+fits is logged in one line (logger ``memcheck.integrations.transformers``, level INFO);
+a job that does not fit raises ``memcheck.WillNotFit``, whose message is the verdict
+and the fix in ``TrainingArguments`` terms.
+
+Why raise rather than set ``control.should_training_stop``: the Trainer reads that flag
+only after a step, and then ends ``train()`` normally, as if the job had finished; a
+job that will not fit would run its first step (and crash there) or end silently.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from memcheck import hf
+from memcheck.enums import Task
+from memcheck.errors import UsageError, require_int
+from memcheck.estimate import meta_twin
+from memcheck.integrations._common import CallbackSettings, act_on, first_batch, target, zero_strategy
+from memcheck.preflight import check
+from memcheck.report import Verdict
+
+logger = logging.getLogger(__name__)
+
+# TrainingArguments.optim -> memcheck's optimizer names (memcheck.optimizers.OPTIMIZERS); used
+# when the Trainer has not built its optimizer yet. HF's choices: trainer_optimizer.py, _get_*.
+HF_OPTIMIZERS = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw-fused",
+    "adafactor": "adafactor",
+    "sgd": "sgd",
+    "adamw_bnb_8bit": "adamw-8bit",
+    "adamw_8bit": "adamw-8bit",  # OptimizerNames.ADAMW_8BIT: an alias of adamw_bnb_8bit
+}
+# Optimizer classes outside torch.optim whose memory memcheck models by name: their own
+# step() does not run on meta tensors (Adafactor's lr, bitsandbytes' CUDA kernels).
+_CLASS_NAMES = {"Adafactor": "adafactor", "AdamW8bit": "adamw-8bit", "PagedAdamW8bit": "adamw-8bit"}
+# PreTrainedTokenizerBase's model_max_length when the tokenizer names no limit (VERY_LARGE_INTEGER = int(1e30)).
+_NO_TOKENIZER_LIMIT = int(1e29)
+_TRAINER_FRAMES = 8  # Trainer._inner_training_loop -> CallbackHandler.on_train_begin -> call_event -> here
+
+
+def hf_optimizer(optim: Any, optim_args: str | None = None) -> str:
+    """memcheck's optimizer name for ``TrainingArguments.optim`` (with ``optim_args`` for SGD's momentum).
+
+    Raises:
+        UsageError: for a name memcheck has no equivalent of, naming it and the known ones.
+    """
+    name = str(getattr(optim, "value", optim))
+    if name not in HF_OPTIMIZERS:
+        raise UsageError(f"optim={name!r} has no memcheck equivalent; memcheck knows {', '.join(HF_OPTIMIZERS)} "
+                         "(or pass the optimizer itself: Trainer(optimizers=(optimizer, None)))")
+    if name == "sgd" and optim_args:
+        momentum = dict(kv.split("=", 1) for kv in optim_args.replace(" ", "").split(",") if "=" in kv)
+        if float(momentum.get("momentum", 0)) > 0:
+            return "sgd-momentum"
+    return HF_OPTIMIZERS[name]
+
+
+class MemcheckCallback(TrainerCallback):
+    """Checks the job's peak memory at ``on_train_begin`` and stops it before step 1 if it will not fit.
+
+    Args:
+        gpu: the GPU the job runs on, a name (``"A100-80GB"``) or a size (``"24GiB"``); by
+            default the local GPU. Only for a job on CUDA.
+        budget_bytes: the capacity in bytes: required for a job on the CPU; on CUDA it
+            overrides the GPU's.
+        max_length: the longest sequence the job feeds (every sequence is padded to it);
+            by default the tokenizer's ``model_max_length``, else the model's position limit.
+        target_length: a seq2seq model's label length (default ``max_length``).
+        margin: the fraction of the capacity held back (default memcheck's 5%).
+        check_eval: also check the evaluation pass, when the job evaluates.
+        fix: look for a fix when the job will not fit (a few more traces).
+
+    What it reads:
+        From ``TrainingArguments``: ``per_device_train_batch_size``,
+        ``gradient_accumulation_steps``, ``gradient_checkpointing`` (as the Trainer set
+        it up on the model, ``every_n_layers`` included), ``fp16``/``bf16`` (mixed
+        precision; pure bf16/fp16 when the model's weights already are), the optimizer
+        the Trainer built (else ``optim``, see ``HF_OPTIMIZERS``), ``per_device_eval_batch_size``,
+        ``eval_strategy``, ``eval_accumulation_steps``, ``prediction_loss_only``, the
+        device, the world size, ``n_gpu`` (DataParallel), ``fsdp`` and ``deepspeed`` (the
+        ZeRO stage and its offload). Evaluation keeps every batch's predictions on the
+        device unless ``eval_accumulation_steps`` moves them off: the callback counts the
+        evaluation set's batches, and counts none without ``compute_metrics`` (the Trainer
+        then keeps only the loss). The Trainer is not passed to callbacks; its
+        ``compute_metrics`` and ``eval_dataset`` are read from the Trainer that fired the event.
+
+    Known limitations:
+        A subclass's ``compute_loss`` is not traced (the loss is ``model(**batch).loss``);
+        predictions shrunk by ``preprocess_logits_for_metrics`` are not counted; labels
+        kept for metrics are not counted. Under FSDP or DeepSpeed ZeRO-3 the model is
+        already sharded at ``on_train_begin`` and cannot be twinned. A model without a
+        transformers config is checked on the first training batch, which is not
+        necessarily the worst case (a warning says so).
+    """
+
+    def __init__(self, gpu: str | None = None, budget_bytes: int | None = None, max_length: int | None = None,
+                 target_length: int | None = None, margin: float | None = None, check_eval: bool = True,
+                 fix: bool = True):
+        self.settings = CallbackSettings(gpu=gpu, budget_bytes=budget_bytes, margin=margin, check_eval=check_eval,
+                                         fix=fix)
+        for name, value in (("max_length", max_length), ("target_length", target_length)):
+            if value is not None:
+                require_int(value, name)
+        self.max_length, self.target_length = max_length, target_length
+        self.verdict: Verdict | None = None
+
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, tokenizer=None,
+                       optimizer=None, train_dataloader=None, eval_dataloader=None, **kwargs):
+        if model is None:
+            raise UsageError("MemcheckCallback.on_train_begin got no model; it runs inside transformers.Trainer")
+        trainer = _calling_trainer()
+        twin = meta_twin(model)  # meta parameters: every trace below starts from this, never from the weights
+        checkpointing, use_reentrant = _checkpointing(args, twin)
+        strategy, gpus, extra = _strategy(args)
+        batch_size = require_int(args.per_device_train_batch_size, "per_device_train_batch_size")
+        settings = dict(
+            batch_size=batch_size, accumulate=args.gradient_accumulation_steps, precision=_precision(args, model),
+            checkpointing=checkpointing, use_reentrant=use_reentrant, strategy=strategy, gpus=gpus,
+            optimizer=_optimizer(args, optimizer), margin=self.settings.margin, fix=self.settings.fix,
+            model_name=type(model).__name__, **target(args.device, self.settings), **extra,
+        )
+        config = getattr(model, "config", None)
+        task = _task(config, model)
+        if task is not None:
+            length = self._max_length(processing_class or tokenizer, config)
+            target_len = self.target_length or length
+            target_len = target_len if task is Task.SEQ2SEQ else None
+
+            def batch(n, length=length, target=target_len):  # meta tensors: the worst case costs nothing
+                return hf.make_batch(twin, config, task, n, length, target)
+
+            settings.update(max_len=length, target_len=target_len)
+        else:
+            if train_dataloader is None:
+                raise UsageError(f"{type(model).__name__} has no transformers config to build the worst-case "
+                                 "batch from, and the Trainer passed no train dataloader")
+            logger.warning("memcheck: %s has no transformers config; checking the first training batch, which "
+                           "is not necessarily the worst case", type(model).__name__)
+            batch = first_batch(train_dataloader)
+            settings.pop("batch_size")
+        if self.settings.check_eval and _evaluates(args, trainer):
+            eval_rows = require_int(args.per_device_eval_batch_size, "per_device_eval_batch_size")
+            eval_rows *= gpus if strategy == "dp" else 1  # DataParallel scatters the whole batch
+            keep = _kept_eval_batches(args, trainer, eval_dataloader)
+            if callable(batch):
+                settings.update(eval_batch_size=eval_rows, eval_accumulate_predictions=keep)
+            else:
+                from memcheck.preflight import resizer
+
+                settings.update(eval_batch=resizer(batch)(eval_rows), eval_accumulate_predictions=keep)
+        verdict = check(twin, batch, **settings)
+        self.verdict = verdict  # kept for a caller that catches WillNotFit too
+        act_on(verdict, "trainer", logger, announce=state.is_world_process_zero)
+        return control
+
+    def _max_length(self, tokenizer, config) -> int:
+        """The explicit max_length, else the tokenizer's (capped at the model's position
+        limit, past which the model cannot run), else the position limit."""
+        limit, key = hf.position_limit(config)
+        if self.max_length is not None:
+            if limit is not None and self.max_length > limit:
+                raise UsageError(f"max_length={self.max_length} exceeds the model's position limit of {limit} "
+                                 f"(config.{key})")
+            return self.max_length
+        told = getattr(tokenizer, "model_max_length", None)
+        if isinstance(told, int) and 0 < told < _NO_TOKENIZER_LIMIT:
+            return min(told, limit) if limit is not None else told
+        if limit is None:
+            raise UsageError("the tokenizer names no model_max_length and the model's config no position limit; "
+                             "give MemcheckCallback(max_length=...)")
+        return limit
+
+
+def _calling_trainer():
+    """The Trainer whose event called the callback, or None.
+
+    Callback events get the model, the tokenizer and the dataloaders but not the Trainer,
+    whose ``compute_metrics`` decides whether evaluation keeps predictions at all and whose
+    ``eval_dataset`` how many (the eval dataloader is built only when evaluation starts).
+    The Trainer is the ``self`` of the frame that fired the event, a few frames up.
+    """
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    try:
+        for _ in range(_TRAINER_FRAMES):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer):
+                return owner
+        return None
+    finally:
+        del frame
+
+
+def _task(config, model):
+    if config is None:
+        return None
+    try:
+        return hf.infer_task(config, model)
+    except UsageError:
+        return None
+
+
+def _precision(args, model) -> str:
+    """Pure bf16/fp16 when the weights already are (a model loaded in that dtype); otherwise
+    fp16=True / bf16=True are the Trainer's autocast (mixed precision)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes == {torch.bfloat16}:
+        return "bf16"
+    if dtypes == {torch.float16}:
+        return "fp16"
+    if args.bf16:
+        return "amp-bf16"
+    if args.fp16:
+        return "amp-fp16"
+    return "fp32"
+
+
+def _checkpointing(args, twin) -> tuple[str | tuple[str, ...], bool]:
+    """The checkpointing the job runs with, and its ``use_reentrant``.
+
+    The Trainer turns transformers' own checkpointing on before ``on_train_begin`` (and a
+    user may have): the twin inherits the flags, so they are read from it, which also
+    tells ``every_n_layers`` (the layers flagged) and the kwargs given. Then they are
+    turned off on the twin and handed to memcheck as ``full`` or the flagged layers'
+    names, so that the fix's search compares with and without checkpointing.
+    """
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers before 4.52 flags the stack, not each layer
+        GradientCheckpointingLayer = ()
+    flagged = [m for m in twin.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    disable = getattr(twin, "activation_checkpointing_disable", None) or getattr(
+        twin, "gradient_checkpointing_disable", None)
+    if not flagged or disable is None:
+        # Not applied yet (or not by transformers, and then traced as it runs).
+        on = bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False))
+        kwargs = (getattr(args, "activation_checkpointing_kwargs", None)
+                  or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+        reentrant = kwargs.get("use_reentrant", False) if isinstance(kwargs, dict) else False
+        return ("full" if on and not flagged else "none"), bool(reentrant)
+    func = getattr(flagged[-1], "_gradient_checkpointing_func", None)
+    reentrant = bool((getattr(func, "keywords", None) or {}).get("use_reentrant", False))
+    layers = [(n, m) for n, m in twin.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+    chosen = tuple(n for n, m in layers if m.gradient_checkpointing)
+    disable()
+    return ("full" if not layers or len(chosen) == len(layers) else chosen), reentrant
+
+
+def _strategy(args) -> tuple[str, int | None, dict]:
+    """memcheck's strategy, GPU count and strategy settings for the Trainer's launch."""
+    world = max(int(args.world_size), 1)
+    if world < 2:
+        n_gpu = int(getattr(args, "n_gpu", 1) or 1)
+        return ("dp", n_gpu, {}) if n_gpu > 1 else ("single", None, {})
+    if args.deepspeed:
+        ds = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+        if ds is None:
+            raise UsageError(f"deepspeed={args.deepspeed!r}: its config was not loaded by TrainingArguments")
+        return zero_strategy(ds, world)
+    if args.fsdp:
+        fsdp = args.fsdp_config if isinstance(getattr(args, "fsdp_config", None), dict) else {}
+        offloaded = "offload" in str(args.fsdp) or bool(fsdp.get("cpu_offload"))
+        return "fsdp", world, ({"offload": "params"} if offloaded else {})
+    cap = getattr(args, "ddp_bucket_cap_mb", None)
+    return "ddp", world, ({"bucket_cap_mb": cap} if cap else {})
+
+
+def _optimizer(args, optimizer) -> Any:
+    """The Trainer's own optimizer (its class and settings are reused), or memcheck's name for it."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps the real one
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if type(optimizer).__module__.startswith("torch.optim"):
+            return optimizer
+        if type(optimizer).__name__ in _CLASS_NAMES:
+            return _CLASS_NAMES[type(optimizer).__name__]
+        return optimizer
+    return hf_optimizer(args.optim, getattr(args, "optim_args", None))
+
+
+def _evaluates(args, trainer) -> bool:
+    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    if strategy == "no" and not getattr(args, "eval_on_start", False):
+        return False
+    return trainer is None or trainer.eval_dataset is not None
+
+
+def _kept_eval_batches(args, trainer, eval_dataloader) -> int:
+    """How many evaluation batches' predictions the Trainer holds on the device at once.
+
+    ``Trainer.evaluation_loop`` concatenates every batch's predictions on the device and
+    moves them off only every ``eval_accumulation_steps`` batches (None: at the end).
+    Each batch's predictions are gathered from every process first, so a process holds
+    ``world_size`` batches' worth per step.
+    """
+    if args.prediction_loss_only or getattr(args, "batch_eval_metrics", False):
+        return 0
+    if trainer is not None:
+        if trainer.compute_metrics is None:  # Trainer.evaluate then passes prediction_loss_only=True
+            return 0
+        if trainer.preprocess_logits_for_metrics is not None:
+            logger.warning("memcheck: predictions reduced by preprocess_logits_for_metrics are not counted")
+            return 0
+    world = max(int(args.world_size), 1)
+    steps = _eval_steps(args, trainer, eval_dataloader, world)
+    if args.eval_accumulation_steps:
+        every = args.eval_accumulation_steps
+        return min(every, steps) * world if steps else every * world
+    if steps is None:
+        logger.warning("memcheck: the evaluation set's size is unknown; counting one batch of predictions kept")
+        return world
+    return steps * world
+
+
+def _eval_steps(args, trainer, eval_dataloader, world: int) -> int | None:
+    """Evaluation batches per process, from the eval dataloader or the Trainer's eval dataset."""
+    if eval_dataloader is not None:
+        try:
+            return len(eval_dataloader)
+        except TypeError:
+            return None
+    datasets = getattr(trainer, "eval_dataset", None)
+    if datasets is None:
+        return None
+    rows = args.per_device_eval_batch_size * max(int(getattr(args, "n_gpu", 1) or 1), 1) * world
+    try:
+        sizes = [len(d) for d in (datasets.values() if isinstance(datasets, dict) else [datasets])]
+    except TypeError:  # an IterableDataset
+        return None
+    return max(math.ceil(n / rows) for n in sizes) if sizes else None

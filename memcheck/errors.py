@@ -53,6 +53,14 @@ def require_int(value, what: str, *, minimum: int = 1, message: str | None = Non
     return value
 
 
+def require_margin(value):
+    """Return ``value`` if it is None or a fraction in [0, 1) (the capacity held back); otherwise
+    raise UsageError naming it."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1):
+        raise UsageError(f"margin must be a fraction in [0, 1), such as 0.05; got {value!r}")
+    return value
+
+
 def closest(name: str, allowed) -> str:
     """Return a ' (did you mean X?)' suffix for a mistyped ``name``, or ''."""
     import difflib

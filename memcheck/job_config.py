@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memcheck.enums import Attention, Device, Offload, Precision, Strategy, Task
-from memcheck.errors import UsageError, closest, require_int
+from memcheck.errors import UsageError, closest, require_int, require_margin
 
 # The keys of a job, in the order the docs list them.
 JOB_KEYS = (
@@ -122,11 +122,7 @@ def _gpu_memory(v):
 
 
 def _margin(v):
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-        raise UsageError(f"margin must be a fraction in [0, 1), such as 0.05; got {v!r}")
-    return float(v)
+    return None if v is None else float(require_margin(v))
 
 
 def _eval_keep(v):

@@ -53,7 +53,7 @@ import torch
 
 from memcheck.checkpointing import FULL, HALF, NONE, half_of, repeated_blocks
 from memcheck.enums import Device, Precision, Strategy
-from memcheck.errors import UsageError, require_int
+from memcheck.errors import UsageError, require_int, require_margin
 from memcheck.estimate import estimate, target_gpu
 from memcheck.gpus import GPUS, GpuSpec
 from memcheck.report import Estimate, LengthPoint, Plan, PlanOption, Work
@@ -166,9 +166,7 @@ def plan(
                 f"global batch {global_batch} is not divisible by {gpus} GPUs; every GPU takes the same share: "
                 + (f"use {below} or {above}" if below else f"use {above} or another multiple of {gpus}")
             )
-    margin = DEFAULT_MARGIN if margin is None else margin
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise UsageError(f"margin must be a fraction in [0, 1), such as 0.05; got {margin!r}")
+    margin = DEFAULT_MARGIN if margin is None else require_margin(margin)
     target = target_gpu(gpu, device)
     if budget_bytes is None:
         if target is None:

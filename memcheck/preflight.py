@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from memcheck.enums import Device, Strategy
-from memcheck.errors import UsageError, WillNotFit, require_int
+from memcheck.errors import UsageError, WillNotFit, require_int, require_margin
 from memcheck.estimate import estimate, target_gpu
 from memcheck.plan import CHECKPOINTING_OPTIONS, DEFAULT_MARGIN, _arity, plan
 from memcheck.report import EvalFix, Estimate, Verdict
@@ -81,9 +81,7 @@ def check(
         raise UsageError(f"unknown argument(s) {', '.join(unknown)}; check() passes on only "
                          f"{', '.join(_SHARED)} to estimate()")
     device = Device.parse(device)
-    margin = DEFAULT_MARGIN if margin is None else margin
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise UsageError(f"margin must be a fraction in [0, 1), such as 0.05; got {margin!r}")
+    margin = DEFAULT_MARGIN if margin is None else require_margin(margin)
     target = target_gpu(gpu, device)
     capacity = budget_bytes if budget_bytes is not None else (target.capacity_bytes if target else None)
     if capacity is None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from memcheck.errors import UsageError, WillNotFit, require_int
+from memcheck.errors import UsageError, WillNotFit, require_int, require_margin
 from memcheck.gpus import GpuSpec, resolve_gpu
 from memcheck.report import Verdict
 
@@ -32,9 +32,7 @@ class CallbackSettings:
             object.__setattr__(self, "gpu", resolve_gpu(self.gpu))
         if self.budget_bytes is not None:
             require_int(self.budget_bytes, "budget_bytes")
-        m = self.margin
-        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1):
-            raise UsageError(f"margin must be a fraction in [0, 1), such as 0.05; got {m!r}")
+        require_margin(self.margin)
         for name in ("check_eval", "fix"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -145,8 +145,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
     make_batch(batch_size, max_len), compute_loss(model, batch), make_optimizer(params).
     memcheck runs the file's code (on the meta device).
     """
-    if not allow_download:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    progress = _begin(as_json, allow_download)
     from memcheck.errors import MemcheckError, UsageError, require_int
     from memcheck.compare import compare as run_compare
     from memcheck.estimate import estimate as run_estimate
@@ -155,8 +154,6 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
     from memcheck.timeline import check_pictures, write_pictures
     from memcheck.units import parse_size
 
-    _quiet_transformers()
-    progress = _progress_line if not as_json and sys.stderr.isatty() else None
     try:
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         if top < 0:
@@ -235,8 +232,7 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
     --measure, ran without running out of memory), 1 nothing fits or --measure ran out of
     memory, 2 bad input, 3 internal error.
     """
-    if not allow_download:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    progress = _begin(as_json, allow_download)
     from memcheck.errors import MemcheckError, UsageError, require_int
     from memcheck.model_source import load_workload
     from memcheck.plan import plan as run_plan
@@ -244,8 +240,6 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
     from memcheck.timeline import check_pictures, write_pictures
     from memcheck.units import parse_size
 
-    _quiet_transformers()
-    progress = _progress_line if not as_json and sys.stderr.isatty() else None
     try:
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         if measure:  # what --measure needs is checked before any tracing
@@ -312,6 +306,16 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
     sys.exit(EXIT_DOES_NOT_FIT if not result.fits or failed else EXIT_FITS)
 
 
+def _begin(as_json: bool, allow_download: bool):
+    """What every command that traces does first: hub offline unless downloads are allowed,
+    transformers' warnings quiet, and the progress callback (None unless stderr is a terminal
+    and the output is the table)."""
+    if not allow_download:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _quiet_transformers()
+    return _progress_line if not as_json and sys.stderr.isatty() else None
+
+
 def _progress_line(line: str) -> None:
     """Progress on stderr, one line rewritten in place (only when stderr is a terminal)."""
     click.echo(f"\r\033[K{line}", err=True, nl=False)
@@ -368,16 +372,13 @@ def check_configs(files, as_json, allow_download, debug):
     traced. Exit codes: 0 every job fits, 1 a job does not fit (its fix is printed in
     config keys), 2 a config or model error, 3 internal error.
     """
-    if not allow_download:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    progress = _begin(as_json, allow_download)
     from memcheck.errors import MemcheckError
     from memcheck.job_config import load_configs
     from memcheck.model_source import load_workload
     from memcheck.preflight import check as run_check
     from memcheck.render import render_config_check
 
-    _quiet_transformers()
-    progress = _progress_line if not as_json and sys.stderr.isatty() else None
     job, results = None, []
     try:
         jobs, skipped = load_configs(files)

@@ -22,7 +22,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from memcheck.errors import UsageError
+from memcheck.errors import UsageError, closest
 
 NONE, FULL = "none", "full"
 HALF = "half"  # the planner's selective option: every second repeated block
@@ -118,8 +118,9 @@ def apply_checkpointing(model: torch.nn.Module, spec, *, use_reentrant: bool = F
         for pattern in spec:
             hits = [n for n in names if n and fnmatch.fnmatchcase(n, pattern)]
             if not hits:
-                raise UsageError(
-                    f"checkpointing: no module of {type(model).__name__} is named {pattern!r} "
+                raise UsageError(  # a typo of 'full' or 'none' lands here too, so they are suggested as well
+                    f"checkpointing: no module of {type(model).__name__} is named {pattern!r}"
+                    f"{closest(pattern, [NONE, FULL, *(n for n in names if n)])} "
                     f"(names look like {', '.join(list(n for n in names if n)[:3])}, ...)"
                 )
             blocks.extend(h for h in hits if h not in blocks)

@@ -161,6 +161,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
         if compare and (snapshot_path or plot_path):
             raise UsageError("--snapshot and --plot draw one estimate; they cannot be used with --compare")
         check_pictures(snapshot_path, plot_path)  # before anything is traced
+        _check_settings(device, precision, strategy, gpus, gpu, optimizer, steps, accumulate, bucket_view,
+                        bucket_cap_mb, offload)
         if progress is not None:
             progress(f"loading {model}")
         work = load_workload(
@@ -181,7 +183,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
         if compare:
             if strategy != "single" or bucket_view or bucket_cap_mb is not None or offload != "none":
                 raise UsageError("--compare lists every strategy with its defaults; drop --strategy and its settings")
-            result = run_compare(work.model, work.batch, gpus=gpus or 1, **kwargs)
+            result = run_compare(work.model, work.batch, gpus=1 if gpus is None else gpus, **kwargs)
         else:
             result = run_estimate(
                 work.model, work.batch, strategy=strategy, gpus=gpus, bucket_view=bucket_view,
@@ -242,9 +244,9 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
 
     try:
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
+        require_int(measure_steps, "--measure-steps", minimum=2,
+                    message=f"--measure-steps must be an integer of at least 2, got {measure_steps!r}")
         if measure:  # what --measure needs is checked before any tracing
-            require_int(measure_steps, "--measure-steps", minimum=2,
-                        message=f"--measure-steps must be an integer of at least 2, got {measure_steps!r}")
             if strategy != "single":
                 raise UsageError("--measure runs one process on one device; it cannot run a multi-GPU strategy")
             if device == "cuda":
@@ -253,6 +255,8 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
                 if not torch.cuda.is_available():
                     raise UsageError("--measure on the cuda target needs a CUDA GPU, and torch sees none here")
         check_pictures(snapshot_path, plot_path)  # before anything is traced
+        _check_settings(device, None if precision_options else precision, strategy, gpus, gpu, optimizer, steps, 1,
+                        bucket_view, bucket_cap_mb, offload)  # the plan checks --precision-options itself
         work = load_workload(model, batch_size=1, max_len=max_len, target_len=target_len, task=task, attn=attn,
                              allow_download=allow_download)
         result = run_plan(
@@ -304,6 +308,29 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
     failed = result.verification is not None and (
         result.verification.out_of_memory or result.verification.measured_bytes > result.capacity_bytes)
     sys.exit(EXIT_DOES_NOT_FIT if not result.fits or failed else EXIT_FITS)
+
+
+def _check_settings(device, precision, strategy, gpus, gpu, optimizer, steps, accumulate, bucket_view,
+                    bucket_cap_mb, offload) -> None:
+    """Check the settings that need no model with the library's own parsers, before the model
+    file runs: a bad flag is reported as itself, never hidden behind the model's errors."""
+    from memcheck.enums import Device, Precision
+    from memcheck.errors import require_int
+    from memcheck.estimate import target_gpu
+    from memcheck.optimizers import resolve_optimizer
+    from memcheck.strategies import StrategyConfig
+
+    target = Device.parse(device)
+    if precision is not None:
+        Precision.parse(precision)
+    StrategyConfig.parse(strategy, None if strategy == "single" else gpus, bucket_view=bucket_view,  # --compare's
+                         bucket_cap_mb=bucket_cap_mb, offload=offload)  # --gpus goes with single: checked there
+    target_gpu(gpu, target)
+    if optimizer is not None:
+        resolve_optimizer(optimizer, target)
+    require_int(steps, "--steps", minimum=2, message=(
+        f"steps must be an integer of at least 2 (step 1 has no optimizer state), got {steps!r}"))
+    require_int(accumulate, "--accumulate")
 
 
 def _begin(as_json: bool, allow_download: bool):
@@ -373,8 +400,8 @@ def check_configs(files, as_json, allow_download, debug):
     config keys), 2 a config or model error, 3 internal error.
     """
     progress = _begin(as_json, allow_download)
-    from memcheck.errors import MemcheckError
-    from memcheck.job_config import load_configs
+    from memcheck.errors import MemcheckError, UsageError
+    from memcheck.job_config import in_config_words, load_configs
     from memcheck.model_source import load_workload
     from memcheck.preflight import check as run_check
     from memcheck.render import render_config_check
@@ -388,9 +415,12 @@ def check_configs(files, as_json, allow_download, debug):
         for job in jobs:  # every model is loaded (its code run) before the first trace
             if progress is not None:
                 progress(f"{job.label}: loading the model")
-            workloads.append(load_workload(job.model, batch_size=job.micro_batch, max_len=job.max_len,
-                                           target_len=job.target_len, task=job.task, attn=job.attn,
-                                           allow_download=allow_download))
+            try:
+                workloads.append(load_workload(job.model, batch_size=job.micro_batch, max_len=job.max_len,
+                                               target_len=job.target_len, task=job.task, attn=job.attn,
+                                               allow_download=allow_download))
+            except UsageError as exc:  # its message names CLI flags; the config's keys are what to fix
+                raise UsageError(in_config_words(str(exc))) from exc
             job.check_modules(workloads[-1].model)
         for job, work in zip(jobs, workloads):
             where = job.label

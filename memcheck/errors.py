@@ -67,3 +67,21 @@ def closest(name: str, allowed) -> str:
 
     match = difflib.get_close_matches(str(name), [str(a) for a in allowed], n=1)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def model_frame(exc: BaseException) -> str | None:
+    """'file:line' of the innermost frame of ``exc``'s traceback in the model's own code: outside
+    torch, memcheck and the standard library (transformers counts as model code). None if none."""
+    import sysconfig
+    import traceback
+    from pathlib import Path
+
+    import torch
+
+    skip = tuple(str(p) for p in (Path(torch.__file__).parent, Path(__file__).parent,
+                                  Path(sysconfig.get_paths()["stdlib"])))
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if not frame.filename.startswith(skip) and not frame.filename.startswith("<"):
+            found = f"{frame.filename}:{frame.lineno}"
+    return found

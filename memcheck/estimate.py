@@ -14,9 +14,11 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from memcheck.allocator import AllocatorConfig, simulate
 from memcheck.autocast import MetaAutocast, MetaGradScaler
 from memcheck.cuda_overhead import context_bytes, workspace_allocations
+from memcheck import extensions
 from memcheck.checkpointing import apply_checkpointing
+from memcheck.device_redirect import redirect_cuda
 from memcheck.enums import Category, Device, Offload, Phase, Precision, Strategy
-from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, UsageError, require_int
+from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, UsageError, model_frame, require_int
 from memcheck.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.optimizers import resolve_optimizer
 from memcheck.report import BatchInfo, Breakdown, DeviceMemory, Estimate, InputSpec, ModuleMemory, Work
@@ -39,6 +41,7 @@ def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
             if isinstance(t, torch.nn.Parameter)
             else empty
         )
+    extensions.twin_memo(model, memo)  # quantized weights keep their classes (bitsandbytes)
     return copy.deepcopy(model, memo)
 
 
@@ -62,20 +65,56 @@ def describe_batch(batch: Any, batch_size: int | None, max_len: int | None, targ
     return BatchInfo(batch_size, max_len, target_len, inputs)
 
 
-_NO_KERNEL = re.compile(r"Could not run '([\w:.]+)' with arguments from the '(\w+)' backend")
+# How torch says an op has no meta kernel: the dispatcher's message for an op without a Meta
+# key, the one for an op without a fake impl, torch.library.custom_op's without register_fake,
+# and a Python meta registration that refuses.
+_NO_KERNEL = (
+    re.compile(r"Could not run '([\w:.]+)' with arguments from the 'Meta' backend"),
+    re.compile(r"(?:^|\s|op )([\w.]+::[\w.]+): attempted to run this operator with Meta tensors"),
+    re.compile(r"no fake impl registered for <CustomOpDef\(([\w.]+::[\w.]+)\)>"),
+    re.compile(r"register_meta function for (torch\.[\w.]+)\(\)"),
+)
+_OP_NAME = re.compile(r"\b(\w+::[\w.]+)")
+# How torch says Python code read a meta tensor's data (it has none).
+_DATA_READ = ("Cannot copy out of meta tensor", "cannot be called on meta tensors",
+              "can't convert meta device type tensor to numpy", "Not available for 'meta' device type")
+
+
+def _missing_meta_kernel(exc: Exception) -> str | None:
+    """The op named by a "no meta kernel" error ("" if it names none), else None."""
+    message = str(exc)
+    for pattern in _NO_KERNEL:
+        match = pattern.search(message)
+        if match:
+            return match.group(1)
+    if isinstance(exc, NotImplementedError) and "meta" in message.lower():
+        match = _OP_NAME.search(message)
+        return match.group(1) if match else ""
+    return None
 
 
 def _translate(exc: Exception, model_name: str) -> MemcheckError:
     """Map an exception from the traced code to a one-line MemcheckError."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    match = _NO_KERNEL.search(str(exc))
-    if match or (isinstance(exc, NotImplementedError) and "meta" in str(exc).lower()):
-        op = match.group(1) if match else text
-        return UnsupportedOpError(
-            f"op {op} has no meta kernel, so memcheck cannot trace {model_name}; "
-            "register a rule for it with memcheck.register_op_rule"
+    known = extensions.explain_failure(exc)  # an extension that calls its CUDA library directly
+    if known:
+        return UnsupportedOpError(f"{known}; cannot trace {model_name}")
+    if any(phrase in str(exc) for phrase in _DATA_READ):  # not a missing kernel: the model reads values
+        return TraceError(
+            f"{model_name} reads tensor data (.numpy()/.tolist()/...) that meta tensors do not have, "
+            f"so memcheck cannot trace it ({type(exc).__name__}: {text})"
         )
-    return TraceError(f"{model_name} failed while being traced: {type(exc).__name__}: {text}")
+    op = _missing_meta_kernel(exc)
+    if op is not None:
+        what = f"op {op}" if op else f"an op ({text[:120]})"
+        return UnsupportedOpError(
+            f"{what} has no meta kernel and no memcheck rule, so memcheck cannot trace {model_name}; "
+            "register one with memcheck.register_op_rule (see examples/custom_op_rule.py)"
+        )
+    where = model_frame(exc)
+    text = text if len(text) <= 200 else text[:199] + "…"
+    return TraceError(f"{where + ': ' if where else ''}{model_name} failed while being traced: "
+                      f"{type(exc).__name__}: {text} (fix the model code there; --debug shows the traceback)")
 
 
 def estimate(
@@ -176,8 +215,15 @@ def estimate(
         f"eval_accumulate_predictions must be 0 or a positive integer, got {eval_accumulate_predictions!r}"))
     if eval_accumulate_predictions and eval_batch is None:
         raise UsageError("eval_accumulate_predictions needs an eval batch (eval_batch= / --eval-batch-size)")
-    if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
-        raise UsageError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+    if budget_bytes is not None:
+        require_int(budget_bytes, "budget_bytes")
+    require_int(top_modules, "top_modules", minimum=0,
+                message=f"top_modules must be an integer of 0 or more, got {top_modules!r}")
+    for key, value in (("batch_size", batch_size), ("max_len", max_len), ("target_len", target_len)):
+        if value is not None:  # the report's labels: a wrong one would be printed as if it were traced
+            require_int(value, key)
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if budget_bytes is None and target is not None and target.capacity_bytes:
         budget_bytes = target.capacity_bytes
     name = model_name or type(model).__name__
@@ -227,7 +273,7 @@ def estimate(
         run_eval(module, ebatch, loss_fn, tracer.set_phase, step=steps, autocast=autocast,
                  keep_batches=eval_accumulate_predictions)
     try:
-        with tracer:
+        with redirect_cuda(target), tracer:  # the model's .cuda() and torch.cuda.* never reach the GPU
             gpu_map = train(config, tracer, twin, mbatch, loss_fn, make_optimizer, steps, autocast=autocast,
                             scaler=scaler, accumulate=min(accumulate, 2),
                             evaluate=evaluate if ebatch is not None else None)

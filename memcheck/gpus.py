@@ -126,6 +126,10 @@ _ROWS = (
     _Row("H100-80GB", 81089, 81559, (9, 0), 132, 2048, r"h100"),
     # torch: 'NVIDIA H200' total_memory=143156MB; smi 143771
     _Row("H200", 143156, 143771, (9, 0), 132, 2048, r"h200"),
+    # torch: 'NVIDIA B200' total_memory=182631MB (torch 2.8/cu128; 182642 in another printout; a
+    # cudaGetDeviceProperties dump in pytorch/ao#4002 gives 178.35 GiB, 148 SMs, 2048 threads per SM,
+    # compute capability 10.0); smi 183359 (NVIDIA/TensorRT-LLM#10278)
+    _Row("B200", 182631, 183359, (10, 0), 148, 2048, r"b200"),
 )
 
 GPUS: dict[str, GpuSpec] = {

@@ -40,6 +40,11 @@ def load_config(spec: str, *, allow_download: bool = False):
     from transformers import AutoConfig
 
     path = Path(spec).expanduser()
+    # A hub name is NAME or OWNER/NAME; anything else that is not a directory is a path that is
+    # wrong, and saying so beats the hub client's "Repo id must be in the form ..."
+    if not path.is_dir() and (path.exists() or spec.startswith(("/", ".", "~")) or spec.count("/") > 1):
+        what = "is a file, not a directory" if path.exists() else "is no such directory"
+        raise ModelLoadError(f"hf:{spec} {what}; give a directory holding config.json or a hub name such as gpt2")
     try:
         if path.is_dir():
             if not (path / "config.json").is_file():
@@ -156,8 +161,10 @@ def make_batch(model, config, task: Task, batch_size: int, max_len: int | None, 
         mask[0, -1] = 0  # padded data: at least one padded position in the batch
     batch = {"input_ids": input_ids, "attention_mask": mask}
     if task is Task.SEQ2SEQ:
-        if target_len is None:
-            raise UsageError(f"{type(model).__name__} is a seq2seq model: give --target-len (the label length)")
+        if target_len is None:  # no default: the labels' length is the job's, and decoder memory grows with it
+            limit, _ = position_limit(config)
+            raise UsageError(f"{type(model).__name__} is a seq2seq model: give --target-len (the label length, "
+                             + (f"1 to {limit})" if limit else "a positive integer)"))
         batch["labels"] = ids(batch_size, target_len, vocab)
     elif task is Task.CLASSIFICATION:
         batch["labels"] = torch.randint(0, max(config.num_labels, 1), (batch_size,), device=device)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def _eval_keep(v):
 def _bucket_cap(v):
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):  # nan and inf too
         raise UsageError(f"bucket_cap_mb must be a positive number, got {v!r}")
     return v
 
@@ -173,6 +174,17 @@ assert tuple(_CHECKS) == JOB_KEYS
 def _label(file: str, where: str) -> str:
     """How messages and results name a job: the file, and its table when there is one."""
     return f"{file} [{where}]" if where else file
+
+
+# The CLI flags that loading a model names in its messages (model_source, hf), as a config spells them.
+_FLAG_KEYS = {"--max-len": "max_len", "--target-len": "target_len", "--batch-size": "micro_batch",
+              "--task": "task", "--attn": "attn"}
+_FLAG = re.compile("|".join(re.escape(flag) + r"\b" for flag in _FLAG_KEYS))
+
+
+def in_config_words(message: str) -> str:
+    """``message`` with the CLI flags it names spelled as config keys (``--max-len`` as ``max_len``)."""
+    return _FLAG.sub(lambda m: _FLAG_KEYS[m.group(0)], message)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from memcheck import hf
+from memcheck.device_redirect import on_meta
 from memcheck.enums import Attention, Task
 from memcheck.errors import MemcheckError, ModelLoadError, UsageError, require_int
 
@@ -100,10 +101,23 @@ def _call(path: Path, fn, what: str, *args):
         raise ModelLoadError(f"{_where(exc, path)}: {what} raised {_one_line(exc)}") from exc
 
 
+def _building(device: str):
+    """Where the model's code runs while memcheck builds a model or batch on ``device``: for
+    meta, every ``.cuda()``/``.to(...)``/``device=`` lands on meta, and the GPU is never touched."""
+    return on_meta() if device == "meta" else torch.device(device)
+
+
 def _check_sizes(batch_size, max_len, target_len):
     for flag, value in (("--batch-size", batch_size), ("--max-len", max_len), ("--target-len", target_len)):
         if value is not None:
             require_int(value, flag)
+
+
+def _check_target(name: str, task: Task, target_len: int | None) -> None:
+    """Only a seq2seq model's labels have a length of their own; elsewhere a target length
+    would be reported but never traced."""
+    if target_len is not None and task is not Task.SEQ2SEQ:
+        raise UsageError(f"--target-len applies to seq2seq models only; {name} is {task.value}: drop --target-len")
 
 
 def load_workload(
@@ -120,20 +134,22 @@ def load_workload(
     """Load ``spec`` and build its model and worst-case batch on ``device`` (meta for estimates)."""
     _check_sizes(batch_size, max_len, target_len)
     task = Task.parse(task, what="task") if task is not None else None
-    attn = Attention.parse(attn, what="attention implementation") if attn is not None else None
+    attn = Attention.parse(attn, what="attn") if attn is not None else None
     if spec.startswith("hf:"):
         name = spec[3:]
         if not name:
             raise UsageError("hf: needs a model name or a directory holding config.json, as in hf:gpt2")
         config = hf.load_config(name, allow_download=allow_download)
-        model = hf.build_model(config, task, attn, device=device)
+        with _building(device):
+            model = hf.build_model(config, task, attn, device=device)
         task = task or hf.infer_task(config, model)
         if max_len is None and not hf.is_vision(model):
             max_len = hf.default_max_len(model, config)
         hf.check_lengths(model, config, max_len, target_len)
+        _check_target(type(model).__name__, task, target_len)
 
         def make(size, length, target):
-            with torch.device(device):
+            with _building(device):
                 return hf.make_batch(model, config, task, size, length, target, device=device)
 
         return Workload(type(model).__name__, model, make(batch_size, max_len, target_len), None, None,
@@ -144,7 +160,7 @@ def load_workload(
         raise UsageError(
             f"model {spec!r} is neither a Python file (*.py) nor hf:NAME_OR_DIR"
         )
-    with torch.device(device):
+    with _building(device):
         module = _import_file(path)
         if hasattr(module, "build_model"):
             model = _call(path, module.build_model, "build_model()")
@@ -165,18 +181,23 @@ def load_workload(
                 raise UsageError(f"{path}: make_batch needs a length: give --max-len")
             if config is not None:
                 hf.check_lengths(model, config, max_len, target_len)
+            if target_len is not None:  # make_batch takes no target length: it would be reported, never traced
+                raise UsageError(f"--target-len applies to transformers seq2seq models; {path}'s "
+                                 "make_batch(batch_size, max_len) builds its own labels: drop --target-len")
 
             def make(size, length, target):
-                with torch.device(device):
+                with _building(device):
                     return _call(path, module.make_batch, "make_batch()", size, length)
         elif config is not None and hasattr(model, "main_input_name"):
             task = task or hf.infer_task(config, model)
             if max_len is None and not hf.is_vision(model):
                 max_len = hf.default_max_len(model, config)
             hf.check_lengths(model, config, max_len, target_len)
+            _check_target(type(model).__name__, task, target_len)
 
             def make(size, length, target):
-                return hf.make_batch(model, config, task, size, length, target, device=device)
+                with _building(device):
+                    return hf.make_batch(model, config, task, size, length, target, device=device)
         else:
             raise ModelLoadError(
                 f"{path}: defines no make_batch(batch_size, max_len), and memcheck cannot infer "

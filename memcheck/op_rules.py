@@ -8,8 +8,12 @@ Two registries, one per level at which a choice is made:
   on meta, SDPA always decomposes into the math path, which stores the
   (s x s) attention matrix that the target device's fused kernels never allocate.
 * ``DISPATCH_RULES`` are keyed by an aten ``OpOverload``. They stand in for ops
-  whose meta behaviour differs from a real run (data-dependent scalars) or that
-  have no meta kernel at all (custom extensions).
+  whose meta behaviour differs from a real run (data-dependent ops and scalars, in
+  ``memcheck.data_dependent``) or that have no meta kernel at all (custom extensions).
+* ``NAMED_RULES`` are keyed by an op's qualified name (``"flashattn::_flash_attn_forward"``,
+  ``"ns::op.overload"``), for ops of packages that may not be installed or imported
+  when memcheck is (``memcheck.extensions``); the tracer looks there when an op has
+  no ``DISPATCH_RULES`` entry.
 
 A rule is ``rule(ctx, func, args, kwargs) -> result``. ``ctx`` is the running
 ``memcheck.tracer.MemoryTracer``: rules read ``ctx.device`` (the target) and call
@@ -33,15 +37,17 @@ aten = torch.ops.aten
 Rule = Callable[[Any, Any, tuple, dict], Any]
 FUNCTION_RULES: dict[Any, Rule] = {}
 DISPATCH_RULES: dict[Any, Rule] = {}
+NAMED_RULES: dict[str, Rule] = {}
 
 
 def register_op_rule(op, rule: Rule | None = None):
     """Register ``rule`` for ``op``; usable as a decorator.
 
     ``op`` is an aten ``OpOverload`` or ``OpOverloadPacket`` (``torch.ops.aten.nonzero``,
-    ``torch.ops.mylib.fused_norm.default``), or a Python torch function such as
-    ``torch.nn.functional.scaled_dot_product_attention``. A packet registers every
-    overload. The rule receives ``(ctx, func, args, kwargs)`` and must return what
+    ``torch.ops.mylib.fused_norm.default``), a qualified name (``"mylib::fused_norm"``
+    for every overload, ``"mylib::fused_norm.out"`` for one; the op need not exist yet),
+    or a Python torch function such as ``torch.nn.functional.scaled_dot_product_attention``.
+    A packet registers every overload. The rule receives ``(ctx, func, args, kwargs)`` and must return what
     the op would return, built from meta tensors of the right shapes and dtypes
     (``torch.empty(..., device="meta")``); memcheck counts their bytes.
 
@@ -53,7 +59,11 @@ def register_op_rule(op, rule: Rule | None = None):
     """
 
     def add(fn: Rule) -> Rule:
-        if isinstance(op, torch._ops.OpOverloadPacket):
+        if isinstance(op, str):
+            if "::" not in op:
+                raise TypeError(f"register_op_rule needs a qualified op name such as 'mylib::fused_norm', not {op!r}")
+            NAMED_RULES[op] = fn
+        elif isinstance(op, torch._ops.OpOverloadPacket):
             for name in op.overloads():
                 DISPATCH_RULES[getattr(op, name)] = fn
         elif isinstance(op, torch._ops.OpOverload):
@@ -65,6 +75,13 @@ def register_op_rule(op, rule: Rule | None = None):
         return fn
 
     return add(rule) if rule is not None else add
+
+
+def named_rule(func) -> Rule | None:
+    """The rule registered for ``func`` by name: its overload's (``"ns::op.overload"``), else its op's."""
+    if not NAMED_RULES or not isinstance(func, torch._ops.OpOverload):
+        return None
+    return NAMED_RULES.get(func.name()) or NAMED_RULES.get(func._schema.name)
 
 
 # --------------------------------------------------------------------------------------
@@ -203,62 +220,8 @@ def cpu_flash_attention_backward(ctx, func, args, kwargs):
     return out
 
 
-# --------------------------------------------------------------------------------------
-# Data-dependent scalars. On meta a tensor has no values, so ``bool(t)``, ``t.item()`` and
-# ``if (mask == 0).any()`` need a stand-in. memcheck assumes the worst-case batch *contains
-# padding*, i.e. its values are not uniform: ``all`` and ``==`` on a scalar are False,
-# ``any`` and ``!=`` are True. transformers checks ``mask.sum() == mask.numel()``
-# (masking_utils.fast_all) before it materialises an attention mask; the answer False
-# takes the branch that allocates the mask, the costlier one.
-
-_REDUCTION_TAG = "_memcheck_reduction"
-
-
-def _tag_reduction(kind):
-    def rule(ctx, func, args, kwargs):
-        out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and out.device.type == "meta":
-            setattr(out, _REDUCTION_TAG, kind)
-        return out
-
-    return rule
-
-
-register_op_rule(aten.all, _tag_reduction("all"))
-register_op_rule(aten.any, _tag_reduction("any"))
-register_op_rule(aten.eq, _tag_reduction("=="))
-register_op_rule(aten.ne, _tag_reduction("!="))
-_FALSE_WHEN = ("all", "==")
-
-
-@register_op_rule(aten._local_scalar_dense.default)
-def local_scalar_dense(ctx, func, args, kwargs):
-    """``Tensor.item()`` on a meta tensor: a documented synthetic value."""
-    t = args[0]
-    if t.device.type != "meta":
-        return func(*args, **kwargs)
-    kind = getattr(t, _REDUCTION_TAG, None)
-    if t.dtype == torch.bool:
-        value = kind not in _FALSE_WHEN
-        ctx.assume(
-            f"data-dependent check ({kind or 'bool'}) resolved to {value}: the batch is assumed to contain padding"
-        )
-        return value
-    if t.is_floating_point():
-        ctx.assume("a data-dependent float (.item()) was taken as 1.0")
-        return 1.0
-    ctx.assume("a data-dependent integer (.item()) was taken as 1")
-    return 1
-
-
-@register_op_rule(aten.nonzero.default)
-def nonzero(ctx, func, args, kwargs):
-    """Worst case for ``nonzero``: every element is non-zero."""
-    t = args[0]
-    if t.device.type != "meta":
-        return func(*args, **kwargs)
-    ctx.assume("nonzero() assumed to select every element (worst case)")
-    return torch.empty((t.numel(), t.dim()), dtype=torch.long, device="meta")
 import memcheck.cpu_kernels  # noqa: E402,F401  (registers the CPU kernel rules)
+import memcheck.data_dependent  # noqa: E402,F401  (stand-ins for data-dependent ops: nonzero, unique, .item(), ...)
 import memcheck.cuda_kernels  # noqa: E402,F401  (registers the CUDA kernel rules)
 import memcheck.cuda_attention as cuda_attention  # noqa: E402  (CUDA SDPA choice and kernel rules)
+import memcheck.extensions  # noqa: E402,F401  (flash-attn and bitsandbytes rules, by op name)

@@ -15,12 +15,16 @@ The choices, by name (``estimate(..., optimizer=NAME)``, ``--optimizer NAME``):
   since torch 2.4). The fused kernels update in place and allocate nothing per step.
 * ``adafactor``: ``transformers.optimization.Adafactor`` with its own defaults.
 * ``adamw-8bit``: the state layout of ``bitsandbytes.optim.AdamW8bit`` (bitsandbytes
-  itself is not needed; see ``_AdamW8bitLayout``).
+  itself is not needed; see ``_AdamW8bitLayout``). A bitsandbytes Adam/AdamW optimizer
+  given as a class or an instance (``AdamW8bit``, ``PagedAdamW8bit``, ``Adam8bit``,
+  32-bit ``AdamW``...) is traced as this layout with its own settings; other bitsandbytes
+  optimizers run as themselves (see ``_bitsandbytes_optimizer``).
 * ``sgd``, ``sgd-momentum``.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -99,6 +103,13 @@ _META_FUSED = {torch.optim.Adam: _FusedAdam, torch.optim.AdamW: _FusedAdamW}
 # whose CUDA implementation (bitsandbytes/backends/cuda/ops.py,
 # ``_optimizer_update_8bit_blockwise_impl``) passes pointers to one kernel that updates
 # ``p``, the states and absmax in place: no tensor is allocated by a step.
+# The CPU implementation (bitsandbytes 0.50.2, backends/cpu/ops.py,
+# ``_optimizer_update_8bit_blockwise_cpu`` and ``_optimizer_update_32bit_cpu``) is torch
+# code that dequantizes both states to fp32, computes in fp32 and quantizes back: per
+# parameter of n elements it holds up to 20n bytes of fp32 temporaries (``_cpu_step``).
+# Optimizer8bit on CPU ignores ``is_paged``; on CUDA a paged optimizer keeps the state of
+# parameters of >= 1e5 elements in CUDA unified memory (``get_state_buffer``), which the
+# driver may page out to host memory under pressure: counted here as resident.
 
 BNB_MIN_8BIT_SIZE = 4096  # elements; Optimizer2State(min_8bit_size=4096)
 BNB_BLOCKSIZE = 256  # elements per absmax entry; init_state ``n // 256`` (bitsandbytes >= 0.44)
@@ -109,22 +120,31 @@ class _AdamW8bitLayout(torch.optim.Optimizer):
     """The per-parameter state of ``bitsandbytes.optim.AdamW8bit``, allocated as bitsandbytes does.
 
     It reproduces memory, not numerics: ``step()`` allocates the state on first use
-    and then updates each parameter in place (a plain ``p -= lr * grad``), allocating
-    nothing, as the fused bitsandbytes kernel allocates nothing. Use it to estimate,
-    never to train.
+    and then updates each parameter in place (a plain ``p -= lr * grad``). For the
+    CUDA target (the default) a step allocates nothing, as the fused bitsandbytes
+    kernel allocates nothing; for the CPU target it allocates, and frees, what
+    bitsandbytes' CPU kernels do (``_cpu_step``). ``optim_bits=32`` is the layout of the
+    32-bit variants (``bitsandbytes.optim.AdamW``, ``AdamW32bit``): fp32 state throughout.
+    Use it to estimate, never to train.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 min_8bit_size=BNB_MIN_8BIT_SIZE, blocksize=BNB_BLOCKSIZE):
+                 min_8bit_size=BNB_MIN_8BIT_SIZE, blocksize=BNB_BLOCKSIZE, optim_bits=8, max_unorm=0.0,
+                 target=Device.CUDA):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.min_8bit_size = min_8bit_size
         self.blocksize = blocksize
+        self.optim_bits = optim_bits
+        self.max_unorm = max_unorm
+        self.target = Device.parse(target)
         self._qmaps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _init_state(self, p: torch.Tensor) -> None:
         state = self.state[p]
         state["step"] = 0
-        if p.numel() < self.min_8bit_size:
+        if self.max_unorm > 0.0:  # init_state: the update norm, one fp32 per parameter
+            state["unorm_vec"] = torch.zeros((1,), device=p.device)
+        if p.numel() < self.min_8bit_size or self.optim_bits == 32:
             state["state1"] = torch.zeros_like(p, dtype=torch.float32)
             state["state2"] = torch.zeros_like(p, dtype=torch.float32)
             return
@@ -154,8 +174,39 @@ class _AdamW8bitLayout(torch.optim.Optimizer):
                 if not self.state[p]:
                     self._init_state(p)
                 self.state[p]["step"] += 1
-                p.add_(p.grad, alpha=-group["lr"])
+                if self.target is Device.CPU:
+                    self._cpu_step(p, group["lr"], group["eps"])
+                else:
+                    p.add_(p.grad, alpha=-group["lr"])
         return loss
+
+    def _cpu_step(self, p: torch.Tensor, lr: float, eps: float) -> tuple:
+        """One parameter's update with the temporaries of bitsandbytes' CPU kernels ("adam"),
+        in their order; the values are not bitsandbytes' (the update is ``p -= lr * grad``).
+        Returns the kernel's fp32 locals, freed when the caller drops them, as at its return."""
+        state = self.state[p]
+        if state["state1"].dtype == torch.uint8:  # _optimizer_update_8bit_blockwise_cpu
+            s1 = torch.empty_like(state["state1"], dtype=torch.float32)  # dequantize_blockwise: n fp32
+            s2 = torch.empty_like(state["state2"], dtype=torch.float32)
+            grad = p.grad.float() * 1.0  # g.float() * gnorm_scale
+            p32 = p.data.float()  # the parameter itself when it is fp32
+            denom = (s2.sqrt() / 1.0).add_(eps)  # sqrt and its quotient: 2n fp32 at once
+            p32.add_(grad, alpha=-lr)
+            p.data.copy_(p32)
+            for key in ("1", "2"):  # quantize_blockwise: absmax, then the uint8 copy, both copied in
+                absmax = torch.empty_like(state["absmax" + key])
+                quantized = torch.empty_like(state["state" + key])
+                state["state" + key].copy_(quantized)
+                state["absmax" + key].copy_(absmax)
+                del absmax, quantized
+            return s1, s2, grad, denom
+        # _optimizer_update_32bit_cpu
+        grad = p.grad.float() * 1.0
+        p32 = p.data.float()
+        update = state["state1"] / (state["state2"].sqrt() + eps)  # sqrt, sum, quotient: 3n at most
+        p32.add_(grad, alpha=-lr)
+        p.data.copy_(p32)
+        return grad, update
 
 
 # --------------------------------------------------------------------------------------
@@ -223,6 +274,8 @@ def _for_target(cls: type, kwargs: dict, device: Device) -> dict:
     params = inspect.signature(cls.__init__).parameters
     if "foreach" in params and kwargs.get("foreach") is None and not kwargs.get("fused"):
         kwargs = {**kwargs, "foreach": device is Device.CUDA}
+    if cls is _AdamW8bitLayout and "target" not in kwargs:  # bitsandbytes' CPU kernels allocate
+        kwargs = {**kwargs, "target": device}
     return kwargs
 
 
@@ -236,6 +289,75 @@ def _constructor_kwargs(cls: type, defaults: dict) -> dict:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return dict(defaults)
     return {k: v for k, v in defaults.items() if k in params}
+
+
+def _bitsandbytes_optimizer(optimizer, device: Device) -> tuple[str, OptimizerFactory] | None:
+    """A bitsandbytes optimizer class or instance as ``(label, factory)``; None for anything else.
+
+    Adam and AdamW in every variant (8-bit, 32-bit, paged: bitsandbytes' ``optimizer_name``
+    "adam") trace as ``_AdamW8bitLayout`` with the optimizer's settings (``defaults`` and
+    ``args``: optim_bits, min_8bit_size, max_unorm). The others (Lion, SGD, RMSprop, Adagrad,
+    LAMB, LARS, AdEMAMix) run as themselves on meta, their own ``init_state`` making the
+    state, with ``is_paged`` off (paging asks CUDA for unified memory); their fused CUDA
+    kernels allocate nothing, and on the CPU target the rules of
+    ``memcheck.extensions.bitsandbytes`` add their CPU kernels' temporaries. A paged
+    optimizer's state counts as resident on the GPU.
+    Per-parameter overrides (``GlobalOptimManager``, e.g. ``StableEmbedding``'s 32-bit state)
+    are keyed by the user's parameters and do not reach the trace.
+    """
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    if not (cls.__module__.startswith("bitsandbytes.") and issubclass(cls, torch.optim.Optimizer)):
+        return None
+    template = optimizer
+    if isinstance(optimizer, type):  # the class's own settings: AdamW8bit passes optim_bits=8 itself
+        try:
+            template = cls([torch.nn.Parameter(torch.empty(1, device="meta"))])
+        except Exception as exc:  # SGD8bit() without momentum refuses to be built
+            raise UsageError(f"bitsandbytes' {cls.__name__} cannot be built with its defaults ({exc}); "
+                             "pass an instance with your settings") from exc
+    args = vars(template.args) if getattr(template, "args", None) is not None else {}
+    paged = getattr(template, "is_paged", False) and device is Device.CUDA
+    notes = ["paged state counted as resident"] if paged else []
+    defaults = template.defaults
+    if getattr(template, "optimizer_name", None) == "adam" and len(defaults.get("betas", ())) == 2:
+        kwargs = dict(lr=defaults["lr"], betas=tuple(defaults["betas"]), eps=defaults["eps"],
+                      weight_decay=defaults["weight_decay"], target=device,
+                      min_8bit_size=args.get("min_8bit_size", BNB_MIN_8BIT_SIZE),
+                      optim_bits=args.get("optim_bits", 8), max_unorm=args.get("max_unorm", 0.0))
+        label = f"{cls.__name__} (bitsandbytes layout{''.join('; ' + n for n in notes)})"
+        return label, lambda params: _AdamW8bitLayout(params, **kwargs)
+    base = next((c for c in cls.__mro__ if c.__name__ in ("Optimizer1State", "Optimizer2State")), None)
+    if base is None:  # e.g. bitsandbytes.optim.PytorchLARS, a plain torch optimizer
+        return None
+    # The base class's constructor, as every bitsandbytes optimizer calls it: the subclasses'
+    # own arguments (SGD's momentum) are stored under other names in ``defaults``.
+    state_args = copy.copy(template.args)
+    if getattr(state_args, "max_unorm", 0.0) > 0.0:
+        # optimizer_update_32bit takes the parameter's norm as a float, which a meta tensor
+        # cannot give; without it bitsandbytes allocates 4 B less per parameter (unorm_vec).
+        state_args.max_unorm = 0.0
+        notes.append("max_unorm's 4 B per parameter left out")
+    accepted = inspect.signature(base.__init__).parameters
+    kwargs = {k: v for k, v in defaults.items() if k in accepted}
+
+    def build(params):
+        opt = cls.__new__(cls)
+        base.__init__(opt, template.optimizer_name, params, **kwargs, args=state_args, is_paged=False)
+        return opt
+
+    return f"{cls.__name__} (bitsandbytes{''.join('; ' + n for n in notes)})", build
+
+
+def _bitsandbytes_made(factory: OptimizerFactory, device: Device) -> OptimizerFactory:
+    """``factory``, except that a bitsandbytes optimizer it makes (a model file's
+    ``make_optimizer``) is traced as ``_bitsandbytes_optimizer`` traces one, with its groups."""
+
+    def make(params):
+        made = factory(params)
+        mapped = _bitsandbytes_optimizer(made, device)
+        return made if mapped is None else mapped[1]([dict(group) for group in made.param_groups])
+
+    return make
 
 
 def resolve_optimizer(optimizer, device: Device) -> tuple[str, OptimizerFactory]:
@@ -255,6 +377,9 @@ def resolve_optimizer(optimizer, device: Device) -> tuple[str, OptimizerFactory]
         cls = choice.load()
         kwargs = _for_target(cls, dict(choice.kwargs), device)
         return choice.label or key, lambda params: cls(params, **kwargs)
+    bitsandbytes = _bitsandbytes_optimizer(optimizer, device)
+    if bitsandbytes is not None:
+        return bitsandbytes
     if isinstance(optimizer, torch.optim.Optimizer):
         cls = type(optimizer)
         kwargs = _for_target(cls, _constructor_kwargs(cls, optimizer.defaults), device)
@@ -264,7 +389,7 @@ def resolve_optimizer(optimizer, device: Device) -> tuple[str, OptimizerFactory]
         return label, lambda params: cls(params, **kwargs)
     if callable(optimizer):
         label = getattr(optimizer, "__name__", type(optimizer).__name__)
-        return label, optimizer
+        return label, _bitsandbytes_made(optimizer, device)
     raise UsageError(
         f"optimizer must be a name ({', '.join(OPTIMIZERS)}), a function of the parameters, "
         f"or an Optimizer, not {type(optimizer).__name__}"

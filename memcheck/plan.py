@@ -23,6 +23,11 @@ The planner searches by tracing, never by extrapolating a figure it reports:
    accumulation.
 4. **The limit.** The recommended configuration's own traced device total (the
    peak, on the CPU target) is at most ``capacity * (1 - margin)``.
+5. **Nothing fits.** At micro-batch 1 with the most checkpointing and the lowest
+   precision allowed, the plan names the smallest GPU in the table that holds the job
+   and the fewest GPUs of this size that hold one rank of fsdp (zero3 for a DeepSpeed
+   stage): per-rank memory is close to ``R + S / N``, so a few traces find N, and N is
+   reported only once traced to fit, with N - 1 traced not to (``Plan.sharded``).
 
 The cost proxy (relative; it ranks configurations, it does not predict seconds):
 
@@ -38,6 +43,9 @@ the penalty that makes small micro-batches slow: the same kernels run for fewer
 tokens. Memory-bound elementwise work is not counted.
 
 Known limitations:
+    The sharded GPU count's "fewest" is checked against N - 1 only: the caching
+    allocator's cached segments can make a rank's device total rise by a few GiB
+    from one count to the next, so a count further below could, rarely, fit.
     The proxy ranks; it is not a measured throughput. The default margin comes
     from the CUDA target's accuracy targets (device total within 5%), since no GPU
     measurement has been committed yet (benchmarks/results/).
@@ -53,10 +61,10 @@ import torch
 
 from memcheck.checkpointing import FULL, HALF, NONE, half_of, repeated_blocks
 from memcheck.enums import Device, Precision, Strategy
-from memcheck.errors import UsageError, require_int, require_margin
+from memcheck.errors import UsageError, closest, require_int, require_margin
 from memcheck.estimate import estimate, target_gpu
 from memcheck.gpus import GPUS, GpuSpec
-from memcheck.report import Estimate, LengthPoint, Plan, PlanOption, Work
+from memcheck.report import Estimate, LengthPoint, Plan, PlanOption, ShardedFit, Work
 from memcheck.strategies import StrategyConfig
 from memcheck.units import format_bytes
 
@@ -67,6 +75,8 @@ from memcheck.units import format_bytes
 DEFAULT_MARGIN = 0.05
 TRACES_PER_OPTION = 5
 MAX_MICRO_BATCH = 65536  # the search's ceiling without a global batch
+MAX_GPUS = 65536  # the sharded GPU count's ceiling when nothing fits on one GPU
+SHARDED_TRACES = 10  # traces the sharded GPU count may take
 CHECKPOINTING_OPTIONS = (NONE, HALF, FULL)
 
 # The cost proxy's constants (see the module docstring).
@@ -164,8 +174,17 @@ def plan(
             below, above = global_batch // gpus * gpus, (global_batch // gpus + 1) * gpus
             raise UsageError(
                 f"global batch {global_batch} is not divisible by {gpus} GPUs; every GPU takes the same share: "
-                + (f"use {below} or {above}" if below else f"use {above} or another multiple of {gpus}")
+                + (f"use a multiple of {gpus}, such as {below} or {above}" if below
+                   else f"use {above} or another multiple of {gpus}")
             )
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(make_batch) or isinstance(make_batch, torch.Tensor):
+        raise UsageError("make_batch must be a function make_batch(batch_size[, max_len]) returning the worst-case "
+                         f"batch, got {type(make_batch).__name__}")
+    for key, value in (("max_len", max_len), ("target_len", target_len), ("max_len_limit", max_len_limit)):
+        if value is not None:
+            require_int(value, key)
     margin = DEFAULT_MARGIN if margin is None else require_margin(margin)
     target = target_gpu(gpu, device)
     if budget_bytes is None:
@@ -174,8 +193,9 @@ def plan(
                              "or give --gpu-memory")
         budget_bytes = target.capacity_bytes
     require_int(budget_bytes, "budget_bytes")
-    precisions = _unique(Precision.parse(p, what="precision") for p in _as_list(precision_options))
-    checkpoints = _unique(_parse_option(c) for c in _as_list(checkpointing_options))
+    precisions = _unique(Precision.parse(p, what="precision")
+                         for p in _as_list(precision_options, "precision_options"))
+    checkpoints = _unique(_parse_option(c) for c in _as_list(checkpointing_options, "checkpointing_options"))
     if not precisions or not checkpoints:
         raise UsageError("a plan needs at least one precision and one checkpointing option")
     arity = _arity(make_batch)
@@ -208,20 +228,20 @@ def plan(
     profile: tuple[LengthPoint, ...] = ()
     longest = None
     chosen_estimate = None
-    suggestion = None
+    suggestion = sharded = None
     if recommended is not None:
         chosen_estimate = search.estimate_at(recommended.micro_batch_size, recommended.precision,
                                              recommended.checkpointing, recommended.accumulation_steps)
         if length_profile and search.takes_length and max_len:
             profile, longest = search.length_profile(recommended, limit, max_len_limit)
     else:
-        suggestion = search.what_would_fit(precisions, checkpoints, margin)
+        suggestion, sharded = search.what_would_fit(precisions, checkpoints, margin)
     return Plan(
         model=name, device=device, gpu=target, capacity_bytes=budget_bytes, margin=margin,
         limit_bytes=limit, strategy=strategy.value, gpus=gpus, global_batch=global_batch,
         recommended=recommended, alternatives=alternatives, length_profile=profile,
         longest_fitting_length=longest, max_len=max_len, traces=search.traces, estimate=chosen_estimate,
-        suggestion=suggestion, blocks=tuple(blocks), position_limit=max_len_limit,
+        suggestion=suggestion, sharded=sharded, blocks=tuple(blocks), position_limit=max_len_limit,
     )
 
 
@@ -397,7 +417,7 @@ class _Search:
                 break  # confirmed from both sides
         return lo
 
-    def what_would_fit(self, precisions, checkpoints, margin: float) -> str:
+    def what_would_fit(self, precisions, checkpoints, margin: float) -> tuple[str, ShardedFit | None]:
         """When nothing fits at micro-batch 1: the smallest GPU in the table that holds the
         most frugal option, and how many GPUs of this size a sharded strategy needs. Each
         answer is confirmed by its own trace."""
@@ -406,6 +426,7 @@ class _Search:
         checkpointing = FULL if FULL in checkpoints else checkpoints[-1]
         how = f"micro-batch 1, {precision.value}, checkpointing {checkpointing}"
         parts = []
+        sharded = None
         if self.device is Device.CUDA:
             base = self.estimate_at(1, precision, checkpointing, self.accumulation(1))
             larger = [g for g in sorted(GPUS.values(), key=lambda g: g.capacity_bytes)
@@ -415,48 +436,107 @@ class _Search:
                     continue
                 est = self.estimate_at(1, precision, checkpointing, self.accumulation(1), gpu=spec)
                 if est.total_bytes <= spec.capacity_bytes * (1 - margin):
-                    parts.append(f"one {spec.name} ({format_bytes(spec.capacity_bytes)}) holds {how}: "
-                                 f"{format_bytes(est.total_bytes)}")
+                    which = (f"{self.strategy.value} over {self.gpus} {spec.name}s" if self.strategy.multi_gpu
+                             else f"one {spec.name}")  # the job as asked, on larger GPUs
+                    parts.append(f"{which} ({format_bytes(spec.capacity_bytes)}) holds {how}: "
+                                 f"{format_bytes(est.total_bytes)}" + (" per GPU" if self.strategy.multi_gpu else ""))
                     break
             else:
                 parts.append("no single GPU in `memcheck gpus` holds it")
-            parts.append(self._sharded_count(precision, checkpointing, margin, how))
-        return "; ".join(parts)
+            sharded, sentence = self._sharded_count(base, precision, checkpointing, margin, how)
+            parts.append(sentence)
+        return "; ".join(parts), sharded
 
-    def _sharded_count(self, precision, checkpointing: str, margin: float, how: str) -> str:
-        """The fewest GPUs (a power of two) of this size that hold one rank under fsdp (or
-        zero3, if that was asked for): per-rank memory is close to R + S / N (S sharded),
-        so traces at 2 and 8 GPUs predict N, and traces confirm it."""
-        sharded = Strategy.ZERO3 if self.strategy is Strategy.ZERO3 else Strategy.FSDP
-        limit = self.budget * (1 - margin)
-        seen: dict[int, int] = {}
+    def _sharded_count(self, base: Estimate, precision: Precision, checkpointing: str, margin: float,
+                       how: str) -> tuple[ShardedFit, str]:
+        """The fewest GPUs of this size that hold one rank of fsdp (zero3 when a DeepSpeed stage
+        was asked for) at micro-batch 1, in at most SHARDED_TRACES traces, and its sentence.
 
-        def trace(n: int) -> bool:
-            est = self.estimate_at(1, precision, checkpointing, self.accumulation(1), strategy=sharded, gpus=n)
-            seen[n] = est.total_bytes
-            return est.total_bytes <= limit
+        A rank holds close to ``R + S / N``: S is the state that shards (weights, gradients,
+        optimizer state and the optimizer step's temporaries), R the rest (activations, the
+        gathered block, communication buffers, fragmentation, the context). The first guess
+        takes S from the failing trace's weights, gradients and optimizer state and R from what
+        else it holds but temporaries; after one sharded trace R is re-read from it; after
+        two, each guess is the secant in 1/N through the two traced counts nearest the limit.
+        Guesses are kept strictly between the most GPUs known not to fit and the fewest known
+        to fit (halving that bracket where the secant lands next to one of its ends or the last
+        trace did not halve it, as on the flat stretches the allocator's segments make), and the
+        search stops when the two are adjacent: N fits and N - 1 does not, both traced (or
+        N - 1 is the failing job).
+        """
+        sharded = (Strategy.ZERO3 if self.strategy in (Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3)
+                   else Strategy.FSDP)
+        limit = int(self.budget * (1 - margin))
+        own = self.strategy is sharded  # the failing trace is already one rank of it, at self.gpus
+        seen: dict[int, int] = {self.gpus: base.total_bytes} if own else {}
+        lo, hi = (self.gpus if own else 1), None  # the most GPUs known not to fit; the fewest known to
+        b = base.breakdown_at_peak
+        # Not the optimizer step's temporaries: they shard too, but a rank's peak moves out of the
+        # step as N grows (measured: the first guess for LLaMA-70B lands further off with them).
+        state = (b.params + b.grads + b.optimizer) * (self.gpus if own else 1)
+        rest = base.total_bytes - (b.params + b.grads + b.optimizer + b.temporaries)
+        guess = _gpus_for(state, rest, limit)
+        width = None  # hi - lo after the previous trace, once both are known
+        for _ in range(SHARDED_TRACES):
+            if guess is None:  # no prediction: double, or halve the bracket
+                guess = 2 * lo if hi is None else (lo + hi) // 2
+            guess = max(lo + 1, min(guess, MAX_GPUS) if hi is None else min(guess, hi - 1))
+            if guess > MAX_GPUS:  # MAX_GPUS itself was traced and does not fit
+                break
+            accumulate = math.ceil(self.global_batch / guess) if self.global_batch is not None else 1
+            seen[guess] = self.estimate_at(1, precision, checkpointing, accumulate, strategy=sharded,
+                                           gpus=guess).total_bytes
+            if seen[guess] <= limit:
+                hi = guess if hi is None else min(hi, guess)
+            else:
+                lo = max(lo, guess)
+            if hi == lo + 1:
+                break
+            slow = width is not None and hi - lo > width // 2  # the last trace did not halve the bracket
+            width = None if hi is None else hi - lo
+            near = sorted(seen, key=lambda n: abs(seen[n] - limit))[:2]
+            if len(near) == 2:
+                n1, n2 = near
+                slope = (seen[n1] - seen[n2]) / (1 / n1 - 1 / n2)
+                if slope > 0:
+                    state, rest = slope, seen[n1] - slope / n1
+            else:
+                rest = seen[guess] - state / guess
+            guess = _gpus_for(state, rest, limit)
+            if guess is None and hi is None and len(near) == 2:
+                # what does not shard fills the GPU: confirmed by tracing the most GPUs searched
+                guess = MAX_GPUS
+            if hi is not None and (slow or hi - lo > 2 and guess is not None and not lo + 1 < guess < hi - 1):
+                guess = (lo + hi) // 2  # the secant hugs an end of the bracket, or is slow (a flat stretch): halve it
+        fit = ShardedFit(
+            strategy=sharded.value, gpus=hi, device_total_bytes=None if hi is None else seen[hi],
+            precision=precision.value, checkpointing=checkpointing,
+            fewer_do_not_fit=hi is not None and hi == lo + 1, traced=tuple(sorted(seen.items())),
+        )
+        name = sharded.value
+        if hi is None:
+            most = max(seen)
+            if most < MAX_GPUS:
+                return fit, (f"{name} over {most} GPUs of this size still does not hold {how}: "
+                             f"{format_bytes(seen[most])} per GPU (the search stopped after {SHARDED_TRACES} traces)")
+            return fit, (f"{name} would not hold {how} even over {MAX_GPUS} GPUs of this size: "
+                         f"{format_bytes(seen[most])} per GPU, and what does not shard (about "
+                         f"{format_bytes(max(0, int(rest)))}) already fills the {format_bytes(limit)} limit")
+        text = f"{name} over {hi} GPUs of this size holds {how}: {format_bytes(seen[hi])} per GPU"
+        if hi - 1 in seen:
+            text += f" ({hi - 1} GPUs: {format_bytes(seen[hi - 1])}, over the {format_bytes(limit)} limit)"
+        elif not fit.fewer_do_not_fit:
+            text += f" (fewer not ruled out: {lo} GPUs do not fit, the counts between were not traced)"
+        if self.global_batch is not None and hi > self.global_batch:
+            text += f"; that is more GPUs than the global batch of {self.global_batch} has samples"
+        return fit, text
 
-        most = 1 << 16
-        if trace(2):
-            count = 2
-        elif trace(8):
-            count = 4 if trace(4) else 8
-        else:
-            sharded_bytes = (seen[2] - seen[8]) / (1 / 2 - 1 / 8)  # S, from the two traces
-            rest = seen[8] - sharded_bytes / 8  # R
-            if sharded_bytes <= 0 or rest >= limit:
-                return (f"{sharded.value} over more GPUs of this size would not hold {how}: "
-                        f"{format_bytes(seen[8])} per GPU with 8, and the part that shards is not what overflows")
-            count = 16
-            while count < most and rest + sharded_bytes / count > limit:
-                count *= 2
-            while not trace(count):
-                count *= 2
-                if count > most:
-                    return f"{sharded.value} does not hold {how} on up to {most} GPUs of this size"
-            if count // 2 > 8 and trace(count // 2):  # the other side of the boundary
-                count //= 2
-        return f"{sharded.value} over {count} GPUs of this size holds {how}: {format_bytes(seen[count])} per GPU"
+
+def _gpus_for(state: float, rest: float, limit: int) -> int | None:
+    """The fewest N with ``rest + state / N <= limit``; None when ``rest`` alone reaches the limit."""
+    if rest >= limit:
+        return None
+    return math.ceil(max(state, 0) / (limit - rest))
 
 
 def _next_guess(totals: dict[int, int], limit: int, lo: int, hi: int | None, cap: int,
@@ -515,14 +595,18 @@ def _quadratic_root(points: dict[int, int], limit: int) -> float | None:
 def _parse_option(value) -> str:
     text = str(value).strip().lower()
     if text not in CHECKPOINTING_OPTIONS:
-        raise UsageError(f"checkpointing option {value!r} is not one of {', '.join(CHECKPOINTING_OPTIONS)}")
+        raise UsageError(f"checkpointing option {value!r} is not one of {', '.join(CHECKPOINTING_OPTIONS)}"
+                         + closest(text, CHECKPOINTING_OPTIONS))
     return text
 
 
-def _as_list(value) -> list:
+def _as_list(value, what: str) -> list:
     if isinstance(value, (str, Precision)):
         return [v for v in str(value.value if isinstance(value, Precision) else value).split(",") if v.strip()]
-    return list(value)
+    try:
+        return list(value)
+    except TypeError:  # None, a number: not a list of names
+        raise UsageError(f"{what} must be a comma-separated string or a list of names, got {value!r}") from None
 
 
 def _unique(items) -> list:

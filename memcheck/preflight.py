@@ -13,11 +13,13 @@ off the GPU after every batch, then a smaller evaluation batch.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from memcheck.device_redirect import on_meta
 from memcheck.enums import Device, Strategy
 from memcheck.errors import UsageError, WillNotFit, require_int, require_margin
 from memcheck.estimate import estimate, target_gpu
@@ -181,11 +183,17 @@ def _with_lengths(make, max_len, target_len) -> Callable[..., Any]:
     """The factory with the plan's calling convention: ``make(n)``, ``make(n, length)`` or
     ``make(n, length, target)``, whatever the user's factory takes."""
     arity = _arity(make)
+
+    @functools.wraps(make)  # keeps the factory's signature, which the planner reads
+    def on_meta_only(*args):  # a factory that names cuda (or cpu) builds meta tensors: no GPU memory
+        with on_meta():
+            return make(*args)
+
     if arity >= 3:
-        return lambda n, length=max_len, target=target_len: make(n, length, target)
+        return lambda n, length=max_len, target=target_len: on_meta_only(n, length, target)
     if arity == 2:
-        return lambda n, length=max_len: make(n, length)
-    return make
+        return lambda n, length=max_len: on_meta_only(n, length)
+    return on_meta_only
 
 
 def _train_total(est: Estimate) -> int:

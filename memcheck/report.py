@@ -279,6 +279,26 @@ class PlanOption:
 
 
 @dataclass(frozen=True)
+class ShardedFit:
+    """When nothing fits on one GPU: the fewest GPUs of the same size that hold one rank of a
+    sharded strategy at micro-batch 1, found by tracing (``memcheck.plan``)."""
+
+    strategy: str  # "fsdp", or "zero3" when a DeepSpeed stage was asked for
+    gpus: int | None  # the fewest that fit; None when none up to the search's ceiling did
+    device_total_bytes: int | None  # the traced device total of one rank at ``gpus``
+    precision: str
+    checkpointing: str
+    fewer_do_not_fit: bool  # gpus - 1 was traced (or is one GPU) and does not fit
+    traced: tuple[tuple[int, int], ...]  # (gpus, traced device total per GPU), for every count traced
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["micro_batch_size"] = 1
+        out["traced"] = [{"gpus": n, "device_total_bytes": b} for n, b in self.traced]
+        return out
+
+
+@dataclass(frozen=True)
 class LengthPoint:
     """The traced device total at one padded length (the length profile)."""
 
@@ -308,6 +328,7 @@ class Plan:
     traces: int  # every trace the plan took
     estimate: Estimate | None  # the recommended configuration's own trace
     suggestion: str | None = None  # when nothing fits: what would
+    sharded: ShardedFit | None = None  # when nothing fits on the CUDA target: how many GPUs fsdp/zero3 need
     blocks: tuple[str, ...] = ()  # the repeated blocks "full" checkpoints ("half": every second)
     position_limit: int | None = None  # the longest length the model's position embeddings take
     verification: "Verification | None" = None  # --measure: the recommendation run for real
@@ -345,6 +366,7 @@ class Plan:
             "traces": self.traces,
             "fits": self.fits,
             "suggestion": self.suggestion,
+            "sharded": None if self.sharded is None else self.sharded.to_dict(),
             "alternatives": [o.to_dict() for o in self.alternatives],
             "length_profile": [asdict(p) for p in self.length_profile],
             "longest_fitting_length": self.longest_fitting_length,

@@ -16,7 +16,7 @@ _UNITS = {
     "k": KiB, "m": MiB, "g": GiB, "t": 2**40,  # bare letters: binary, as nvidia-smi and torch print
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,  # SI units mean SI
 }
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")  # a sign, so "-1GiB" is told it is not > 0
 
 
 def parse_size(text: str | int, *, what: str = "size") -> int:

@@ -142,6 +142,7 @@ def test_usable_bytes_is_capacity_less_context():
         ("NVIDIA GeForce RTX 4090, 24564, 8.9", "RTX-4090"),
         ("NVIDIA L4, 23034, 8.9", "L4"),
         ("NVIDIA H200, 143771, 9.0", "H200"),
+        ("NVIDIA B200, 183359, 10.0", "B200"),
         ("NVIDIA A10G, 23028", "A10G"),  # an old driver without compute_cap
     ],
 )
@@ -155,9 +156,9 @@ def test_an_unlisted_card_keeps_nvidia_smis_figures():
     assert gpu.name == "NVIDIA H100 NVL" and not gpu.named
     assert gpu.capacity_bytes == 95830 * MiB
     assert gpu.arch == (9, 0)
-    b200 = gpu_from_smi("NVIDIA B200, 183359, 10.0")
-    assert b200.arch == (10, 0) and b200.capacity_bytes == 183359 * MiB
-    assert b200.context_bytes == GENERIC_CONTEXT_BYTES
+    blackwell = gpu_from_smi("NVIDIA RTX PRO 6000 Blackwell Server Edition, 97887, 12.0")
+    assert blackwell.arch == (12, 0) and blackwell.capacity_bytes == 97887 * MiB
+    assert blackwell.context_bytes == GENERIC_CONTEXT_BYTES
 
 
 @pytest.mark.parametrize("line", ["", "garbage", "NVIDIA H100, [N/A], 9.0", "NVIDIA X, 0, 9.0"])

@@ -110,6 +110,28 @@ def test_a_job_that_fits_trains_and_its_logging_is_left_alone(caplog):
     assert len(lines) == 1 and lines[0].startswith("memcheck: fits: _MLP needs")
 
 
+class _MLPWithDeviceTensors(_MLP):
+    """A training_step that makes tensors on self.device (the real device, not the trace's meta)."""
+
+    def loss(self, batch):
+        x, y = batch
+        noise = torch.zeros(x.shape, device=self.device)
+        return torch.nn.functional.mse_loss(self.net(x + noise), y)
+
+
+def test_a_training_step_that_makes_tensors_on_self_device_is_traced():
+    # Such tensors used to be real CPU tensors mixed with the trace's meta ones (a failed
+    # trace); the trace now moves them to meta, as the target device would hold them.
+    measured = measure_cpu(lambda: (_MLPWithDeviceTensors(), _rows(32)), lambda p: torch.optim.AdamW(p, lr=1e-3),
+                           steps=2, loss_fn=lambda module, batch: module.loss(batch)).steady_peak_bytes
+    callback = MemcheckCallback(_make_batch, batch_size=32, budget_bytes=2 * measured)
+    trainer = _trainer(callback)
+    trainer.fit(_MLPWithDeviceTensors(), _loader(32))
+    assert trainer.global_step == 2
+    error = (callback.verdict.estimate.total_bytes - measured) / measured
+    assert abs(error) <= TOLERANCE, f"predicted {callback.verdict.estimate.total_bytes} B, measured {measured} B"
+
+
 def test_a_job_below_its_own_training_state_is_stopped_before_step_1():
     # parameters + gradients + AdamW's two states: 82,689 params * 4 B * 4 = 1,323,024 B,
     # live together at the optimizer step; the limit is 95% of that.

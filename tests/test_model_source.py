@@ -83,3 +83,41 @@ def test_non_positive_sizes_are_rejected(tmp_path, flag, kwargs):
 def test_other_suffixes_are_rejected(tmp_path):
     with pytest.raises(UsageError, match="neither a Python file"):
         load_workload(str(tmp_path / "model.yaml"))
+
+
+FAILING_FILES = {
+    "syntax": ("import torch\ndef build_model(:\n    pass\n", 2, "SyntaxError"),
+    "import": ("import torch\nimport not_a_module_anywhere\n", 2, "ModuleNotFoundError"),
+    "no build_model": ("x = 1\n", None, "defines neither build_model() nor a module-level `model`"),
+    "build_model raises": ("def build_model():\n    raise RuntimeError('no config here')\n", 2, "RuntimeError"),
+    "forward raises": (textwrap.dedent("""\
+        import torch
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(8, 2)
+            def forward(self, x):
+                raise ValueError("shapes do not line up")
+        def build_model():
+            return Net()
+        def make_batch(batch_size, max_len):
+            return torch.randn(batch_size, 8)
+    """), 7, "ValueError: shapes do not line up"),
+}
+
+
+@pytest.mark.parametrize("case", FAILING_FILES)
+def test_each_failing_model_file_is_one_line_with_file_line_and_exit_2(tmp_path, case):
+    from click.testing import CliRunner
+
+    from memcheck.cli import main
+
+    body, line, what = FAILING_FILES[case]
+    path = write(tmp_path, body)
+    result = CliRunner().invoke(main, [path, "--max-len", "8", "--device", "cpu"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memcheck: error: "), result.output
+    assert (f"{path}:{line}:" if line else f"{path}:") in lines[0] and what in lines[0]
+    debug = CliRunner().invoke(main, [path, "--max-len", "8", "--device", "cpu", "--debug"])
+    assert debug.exit_code == 2 and "Traceback (most recent call last)" in debug.output

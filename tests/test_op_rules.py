@@ -1,4 +1,5 @@
-"""Op rules: the target's kernel choices and data-dependent stand-ins."""
+"""Op rules: the target's kernel choices, and rules users register (data-dependent
+stand-ins: tests/test_data_dependent.py)."""
 
 import pytest
 import torch
@@ -46,43 +47,6 @@ def test_sdpa_estimate_matches_real_cpu_run(dropout):
         assert est.peak_bytes < 8 * 2**20
     else:
         assert est.peak_bytes > 8 * 2**20
-
-
-class DataDependent(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x, mask):
-        y = self.lin(x)
-        if (mask == 0).any():  # data-dependent branch
-            y = y.masked_fill(mask[..., None] == 0, 0.0)
-        scale = float(mask.sum().item())  # data-dependent scalar
-        return y * scale
-
-
-def test_data_dependent_checks_resolve_and_are_listed():
-    with torch.device("meta"):
-        model = DataDependent()
-        batch = (torch.empty(4, 8), torch.ones(4, dtype=torch.long))
-    est = memcheck.estimate(model, batch, device="cpu", loss_fn=lambda m, b: m(*b).sum())
-    assert est.peak_bytes > 0
-    text = " ".join(est.assumptions)
-    assert "any" in text and ".item()" in text
-
-
-def test_nonzero_on_meta_assumes_every_element():
-    with torch.device("meta"):
-        model = nn.Linear(4, 4)
-        x = torch.empty(5, 4)
-
-    def loss(m, b):
-        idx = torch.nonzero(b)  # worst case: all 20 elements -> (20, 2) int64 = 320 B
-        assert idx.shape == (20, 2)
-        return m(b).sum()
-
-    est = memcheck.estimate(model, x, device="cpu", loss_fn=loss)
-    assert any("nonzero" in a for a in est.assumptions)
 
 
 def test_register_op_rule_for_a_custom_op():

@@ -85,9 +85,9 @@ class MemcheckCallback(pl.Callback):
 
     Known limitations:
         Manual optimization (``automatic_optimization = False``) is refused: memcheck's
-        loop steps the optimizer itself. Only the first optimizer is used. A
-        ``training_step`` that makes tensors on ``self.device`` or updates torchmetrics
-        state does so on real memory, which the trace cannot mix with meta tensors.
+        loop steps the optimizer itself. Only the first optimizer is used. Tensors a
+        ``training_step`` makes on ``self.device`` are moved to meta for the trace, but
+        torchmetrics state updated in ``training_step`` is untested.
         Under FSDP or DeepSpeed ZeRO-3 the module is already sharded at ``on_fit_start``
         and cannot be twinned.
     """

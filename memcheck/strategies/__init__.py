@@ -59,7 +59,8 @@ class StrategyConfig:
                              f"not {strategy.value}; use offload='optimizer'")
         if strategy is not Strategy.DDP and (bucket_view or bucket_cap_mb is not None):
             raise UsageError(f"bucket settings apply to ddp only, not {strategy.value!r}")
-        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0):
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                                          or not 0 < bucket_cap_mb < float("inf")):  # nan and inf too
             raise UsageError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
         return cls(strategy, gpus, bool(bucket_view), bucket_cap_mb, offload)
 
@@ -127,6 +128,15 @@ def train(
             evaluate(MetaDataParallel(tracer, model, config.gpus))
         return list(range(config.gpus))
 
+    if strategy in (Strategy.FSDP, Strategy.ZERO3):
+        # The full model never sits on the device: it is built on meta and only the shards are
+        # materialised (FSDP2: fully_shard, then to_empty; DeepSpeed: zero.Init, which the HF
+        # Trainer uses under ZeRO-3), the only way a model larger than one GPU can start. Were the
+        # full parameters counted first, the simulated allocator would keep their segments cached.
+        tracer.assume(f"{strategy.value}: the model is built on the meta device and only its shards are "
+                      "materialised (fully_shard then to_empty; deepspeed.zero.Init)")
+        for p in model.parameters():
+            tracer.ignore(p)
     tracer.watch(model=model, batch=batch)
     emulation = None  # what a wrapper adds to the plain loop: make_optimizer, on_phase, close
     if strategy in SHARDED:

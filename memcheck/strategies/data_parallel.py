@@ -53,7 +53,17 @@ def scatter(tracer, batch: Any, gpus: int) -> list[Any]:
     rows = leaves[0].shape[0]
     sizes = _chunk_sizes(rows, gpus)
     if len(sizes) < gpus:
-        raise UsageError(f"a batch of {rows} rows cannot be split over {gpus} GPUs; use a batch of at least {gpus}")
+        if rows < gpus:
+            raise UsageError(f"a batch of {rows} rows cannot be split over {gpus} GPUs; use a batch of at least {gpus}")
+        # torch.chunk can cut fewer pieces than asked (6 rows in 4: pieces of 2, so 3 of them),
+        # and DataParallel then replicates to that many GPUs only.
+        idle = gpus - len(sizes)
+        raise UsageError(
+            f"a batch of {rows} rows cannot be split over {gpus} GPUs: torch.chunk cuts it into {len(sizes)} "
+            f"pieces of at most {sizes[0]} rows, so DataParallel would leave {idle} GPU{'s' if idle > 1 else ''} "
+            f"idle, which memcheck does not model; use a multiple of {gpus} rows, such as "
+            f"{rows // gpus * gpus} or {-(-rows // gpus) * gpus}"
+        )
     return [tree_map_only(torch.Tensor, lambda t, i=i: _ScatterChunk.apply(tracer, t, sizes, i), batch)
             for i in range(len(sizes))]
 

@@ -53,6 +53,14 @@ def require_int(value, what: str, *, minimum: int = 1, message: str | None = Non
     return value
 
 
+def require_positive_number(value, what: str):
+    """Return ``value`` if it is a finite number above 0 (an int or float, not a bool; nan and inf
+    refused); otherwise raise UsageError "WHAT must be a positive number, got VALUE"."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise UsageError(f"{what} must be a positive number, got {value!r}")
+    return value
+
+
 def require_margin(value):
     """Return ``value`` if it is None or a fraction in [0, 1) (the capacity held back); otherwise
     raise UsageError naming it."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memcheck.enums import Attention, Device, Offload, Precision, Strategy, Task
-from memcheck.errors import UsageError, closest, require_int, require_margin
+from memcheck.errors import UsageError, closest, require_int, require_margin, require_positive_number
 
 # The keys of a job, in the order the docs list them.
 JOB_KEYS = (
@@ -132,11 +132,7 @@ def _eval_keep(v):
 
 
 def _bucket_cap(v):
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):  # nan and inf too
-        raise UsageError(f"bucket_cap_mb must be a positive number, got {v!r}")
-    return v
+    return None if v is None else require_positive_number(v, "bucket_cap_mb")
 
 
 def _optional(check):

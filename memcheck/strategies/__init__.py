@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from memcheck.enums import Offload, Strategy
-from memcheck.errors import UsageError, require_int
+from memcheck.errors import UsageError, require_int, require_positive_number
 from memcheck.training_loop import LossFn, run_steps
 
 
@@ -59,9 +59,8 @@ class StrategyConfig:
                              f"not {strategy.value}; use offload='optimizer'")
         if strategy is not Strategy.DDP and (bucket_view or bucket_cap_mb is not None):
             raise UsageError(f"bucket settings apply to ddp only, not {strategy.value!r}")
-        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
-                                          or not 0 < bucket_cap_mb < float("inf")):  # nan and inf too
-            raise UsageError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        if bucket_cap_mb is not None:
+            require_positive_number(bucket_cap_mb, "bucket_cap_mb")
         return cls(strategy, gpus, bool(bucket_view), bucket_cap_mb, offload)
 
     @property

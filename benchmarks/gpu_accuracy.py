@@ -65,7 +65,7 @@ def _hf(config_name, task_name, **overrides):
         import torch
         import transformers
 
-        from memcheck import hf
+        from memcheck.workloads import hf
         from memcheck.enums import Attention, Task
 
         config = getattr(transformers, config_name)(**overrides)
@@ -145,8 +145,8 @@ def measure(name: str, baseline: int) -> dict:
     """The real run (call in a fresh process)."""
     import torch
 
-    from memcheck.measure import measure_cuda
-    from memcheck.training_loop import default_loss
+    from memcheck.measure.local import measure_cuda
+    from memcheck.training.loop import default_loss
 
     key, batch_size, length, precision, attn, options = _workload(name)
     box = {}
@@ -175,7 +175,7 @@ def measure(name: str, baseline: int) -> dict:
 
 def _device_used() -> int:
     """Memory in use on the GPU before a measured subprocess starts (nvidia-smi; 0 if unknown)."""
-    from memcheck.gpus import device_used_bytes
+    from memcheck.cuda.gpus import device_used_bytes
 
     return device_used_bytes() or 0
 
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
         print(json.dumps(measure(args.measure_one, args.baseline)))
         return 0
 
-    from memcheck.gpus import local_gpu
+    from memcheck.cuda.gpus import local_gpu
 
     gpu = local_gpu()
     if gpu is None:

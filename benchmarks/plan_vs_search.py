@@ -7,7 +7,7 @@
 
 Two ways to find the largest micro-batch that trains, for each workload:
 
-* **The plan**, in this process on the meta device: ``memcheck.plan.plan()`` with the
+* **The plan**, in this process on the meta device: ``memcheck.engine.plan.plan()`` with the
   workload's one precision and no checkpointing, timed (wall clock). CUDA is never
   initialised by it (checked). The batch maker takes the micro-batch only, at the
   workload's fixed length, so the plan traces no length profile: the search has no
@@ -15,7 +15,7 @@ Two ways to find the largest micro-batch that trains, for each workload:
 * **The search**, in one fresh subprocess per workload, as Lightning's
   ``BatchSizeFinder(mode="binsearch")`` runs in the training process: the model and
   its AdamW optimizer are put on the GPU once; each trial trains 3 steps
-  (``memcheck.training_loop.run_steps``, the loop memcheck traces) on a new batch;
+  (``memcheck.training.loop.run_steps``, the loop memcheck traces) on a new batch;
   the micro-batch starts at 2 and doubles while trials succeed, then a binary search
   runs between the last success and the first out-of-memory error. After an OOM
   the gradients are dropped, ``gc.collect()`` and ``torch.cuda.empty_cache()`` run,
@@ -25,7 +25,7 @@ Two ways to find the largest micro-batch that trains, for each workload:
   counts successes).
 
 Then the plan is verified: its micro-batch trains 50 steps in a fresh subprocess
-(``memcheck.measure.measure_cuda``), and whether that OOMs is recorded. The ratio
+(``memcheck.measure.local.measure_cuda``), and whether that OOMs is recorded. The ratio
 is planned / largest micro-batch the search found. Targets: the planned micro-batch
 never OOMs; ratio >= 0.9. The wall-time ratio is the search's seconds over the
 plan's, both measured in this run: the search's are its trial loop alone (the model
@@ -48,7 +48,7 @@ allocator's limit; the plan's context estimate (``GpuSpec.context_bytes``) inclu
 it. Both contexts, at the start and after training, are in the JSON.
 
 **The margin is part of the ratio.** The plan recommends a micro-batch whose
-predicted device total stays under CAP x (1 - ``memcheck.plan.DEFAULT_MARGIN``);
+predicted device total stays under CAP x (1 - ``memcheck.engine.plan.DEFAULT_MARGIN``);
 the search fills the whole card. With memory affine in the micro-batch, fixed part F
 (weights, gradients, optimizer state, context), an exact prediction alone gives a
 ratio near ((1 - margin) x CAP - F) / (CAP - F): 0.94 for F = 2 GiB on 24 GiB with a
@@ -218,8 +218,8 @@ def batch_maker(key: str, length: int | None, attn: str | None, model, device: s
     make it, without building the model again (transformers models) each time."""
     import torch
 
-    if hasattr(model, "config"):  # a transformers model: memcheck.hf's worst-case padded batch
-        from memcheck import hf
+    if hasattr(model, "config"):  # a transformers model: memcheck.workloads.hf's worst-case padded batch
+        from memcheck.workloads import hf
         from memcheck.enums import Task
 
         task = hf.infer_task(model.config, model)
@@ -238,7 +238,7 @@ def plan_one(name: str, gpu) -> dict:
     """memcheck's plan on the meta device, timed; never touches CUDA."""
     import torch
 
-    from memcheck.plan import plan
+    from memcheck.engine.plan import plan
 
     key, length, precision, attn = workload(name)
     with torch.device("meta"):
@@ -266,7 +266,7 @@ def _cuda_job(name: str):
     from torch.utils._pytree import tree_map_only
 
     from memcheck.enums import Precision
-    from memcheck.training_loop import default_loss
+    from memcheck.training.loop import default_loss
 
     key, length, precision, attn = workload(name)
     precision = Precision.parse(precision)
@@ -295,7 +295,7 @@ def search_one(name: str, cap_bytes: int, baseline_bytes: int) -> dict:
     """The BatchSizeFinder-style search (call in a fresh process)."""
     import torch
 
-    from memcheck.training_loop import run_steps
+    from memcheck.training.loop import run_steps
 
     emulated = _emulate(cap_bytes, baseline_bytes)
     model, make, loss, optimizer, autocast, scaler = _cuda_job(name)
@@ -338,8 +338,8 @@ def verify_one(name: str, micro_batch: int, cap_bytes: int, baseline_bytes: int)
     """The planned micro-batch for VERIFY_STEPS real steps (call in a fresh process)."""
     import torch
 
-    from memcheck.measure import measure_cuda
-    from memcheck.training_loop import default_loss
+    from memcheck.measure.local import measure_cuda
+    from memcheck.training.loop import default_loss
 
     emulated = _emulate(cap_bytes, baseline_bytes)
     key, length, precision, attn = workload(name)
@@ -452,8 +452,8 @@ def main(argv=None) -> int:
         print(json.dumps(verify_one(args.verify_one, args.micro_batch, args.cap_bytes, args.baseline)))
         return 0
 
-    from memcheck.gpus import local_gpu
-    from memcheck.plan import DEFAULT_MARGIN
+    from memcheck.cuda.gpus import local_gpu
+    from memcheck.engine.plan import DEFAULT_MARGIN
 
     local = local_gpu()
     if local is None:

@@ -96,7 +96,7 @@ def compute_loss(model, batch):
 
 
 def main():
-    from memcheck.measure import measure_cpu
+    from memcheck.measure.local import measure_cpu
 
     with torch.device("meta"):
         model, batch = build_model(), make_batch(8, 128)

@@ -1,6 +1,6 @@
 """memcheck: will this PyTorch training job fit in memory? Traced on the meta device, no GPU needed."""
 
-from memcheck.compare import compare
+from memcheck.engine.compare import compare
 from memcheck.enums import Category, Device, Offload, Phase, Precision, Strategy, Task
 from memcheck.errors import (
     MemcheckError,
@@ -10,14 +10,14 @@ from memcheck.errors import (
     UsageError,
     WillNotFit,
 )
-from memcheck.estimate import estimate
-from memcheck.op_rules import register_op_rule
-from memcheck.plan import plan
-from memcheck.plot import plot_timeline
-from memcheck.preflight import check, preflight
-from memcheck.report import Breakdown, Comparison, DeviceMemory, Estimate, EvalFix, ModuleMemory, Plan, Verdict
-from memcheck.snapshot import write_snapshot
-from memcheck.timeline import Timeline
+from memcheck.engine.estimate import estimate
+from memcheck.rules.registry import register_op_rule
+from memcheck.engine.plan import plan
+from memcheck.pictures.plot import plot_timeline
+from memcheck.engine.preflight import check, preflight
+from memcheck.report.results import Breakdown, Comparison, DeviceMemory, Estimate, EvalFix, ModuleMemory, Plan, Verdict
+from memcheck.pictures.snapshot import write_snapshot
+from memcheck.report.timeline import Timeline
 
 __all__ = [
     "Breakdown",

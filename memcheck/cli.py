@@ -147,11 +147,11 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
     """
     progress = _begin(as_json, allow_download)
     from memcheck.errors import MemcheckError, UsageError, require_int
-    from memcheck.compare import compare as run_compare
-    from memcheck.estimate import estimate as run_estimate
-    from memcheck.model_source import load_workload
-    from memcheck.render import render_json
-    from memcheck.timeline import check_pictures, write_pictures
+    from memcheck.engine.compare import compare as run_compare
+    from memcheck.engine.estimate import estimate as run_estimate
+    from memcheck.workloads.source import load_workload
+    from memcheck.report.text import render_json
+    from memcheck.pictures import check_pictures, write_pictures
     from memcheck.units import parse_size
 
     try:
@@ -236,10 +236,10 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
     """
     progress = _begin(as_json, allow_download)
     from memcheck.errors import MemcheckError, UsageError, require_int
-    from memcheck.model_source import load_workload
-    from memcheck.plan import plan as run_plan
-    from memcheck.render import render_json
-    from memcheck.timeline import check_pictures, write_pictures
+    from memcheck.workloads.source import load_workload
+    from memcheck.engine.plan import plan as run_plan
+    from memcheck.report.text import render_json
+    from memcheck.pictures import check_pictures, write_pictures
     from memcheck.units import parse_size
 
     try:
@@ -275,8 +275,8 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
                                                                 allow_download, optimizer, reentrant, task, attn))
         if (snapshot_path or plot_path) and result.recommended is not None:
             # A plan keeps no timeline: the recommendation is traced once more, with one, at the
-            # settings the plan traced it at (memcheck.plan._Search.estimate_at), and must agree.
-            from memcheck.estimate import estimate as run_estimate
+            # settings the plan traced it at (memcheck.engine.plan._Search.estimate_at), and must agree.
+            from memcheck.engine.estimate import estimate as run_estimate
 
             rec, multi = result.recommended, result.strategy != "single"
             rows = rec.micro_batch_size * (result.gpus if result.strategy in ("dp", "dp-balanced") else 1)
@@ -316,9 +316,9 @@ def _check_settings(device, precision, strategy, gpus, gpu, optimizer, steps, ac
     file runs: a bad flag is reported as itself, never hidden behind the model's errors."""
     from memcheck.enums import Device, Precision
     from memcheck.errors import require_int
-    from memcheck.estimate import target_gpu
-    from memcheck.optimizers import resolve_optimizer
-    from memcheck.strategies import StrategyConfig
+    from memcheck.engine.estimate import target_gpu
+    from memcheck.training.optimizers import resolve_optimizer
+    from memcheck.training.strategies import StrategyConfig
 
     target = Device.parse(device)
     if precision is not None:
@@ -355,11 +355,11 @@ def _clear(progress) -> None:
 
 
 def _measure_plan(spec, result, work, device, steps, allow_download, optimizer, reentrant, task, attn):
-    """Build the model for real on the CPU, set it up as recommended, and run it (memcheck.measure.verify)."""
-    from memcheck.checkpointing import apply_checkpointing
-    from memcheck.measure import verify
-    from memcheck.model_source import load_workload
-    from memcheck.optimizers import resolve_optimizer
+    """Build the model for real on the CPU, set it up as recommended, and run it (memcheck.measure.local.verify)."""
+    from memcheck.training.checkpointing import apply_checkpointing
+    from memcheck.measure.local import verify
+    from memcheck.workloads.source import load_workload
+    from memcheck.training.optimizers import resolve_optimizer
 
     rec = result.recommended
     load = dict(batch_size=rec.micro_batch_size, max_len=work.max_len, target_len=work.target_len, task=task,
@@ -373,7 +373,7 @@ def _measure_plan(spec, result, work, device, steps, allow_download, optimizer, 
         return real.model, real.batch
 
     from memcheck.enums import Device
-    from memcheck.training_loop import default_loss
+    from memcheck.training.loop import default_loss
 
     _, make_optimizer = resolve_optimizer(optimizer or work.make_optimizer or "adamw", Device.parse(device))
 
@@ -401,10 +401,10 @@ def check_configs(files, as_json, allow_download, debug):
     """
     progress = _begin(as_json, allow_download)
     from memcheck.errors import MemcheckError, UsageError
-    from memcheck.job_config import in_config_words, load_configs
-    from memcheck.model_source import load_workload
-    from memcheck.preflight import check as run_check
-    from memcheck.render import render_config_check
+    from memcheck.config_gate import in_config_words, load_configs
+    from memcheck.workloads.source import load_workload
+    from memcheck.engine.preflight import check as run_check
+    from memcheck.report.text import render_config_check
 
     job, results = None, []
     try:
@@ -456,8 +456,8 @@ def _in_job(exc: BaseException, job, message: str) -> BaseException:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def gpus(as_json):
     """List the GPUs --gpu knows: capacity, compute capability, CUDA context estimate."""
-    from memcheck.gpus import GPUS
-    from memcheck.render import render_gpus
+    from memcheck.cuda.gpus import GPUS
+    from memcheck.report.text import render_gpus
 
     click.echo(render_gpus(GPUS.values(), as_json=as_json))
 

@@ -1,4 +1,5 @@
-"""The choices memcheck knows, as enums parsed from user strings with clear errors."""
+"""The choices memcheck knows, as enums parsed from user strings with clear errors, and the
+kinds of the tracer's memory events."""
 
 from __future__ import annotations
 
@@ -128,3 +129,9 @@ class Attention(_Choice):
 
     EAGER = "eager"
     SDPA = "sdpa"
+
+
+# The kinds of the tracer's memory events (``memcheck.trace.tracer.TraceLog.events``): a storage
+# allocated, freed, or given a new category (RECAT, nbytes 0). The allocator simulation and the
+# timeline read them too, so they live here, below both.
+ALLOC, FREE, RECAT = 0, 1, 2

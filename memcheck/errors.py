@@ -32,17 +32,16 @@ class UnsupportedOpError(MemcheckError):
 class WillNotFit(MemcheckError):
     """The job will not fit: ``memcheck.preflight`` and the trainer callbacks raise it.
 
-    The message is the verdict on one line and the fix on the next; ``.verdict`` is the
-    whole ``memcheck.report.Verdict`` (its ``estimate``, ``fix`` and ``eval_fix``).
+    The message (``memcheck.report.text.will_not_fit_message``) is the verdict on one line
+    and the fix on the next; ``.verdict`` is the
+    whole ``memcheck.report.results.Verdict`` (its ``estimate``, ``fix`` and ``eval_fix``).
     """
 
     exit_code = 1
 
-    def __init__(self, verdict, style: str = "python"):
-        from memcheck.render import fix_line, verdict_line
-
+    def __init__(self, verdict, message: str):
         self.verdict = verdict
-        super().__init__(f"{verdict_line(verdict)}\n{fix_line(verdict, style)}")
+        super().__init__(message)
 
 
 def require_int(value, what: str, *, minimum: int = 1, message: str | None = None) -> int:

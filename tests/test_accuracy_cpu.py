@@ -1,6 +1,6 @@
 """--device cpu estimates against real CPU runs, measured by the allocator itself.
 
-The oracle is ``memcheck.measure.measure_cpu``: it builds the same model and
+The oracle is ``memcheck.measure.local.measure_cpu``: it builds the same model and
 batch on CPU, runs the same training loop, and takes the peak of live bytes from
 ``torch.profiler.profile(profile_memory=True)`` allocation events. The estimate
 is traced on meta. Target (issue 2): within 2% on every model in the zoo.

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memcheck.allocator import (
+from memcheck.cuda.allocator import (
     AllocatorConfig,
     CachingAllocator,
     max_split_size_from_env,
@@ -23,7 +23,7 @@ from memcheck.allocator import (
     simulate,
 )
 from memcheck.errors import UsageError
-from memcheck.tracer import ALLOC, FREE, RECAT
+from memcheck.trace.tracer import ALLOC, FREE, RECAT
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 

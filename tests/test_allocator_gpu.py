@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from memcheck.allocator import AllocatorConfig, CachingAllocator, simulate
-from memcheck.tracer import ALLOC, FREE
+from memcheck.cuda.allocator import AllocatorConfig, CachingAllocator, simulate
+from memcheck.trace.tracer import ALLOC, FREE
 
 KiB, MiB = 2**10, 2**20
 _CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import memcheck
-from memcheck.autocast import POLICIES, CastPolicy, MetaAutocast
+from memcheck.rules.autocast import POLICIES, CastPolicy, MetaAutocast
 from memcheck.enums import Device
-from memcheck.tracer import ALLOC, MemoryTracer
+from memcheck.trace.tracer import ALLOC, MemoryTracer
 
 
 def _pair(shape=(4, 4)):

@@ -1,9 +1,9 @@
-"""``memcheck check FILE...`` and ``memcheck.job_config``: configs read, checked and judged.
+"""``memcheck check FILE...`` and ``memcheck.config_gate``: configs read, checked and judged.
 
 The model is a GPT-2 of two blocks of width 64 written into a temporary "repository"
 (a directory holding ``.git``), traced at 128 tokens on the CPU target so that each job
 costs one trace of about half a second. Whether a job fits is decided against real CPU
-runs of the same steps measured by the profiler (``memcheck.measure.measure_cpu``), never
+runs of the same steps measured by the profiler (``memcheck.measure.local.measure_cpu``), never
 against memcheck's own figures; and the fix the gate prints is run for real too.
 """
 
@@ -21,14 +21,14 @@ import torch
 from click.testing import CliRunner
 from terminal import run_cli
 
-from memcheck.checkpointing import apply_checkpointing
+from memcheck.training.checkpointing import apply_checkpointing
 from memcheck.cli import main
 from memcheck.enums import Device, Precision, Strategy
 from memcheck.errors import UsageError
-from memcheck.gpus import GpuSpec
-from memcheck.job_config import JobConfig, load_config, load_configs
-from memcheck.measure import measure_cpu
-from memcheck.model_source import load_workload
+from memcheck.cuda.gpus import GpuSpec
+from memcheck.config_gate import JobConfig, load_config, load_configs
+from memcheck.measure.local import measure_cpu
+from memcheck.workloads.source import load_workload
 from memcheck.units import GiB, MiB
 
 MODEL = """\
@@ -46,7 +46,7 @@ MAX_LEN, BIG_BATCH = 128, 16
 
 SMALL_JOB = f'model = "model.py"\ndevice = "cpu"\nmax_len = {MAX_LEN}\nmicro_batch = 2\ngpu_memory = "1GiB"\n'
 BIG_JOB = {"model": "model.py", "device": "cpu", "max_len": MAX_LEN, "micro_batch": BIG_BATCH, "gpu_memory": "48MiB"}
-PREFLIGHT = importlib.import_module("memcheck.preflight")  # memcheck.preflight the attribute is the function
+PREFLIGHT = importlib.import_module("memcheck.engine.preflight")  # memcheck.preflight the attribute is the function
 FIX = re.compile(r'fix: micro_batch = (\d+), accumulation = (\d+), checkpointing = ("none"|"full"|\[[^\]]*\])')
 
 

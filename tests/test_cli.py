@@ -91,7 +91,7 @@ def test_cuda_json_has_reserved_device_total_and_gpu():
 
 
 def test_a_gpu_too_small_for_the_device_total_exits_1():
-    # An unnamed GPU's CUDA context is taken as 512 MiB (memcheck.gpus), so a 512 MiB card
+    # An unnamed GPU's CUDA context is taken as 512 MiB (memcheck.cuda.gpus), so a 512 MiB card
     # has no room left for any tensor: the device total exceeds it although the tensors are tiny.
     result = run(TWO_BRANCH, "-b", "8", "--gpu", "512MiB")
     assert result.exit_code == 1, result.output

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import memcheck
-from memcheck import cpu_kernels
-from memcheck.measure import measure_cpu
+from memcheck.rules import cpu_kernels
+from memcheck.measure.local import measure_cpu
 
 
 @pytest.mark.parametrize(

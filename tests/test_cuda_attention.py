@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import memcheck
-from memcheck.cuda_attention import CUDNN, EFFICIENT, FLASH, MATH, cuda_sdpa_backend, flash_forward_scratch
+from memcheck.rules.cuda_attention import CUDNN, EFFICIENT, FLASH, MATH, cuda_sdpa_backend, flash_forward_scratch
 from memcheck.enums import Category, Device
-from memcheck.tracer import ALLOC, FREE, RECAT, MemoryTracer
+from memcheck.trace.tracer import ALLOC, FREE, RECAT, MemoryTracer
 
 A100, A10G, L4, T4, H100, RTX5090 = (8, 0), (8, 6), (8, 9), (7, 5), (9, 0), (12, 0)
 

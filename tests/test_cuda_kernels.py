@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from memcheck.enums import Device
-from memcheck.tracer import ALLOC, MemoryTracer
+from memcheck.trace.tracer import ALLOC, MemoryTracer
 
 MiB = 2**20
 

@@ -5,7 +5,7 @@ The rules are those of aten/src/ATen/cuda/CublasHandlePool.cpp (torch 2.11-2.13)
 
 import pytest
 
-from memcheck.cuda_overhead import (
+from memcheck.cuda.overhead import (
     CUBLAS_WORKSPACE_DEFAULT,
     CUBLAS_WORKSPACE_LARGE,
     context_bytes,
@@ -18,7 +18,7 @@ from memcheck.cuda_overhead import (
     workspace_allocations,
 )
 from memcheck.errors import UsageError
-from memcheck.gpus import GENERIC_CONTEXT_BYTES, GPUS
+from memcheck.cuda.gpus import GENERIC_CONTEXT_BYTES, GPUS
 
 KiB = 2**10
 MiB = 2**20

@@ -1,4 +1,4 @@
-"""Stand-ins for data-dependent ops (memcheck.data_dependent): no crash, the assumption in
+"""Stand-ins for data-dependent ops (memcheck.rules.data_dependent): no crash, the assumption in
 the report, and, where a real CPU run can realise what was assumed (an all-True mask, all
 distinct values, repeats of 1), the estimate against the allocator's measured peak."""
 
@@ -13,8 +13,8 @@ import memcheck
 from memcheck.cli import main
 from memcheck.enums import Device
 from memcheck.errors import TraceError, UnsupportedOpError
-from memcheck.measure import cpu_memory_events, measure_cpu, running_peak
-from memcheck.tracer import ALLOC, FREE, MemoryTracer
+from memcheck.measure.local import cpu_memory_events, measure_cpu, running_peak
+from memcheck.trace.tracer import ALLOC, FREE, MemoryTracer
 
 TOLERANCE = 0.02  # as tests/test_op_rules.py
 
@@ -389,7 +389,7 @@ def test_an_op_without_a_meta_kernel_is_named_on_one_line(op, name):
      "data-independent implementation does not exist.", "torch.nonzero"),
 ])
 def test_each_shape_of_torchs_missing_kernel_message_names_the_op(message, op):
-    from memcheck.estimate import _translate
+    from memcheck.engine.estimate import _translate
 
     error = _translate(NotImplementedError(message + "\nmore lines"), "m_bincount")
     assert isinstance(error, UnsupportedOpError)

@@ -1,7 +1,7 @@
 """DataParallel's per-GPU figures against arithmetic worked out by hand (issue 4).
 
 No GPU can run DataParallel here, so these check the emulation
-(memcheck.strategies.data_parallel) against what torch/nn/parallel does, byte by
+(memcheck.training.strategies.data_parallel) against what torch/nn/parallel does, byte by
 byte, on the CPU target (no allocator rounding).
 """
 

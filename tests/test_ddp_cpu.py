@@ -1,15 +1,15 @@
 """ddp estimates against real two-rank gloo runs on CPU, per rank (issue 4).
 
-The oracle is each spawned rank's own allocator (memcheck.measure_distributed);
+The oracle is each spawned rank's own allocator (memcheck.measure.distributed);
 the estimate traces one rank on meta with DDP's buckets emulated
-(memcheck.strategies.ddp). Target: within 2%, as for the single-process zoo.
+(memcheck.training.strategies.ddp). Target: within 2%, as for the single-process zoo.
 """
 
 import pytest
 import torch
 
 import memcheck
-from memcheck.measure_distributed import measure_ddp_cpu
+from memcheck.measure.distributed import measure_ddp_cpu
 from test_measure_distributed import adamw, build_mlp, classify
 
 

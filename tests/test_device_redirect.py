@@ -1,5 +1,5 @@
 """The GPU stays untouched while memcheck estimates: a model's .cuda(), .to("cuda"),
-device="cuda" and torch.cuda.* calls are redirected for the trace (memcheck.device_redirect).
+device="cuda" and torch.cuda.* calls are redirected for the trace (memcheck.trace.device_redirect).
 
 This machine's torch is a CPU build, where anything that really reaches CUDA raises
 ("Torch not compiled with CUDA enabled"), so a model file full of CUDA calls that estimates
@@ -20,9 +20,9 @@ from torch import nn
 
 import memcheck
 from memcheck.cli import main
-from memcheck.device_redirect import redirect_cuda
-from memcheck.gpus import resolve_gpu
-from memcheck.measure import measure_cpu
+from memcheck.trace.device_redirect import redirect_cuda
+from memcheck.cuda.gpus import resolve_gpu
+from memcheck.measure.local import measure_cpu
 
 CUDA_EVERYWHERE = textwrap.dedent("""
     import torch
@@ -87,7 +87,7 @@ def test_a_model_full_of_cuda_calls_estimates_without_touching_cuda(cuda_model):
 def test_the_redirected_model_is_estimated_as_the_same_model_run_for_real_on_cpu(cuda_model):
     # The CUDA calls change where tensors live, not what is allocated: the estimate of the
     # file that calls them matches the memory a real CPU run of the plain model allocates.
-    from memcheck.model_source import load_workload
+    from memcheck.workloads.source import load_workload
 
     work = load_workload(str(cuda_model), batch_size=4, max_len=16)
     est = memcheck.estimate(work.model, work.batch, device="cpu", optimizer="adamw")
@@ -102,7 +102,7 @@ def test_the_redirected_model_is_estimated_as_the_same_model_run_for_real_on_cpu
 
 
 def test_building_on_meta_allocates_no_weights(cuda_model):
-    from memcheck.model_source import load_workload
+    from memcheck.workloads.source import load_workload
 
     work = load_workload(str(cuda_model), batch_size=2, max_len=8)
     tensors = list(work.model.parameters()) + list(work.model.buffers()) + [work.batch]
@@ -184,8 +184,8 @@ def test_a_preflight_batch_factory_that_names_cuda_builds_meta_tensors():
 def test_measure_reports_an_out_of_memory_error_and_frees_the_run_first(monkeypatch):
     # measure.verify on cuda with a run that runs out of memory: the result says so, and the
     # run's tensors are gone before empty_cache() hands the cached blocks back.
-    import memcheck.gpus
-    import memcheck.measure as measure
+    import memcheck.cuda.gpus
+    import memcheck.measure.local as measure
 
     class Tensors:
         pass
@@ -202,7 +202,7 @@ def test_measure_reports_an_out_of_memory_error_and_frees_the_run_first(monkeypa
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed_before_empty_cache.append(held[0]() is None))
-    monkeypatch.setattr(memcheck.gpus, "device_used_bytes", lambda: 0)
+    monkeypatch.setattr(memcheck.cuda.gpus, "device_used_bytes", lambda: 0)
     monkeypatch.setattr(measure, "measure_cuda", run_out)
     result = measure.verify(lambda: None, None, device="cuda", predicted_bytes=1)
     assert result.out_of_memory and "CUDA out of memory" in result.error
@@ -214,7 +214,7 @@ def test_measure_reports_an_out_of_memory_error_and_frees_the_run_first(monkeypa
 def test_on_a_gpu_machine_estimating_never_initialises_cuda(cuda_model):
     code = textwrap.dedent(f"""
         import torch, memcheck
-        from memcheck.model_source import load_workload
+        from memcheck.workloads.source import load_workload
         work = load_workload({str(cuda_model)!r}, batch_size=4, max_len=16)
         est = memcheck.estimate(work.model, work.batch, device="cuda")
         memcheck.plan(work.model, work.make, max_len=16, device="cuda")

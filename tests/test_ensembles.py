@@ -1,6 +1,6 @@
 """Ensembles of small heads (examples/ensemble.py), as a ModuleList loop and as torch.func's vmap.
 
-The oracle is a real CPU run measured by ``memcheck.measure.measure_cpu``, as in
+The oracle is a real CPU run measured by ``memcheck.measure.local.measure_cpu``, as in
 test_accuracy_cpu.py: the model and batch are built on CPU for the measurement
 and under ``torch.device("meta")`` for the estimate. Target: within 2% for both forms.
 """
@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import memcheck
 from memcheck.cli import main
-from memcheck.measure import measure_cpu
+from memcheck.measure.local import measure_cpu
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))

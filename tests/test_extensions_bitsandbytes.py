@@ -1,7 +1,7 @@
 """bitsandbytes layers and optimizers: real CPU runs as the oracle, hand arithmetic for CUDA.
 
 bitsandbytes 0.50 runs on CPU, so the CPU estimates are checked against
-``memcheck.measure.measure_cpu`` (the allocator's own events under the profiler) running
+``memcheck.measure.local.measure_cpu`` (the allocator's own events under the profiler) running
 the real layers and optimizers. Two differences are expected, both a few bytes and
 neither a per-layer or per-element cost memcheck leaves out:
 
@@ -29,9 +29,9 @@ bnb = pytest.importorskip("bitsandbytes")
 
 import memcheck  # noqa: E402
 from memcheck.enums import Device  # noqa: E402
-from memcheck.measure import measure_cpu  # noqa: E402
-from memcheck.optimizers import _AdamW8bitLayout, resolve_optimizer  # noqa: E402
-from memcheck.tracer import ALLOC, MemoryTracer  # noqa: E402
+from memcheck.measure.local import measure_cpu  # noqa: E402
+from memcheck.training.optimizers import _AdamW8bitLayout, resolve_optimizer  # noqa: E402
+from memcheck.trace.tracer import ALLOC, MemoryTracer  # noqa: E402
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "inputs will be cast to float16"
 
@@ -201,7 +201,7 @@ def test_other_bitsandbytes_optimizers_allocate_nothing_in_a_cuda_step(monkeypat
             scratches.append(nbytes)
             return super().scratch(*nbytes)
 
-    monkeypatch.setattr(sys.modules["memcheck.estimate"], "MemoryTracer", Recording)
+    monkeypatch.setattr(sys.modules["memcheck.engine.estimate"], "MemoryTracer", Recording)
     est = memcheck.estimate(model, x, device="cuda", optimizer=bnb.optim.Lion8bit(model.parameters()))
     assert est.optimizer == "Lion8bit (bitsandbytes)"
     assert scratches == []
@@ -276,7 +276,7 @@ def test_linear8bit_takes_the_path_bitsandbytes_takes_on_the_target(device, monk
             seen.append(st.nbytes())
             return super()._alloc(sid, st, category, module)
 
-    monkeypatch.setattr(sys.modules["memcheck.estimate"], "MemoryTracer", Recording)
+    monkeypatch.setattr(sys.modules["memcheck.engine.estimate"], "MemoryTracer", Recording)
     est = memcheck.estimate(model, x, device=device, optimizer="sgd")
     if device is Device.CPU:
         assert 1_048_576 in seen and 32_768 not in seen

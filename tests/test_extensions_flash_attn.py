@@ -23,9 +23,9 @@ import torch
 import memcheck
 from memcheck.enums import Category, Device
 from memcheck.errors import UnsupportedOpError, UsageError
-from memcheck.tracer import ALLOC, MemoryTracer
+from memcheck.trace.tracer import ALLOC, MemoryTracer
 
-A100 = (8, 0)  # 108 SMs (memcheck.cuda_attention.SM_COUNT): the split heuristic runs over 216
+A100 = (8, 0)  # 108 SMs (memcheck.rules.cuda_attention.SM_COUNT): the split heuristic runs over 216
 
 STAND_IN = '''
 """A stand-in for flash-attn 2.8.3's flash_attn_interface (memcheck tests): same op names

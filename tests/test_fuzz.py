@@ -1,4 +1,4 @@
-"""Property tests (hypothesis): ``memcheck.estimate`` over random small models and flags.
+"""Property tests (hypothesis): ``memcheck.engine.estimate`` over random small models and flags.
 
 The models are tiny transformers (GPT-2, BERT, Llama and T5 from their config classes,
 built on the meta device) and small CNNs (a Sequential of conv blocks with random
@@ -41,9 +41,9 @@ from hypothesis.errors import InvalidArgument
 from torch import nn
 
 import memcheck
-from memcheck import hf
+from memcheck.workloads import hf
 from memcheck.enums import Attention, Device, Task
-from memcheck.strategies.sharded import REDUCE_BUCKET_SIZE
+from memcheck.training.strategies.sharded import REDUCE_BUCKET_SIZE
 
 _LONG = int(os.environ.get("MEMCHECK_FUZZ_EXAMPLES", "0"))
 MiB = 2**20
@@ -341,7 +341,7 @@ def test_peak_never_falls_as_the_batch_grows(spec, data):
     length = data.draw(LENGTHS, label="length")
     if flags["strategy"].startswith("dp"):
         # memcheck refuses a batch that torch.chunk cuts into fewer pieces than GPUs (a GPU
-        # would idle): a known limitation (memcheck.strategies.data_parallel.scatter), not a peak.
+        # would idle): a known limitation (memcheck.training.strategies.data_parallel.scatter), not a peak.
         assume(_chunks(larger, flags["gpus"]) == flags["gpus"])
     built = spec.build()
     small = run(spec, built, batch_size, length, flags)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from memcheck.errors import UsageError
-from memcheck.gpus import (
+from memcheck.cuda.gpus import (
     GENERIC_CONTEXT_BYTES,
     GPUS,
     GpuSpec,

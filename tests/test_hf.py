@@ -4,7 +4,7 @@ import pytest
 from transformers import BertConfig, GPT2Config, PegasusConfig, ViTConfig
 
 from memcheck.errors import UsageError
-from memcheck.model_source import load_workload
+from memcheck.workloads.source import load_workload
 
 
 def save(config, tmp_path, arch):

@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import memcheck
 from memcheck.errors import UsageError
-from memcheck.estimate import meta_twin
+from memcheck.engine.estimate import meta_twin
 from memcheck.integrations.lightning import LIGHTNING_PRECISION, MemcheckCallback, _precision
-from memcheck.measure import measure_cpu
+from memcheck.measure.local import measure_cpu
 
 TOLERANCE = 0.02  # the CPU target's accuracy tests use the same bound (tests/test_accuracy_cpu.py)
 IN = 64

@@ -18,12 +18,12 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerControl, T
 from transformers.utils import logging as hf_logging
 
 import memcheck
-from memcheck import hf
+from memcheck.workloads import hf
 from memcheck.enums import Task
 from memcheck.errors import UsageError
 from memcheck.integrations.transformers import HF_OPTIMIZERS, MemcheckCallback, hf_optimizer
-from memcheck.measure import measure_cpu
-from memcheck.optimizers import OPTIMIZERS
+from memcheck.measure.local import measure_cpu
+from memcheck.training.optimizers import OPTIMIZERS
 
 hf_logging.set_verbosity_error()
 TOLERANCE = 0.02  # the CPU target's accuracy tests use the same bound (tests/test_accuracy_cpu.py)

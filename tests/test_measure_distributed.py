@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from memcheck.errors import UsageError
-from memcheck.measure import measure_cpu
-from memcheck.measure_distributed import measure_ddp_cpu
+from memcheck.measure.local import measure_cpu
+from memcheck.measure.distributed import measure_ddp_cpu
 
 # The spawned ranks unpickle these by reference, so they live at module level.
 

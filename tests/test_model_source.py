@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 from memcheck.errors import ModelLoadError, UsageError
-from memcheck.model_source import load_workload
+from memcheck.workloads.source import load_workload
 
 
 def write(tmp_path, body, name="model.py"):

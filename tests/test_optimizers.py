@@ -1,6 +1,6 @@
 """The optimizer choices: real CPU runs as the oracle where one can run, hand arithmetic elsewhere.
 
-The CPU oracle is ``memcheck.measure.measure_cpu`` (the allocator's own events under
+The CPU oracle is ``memcheck.measure.local.measure_cpu`` (the allocator's own events under
 ``torch.profiler``), running the *real* optimizer class: ``torch.optim.AdamW(fused=True)``,
 ``transformers.optimization.Adafactor``. The estimates are traced on meta with the
 named choice. bitsandbytes cannot run here, so ``adamw-8bit`` is checked against the
@@ -14,7 +14,7 @@ from torch import nn
 import memcheck
 from memcheck.enums import Device
 from memcheck.errors import UsageError
-from memcheck.optimizers import OPTIMIZERS, _AdamW8bitLayout, resolve_optimizer
+from memcheck.training.optimizers import OPTIMIZERS, _AdamW8bitLayout, resolve_optimizer
 from zoo import estimate_zoo, measure_zoo
 
 TOLERANCE = 0.02
@@ -63,7 +63,7 @@ def test_fused_adamw_step_allocates_nothing_on_a_real_cpu_run_and_in_the_trace()
     # step's peak over the state is 12 B. The traced step must add no temporaries either.
     from torch.profiler import ProfilerActivity, profile
 
-    from memcheck.measure import cpu_memory_events, running_peak
+    from memcheck.measure.local import cpu_memory_events, running_peak
 
     torch.manual_seed(0)
     model = nn.Linear(256, 256)

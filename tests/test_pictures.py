@@ -1,5 +1,5 @@
 """Pictures: ``--snapshot`` (PyTorch's memory_viz format) and ``--plot`` (a PNG), and the
-timeline both are drawn from (memcheck.timeline, memcheck.snapshot, memcheck.plot).
+timeline both are drawn from (memcheck.report.timeline, memcheck.pictures.snapshot, memcheck.pictures.plot).
 
 The byte counts are worked by hand for an ``nn.Linear(10, 5)`` trained with AdamW on a
 batch of 4, and the snapshot is read back with torch's own ``torch.cuda._memory_viz``.
@@ -25,8 +25,8 @@ import memcheck
 from memcheck.cli import main
 from memcheck.enums import Category, Device, Phase
 from memcheck.errors import UsageError
-from memcheck.gpus import GPUS
-from memcheck.snapshot import snapshot_dict
+from memcheck.cuda.gpus import GPUS
+from memcheck.pictures.snapshot import snapshot_dict
 from memcheck.units import KiB, MiB
 
 # nn.Linear(10, 5) in fp32, a batch of 4 rows, AdamW (torch's single-tensor loop):

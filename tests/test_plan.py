@@ -1,4 +1,4 @@
-"""The planner (memcheck.plan), checked against real CPU runs measured by the profiler.
+"""The planner (memcheck.engine.plan), checked against real CPU runs measured by the profiler.
 
 The CPU target is the one CI can run for real: a plan made for a CPU memory
 budget is run at its recommended micro-batch (it must stay within the limit)
@@ -21,8 +21,8 @@ from transformers.utils import logging
 
 import memcheck
 from memcheck.errors import UsageError
-from memcheck.measure import measure_cpu
-from memcheck.plan import DEFAULT_MARGIN, TRACES_PER_OPTION, _quadratic_root, plan
+from memcheck.measure.local import measure_cpu
+from memcheck.engine.plan import DEFAULT_MARGIN, TRACES_PER_OPTION, _quadratic_root, plan
 from memcheck.units import MiB
 
 logging.set_verbosity_error()

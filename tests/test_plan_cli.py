@@ -19,9 +19,9 @@ import torch
 from click.testing import CliRunner
 
 from memcheck.cli import main
-from memcheck.gpus import GPUS
-from memcheck.render import PADDING_NOTE
-from memcheck.report import PlanOption
+from memcheck.cuda.gpus import GPUS
+from memcheck.report.text import PADDING_NOTE
+from memcheck.report.results import PlanOption
 from memcheck.units import GiB, MiB
 
 SMALL = """\
@@ -328,7 +328,7 @@ def test_checkpointing_option_lists_the_allowed_ones(small):
 
 
 def test_no_capacity_on_the_cuda_target_without_a_local_gpu_asks_for_the_gpu(small):
-    # CUDA_VISIBLE_DEVICES="" hides any GPU from memcheck.gpus.local_gpu, as on a machine with none
+    # CUDA_VISIBLE_DEVICES="" hides any GPU from memcheck.cuda.gpus.local_gpu, as on a machine with none
     result = plan(small, "--max-len", "32", env={"CUDA_VISIBLE_DEVICES": ""})
     assert result.exit_code == 2, result.output
     line = one_line(result)

@@ -87,7 +87,7 @@ def test_the_batch_maker_gives_the_micro_batch_on_meta(name):
 
 
 def test_the_plan_half_runs_on_meta_without_touching_cuda():
-    from memcheck.gpus import GPUS
+    from memcheck.cuda.gpus import GPUS
 
     bench = _load()
     gpu = dataclasses.replace(GPUS["H100-80GB"], capacity_bytes=24 * GiB, name="H100-80GB limited to 24 GiB")
@@ -95,7 +95,7 @@ def test_the_plan_half_runs_on_meta_without_touching_cuda():
     # The CNN's weights, gradients and AdamW state are ~5M params * 16 B = ~80 MB, and a
     # 224x224 sample's activations tens of MB: hundreds of samples fit in 24 GiB.
     assert p["micro_batch"] > 100
-    assert 0 < p["traces"] <= 5  # memcheck.plan.TRACES_PER_OPTION, one option
+    assert 0 < p["traces"] <= 5  # memcheck.engine.plan.TRACES_PER_OPTION, one option
     assert p["predicted_device_total_bytes"] <= p["limit_bytes"] == int(24 * GiB * (1 - p["margin"]))
     assert p["seconds"] > 0
     assert not torch.cuda.is_initialized()

@@ -1,4 +1,4 @@
-"""memcheck.check / memcheck.preflight, checked against real CPU runs measured by the profiler.
+"""memcheck.check / memcheck.engine.preflight, checked against real CPU runs measured by the profiler.
 
 A job is refused when it would not fit, and the fix it names is then run for
 real at exactly its settings: its measured peak must stay within the budget. The
@@ -22,9 +22,9 @@ from transformers.utils import logging
 
 import memcheck
 from memcheck.errors import UsageError
-from memcheck.measure import cpu_memory_events, measure_cpu
-from memcheck.preflight import resizer
-from memcheck.render import fix_line
+from memcheck.measure.local import cpu_memory_events, measure_cpu
+from memcheck.engine.preflight import resizer
+from memcheck.report.text import fix_line
 from memcheck.units import MiB
 
 logging.set_verbosity_error()

@@ -6,7 +6,7 @@ memory is measured honestly: the estimate runs in a fresh interpreter, which rep
 peak resident set (``getrusage``) after the estimate, imports included.
 
 The GPU counts are checked three ways: the plan traced the count it names and one GPU fewer
-(and ``memcheck.estimate`` at those counts says the same), and hand arithmetic on the state
+(and ``memcheck.engine.estimate`` at those counts says the same), and hand arithmetic on the state
 that shards gives a floor no count below which can fit. The model for those is ``Wide``:
 ``depth`` blocks of an MLP ``Linear(d, 4d) -> ReLU -> Linear(4d, d)`` without biases, on meta,
 traced at one sequence of 256 positions, in fp32 with AdamW. With d = 8192 and 96 blocks:
@@ -36,9 +36,9 @@ from torch import nn
 
 import memcheck
 from memcheck.cli import main
-from memcheck.gpus import GPUS
-from memcheck.plan import DEFAULT_MARGIN, MAX_GPUS
-from memcheck.strategies.sharded import REDUCE_BUCKET_SIZE
+from memcheck.cuda.gpus import GPUS
+from memcheck.engine.plan import DEFAULT_MARGIN, MAX_GPUS
+from memcheck.training.strategies.sharded import REDUCE_BUCKET_SIZE
 from memcheck.units import GiB, MiB
 
 # LLaMA-3-70B's shape: hidden 8192, MLP 28672, 80 layers, 64 query heads of 128, 8 key/value heads
@@ -139,7 +139,7 @@ def _batch(batch_size: int) -> torch.Tensor:
 
 
 def _total(n: int, strategy: str) -> int:
-    """What ``memcheck.estimate`` says one rank of ``strategy`` over ``n`` H100s holds at micro-batch 1."""
+    """What ``memcheck.engine.estimate`` says one rank of ``strategy`` over ``n`` H100s holds at micro-batch 1."""
     return memcheck.estimate(_wide(), _batch(1), gpu="H100-80GB", strategy=strategy, gpus=n,
                              checkpointing="full", top_modules=0).total_bytes
 

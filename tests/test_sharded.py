@@ -1,4 +1,4 @@
-"""fsdp and zero1/2/3 (memcheck.strategies.sharded), checked against hand arithmetic and,
+"""fsdp and zero1/2/3 (memcheck.training.strategies.sharded), checked against hand arithmetic and,
 for fsdp, against a real FSDP2 run on CPU ranks.
 
 The model is ``Net``: ``L`` identical blocks ``Sequential(Linear(d, d), ReLU())`` in a
@@ -22,11 +22,11 @@ from torch import nn
 import memcheck
 from memcheck.enums import Device, Phase
 from memcheck.errors import UsageError
-from memcheck.optimizers import resolve_optimizer
-from memcheck.strategies import StrategyConfig, train
-from memcheck.strategies.sharded import REDUCE_BUCKET_SIZE
-from memcheck.tracer import ALLOC, FREE, MemoryTracer
-from memcheck.training_loop import default_loss
+from memcheck.training.optimizers import resolve_optimizer
+from memcheck.training.strategies import StrategyConfig, train
+from memcheck.training.strategies.sharded import REDUCE_BUCKET_SIZE
+from memcheck.trace.tracer import ALLOC, FREE, MemoryTracer
+from memcheck.training.loop import default_loss
 
 TOLERANCE = 0.02
 STEPS = 8 * 4  # Adam's step counters: 8 parameter tensors x 4 B
@@ -334,7 +334,7 @@ BUILDS = {"mlp": build_fsdp_mlp, "gpt2": build_fsdp_gpt2}
 @pytest.fixture(scope="module", params=sorted(BUILDS))
 def fsdp_measured(request):
     """The estimate, and each rank's steady-state peak in two real runs of FSDP2 over 2 CPU ranks."""
-    from memcheck.measure_distributed import measure_fsdp_cpu
+    from memcheck.measure.distributed import measure_fsdp_cpu
 
     if request.param == "gpt2":
         pytest.importorskip("transformers")
@@ -348,7 +348,7 @@ def fsdp_measured(request):
 @pytest.mark.slow
 def test_fsdp_estimate_matches_what_fsdp2_itself_allocates_on_a_cpu_rank(fsdp_measured):
     # gloo emulates reduce-scatter with a clone of the whole unsharded gradient and all-gathers
-    # through a flat temporary, freed on a worker thread at a racy moment (memcheck.measure_distributed);
+    # through a flat temporary, freed on a worker thread at a racy moment (memcheck.measure.distributed);
     # NCCL makes neither. That noise only adds bytes, so the smallest rank peak of two runs is
     # FSDP2's own allocation. Seen: mlp 12,153,028 B (estimate 12,153,020 B, -0.0001%),
     # gpt2 17,443,832 B (estimate 17,444,776 B, +0.005%).

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.checkpoint import checkpoint
 
 import memcheck
-from memcheck.measure import cpu_memory_events, measure_cpu
+from memcheck.measure.local import cpu_memory_events, measure_cpu
 from zoo import ZOO, estimate_zoo, measure_zoo
 
 TOLERANCE = 0.02
@@ -155,7 +155,7 @@ def test_checkpointing_a_list_of_modules_matches_checkpointing_written_in_the_mo
 
 
 def test_full_checkpointing_finds_the_repeated_blocks():
-    from memcheck.checkpointing import repeated_blocks
+    from memcheck.training.checkpointing import repeated_blocks
 
     with torch.device("meta"):
         model, _, _ = ZOO["gpt2"]()
@@ -224,7 +224,7 @@ def _gpt2_loss_and_logits(model, batch):
 @pytest.mark.slow
 @pytest.mark.parametrize("keep", [0, 3])
 def test_eval_pass_matches_a_trainer_style_loop(keep):
-    from memcheck import hf
+    from memcheck.workloads import hf
 
     def build():
         torch.manual_seed(0)
@@ -254,7 +254,7 @@ def test_eval_predictions_set_the_peak_and_the_report_says_so():
     # An LM head of 50257 tokens: logits per eval batch = 8 x 128 x 50257 x 4 B = 205,852,672 B.
     # Keeping 6 batches: the last concatenation holds 5 + 1 + 6 = 12 batches of logits,
     # 2,470,232,064 B, far above a training step of batch 2 (GPT-2 with 2 layers, ~1.3 GB).
-    from memcheck import hf
+    from memcheck.workloads import hf
 
     with torch.device("meta"):
         model, batch, _ = ZOO["gpt2"]()

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from memcheck.enums import Category, Device
-from memcheck.tracer import ALLOC, FREE, MemoryTracer
-from memcheck.training_loop import run_steps
+from memcheck.trace.tracer import ALLOC, FREE, MemoryTracer
+from memcheck.training.loop import run_steps
 
 
 def live_by_category(tracer):
@@ -90,7 +90,7 @@ def test_trace_cost_does_not_grow_with_batch_or_length():
     # tokens as at batch 64 x 1024, only with larger byte counts.
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from memcheck.tracer import MemoryTracer as Tracer
+    from memcheck.trace.tracer import MemoryTracer as Tracer
 
     counts = []
     for batch, length in [(2, 16), (64, 1024)]:  # (batch 1 makes some reshapes free views)

@@ -2,7 +2,7 @@
 and what is allowed (or the closest valid name), with exit code 2; never a traceback.
 
 The entry points are the CLI (``memcheck estimate/plan/check``, through click's CliRunner),
-the config files ``memcheck check`` reads, and the Python API (``memcheck.estimate``,
+the config files ``memcheck check`` reads, and the Python API (``memcheck.engine.estimate``,
 ``plan``, ``check``, ``preflight``, ``compare``), which raises ``UsageError``. Every case
 fails before anything is traced: the model is a two-block MLP in a file, and the
 transformers models are one-layer configs built on the meta device.
@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import memcheck
 from memcheck.cli import main
 from memcheck.errors import UsageError
-from memcheck.model_source import load_workload
+from memcheck.workloads.source import load_workload
 
 TINY = """\
 import torch
@@ -52,7 +52,7 @@ PRECISIONS = "allowed: fp32, bf16, fp16, amp-bf16, amp-fp16"
 @pytest.fixture(autouse=True)
 def never_traced(monkeypatch):
     """Every case here is refused before the first trace."""
-    from memcheck.tracer import MemoryTracer
+    from memcheck.trace.tracer import MemoryTracer
 
     def refuse(*args, **kwargs):
         raise AssertionError("bad input got as far as a trace")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from memcheck import hf
+from memcheck.workloads import hf
 from memcheck.enums import Task
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
@@ -116,13 +116,13 @@ ZOO = {
 
 
 def measure_zoo(name, make_optimizer, *, autocast_dtype=None, accumulate=1, prepare=None):
-    """A real CPU run of zoo model ``name``, measured by ``memcheck.measure.measure_cpu``.
+    """A real CPU run of zoo model ``name``, measured by ``memcheck.measure.local.measure_cpu``.
 
     ``prepare(model)``, if given, changes the real model first as a user would
     (e.g. turns on gradient checkpointing in its own code).
     """
-    from memcheck.measure import measure_cpu
-    from memcheck.training_loop import default_loss
+    from memcheck.measure.local import measure_cpu
+    from memcheck.training.loop import default_loss
 
     builder = ZOO[name]
     box = {}
@@ -142,7 +142,7 @@ def measure_zoo(name, make_optimizer, *, autocast_dtype=None, accumulate=1, prep
 
 
 def estimate_zoo(name, optimizer, *, device="cpu", precision="fp32", prepare=None, **options):
-    """memcheck's estimate of the same work, traced on meta; ``options`` go to ``memcheck.estimate``."""
+    """memcheck's estimate of the same work, traced on meta; ``options`` go to ``memcheck.engine.estimate``."""
     import memcheck
 
     with torch.device("meta"):

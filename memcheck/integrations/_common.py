@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from memcheck.errors import UsageError, WillNotFit, require_int, require_margin
-from memcheck.gpus import GpuSpec, resolve_gpu
-from memcheck.report import Verdict
+from memcheck.cuda.gpus import GpuSpec, resolve_gpu
+from memcheck.report.results import Verdict
+from memcheck.report.text import will_not_fit_message
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,9 @@ def act_on(verdict: Verdict, style: str, logger: logging.Logger, announce: bool)
     """Raise ``WillNotFit`` for a job that will not fit; otherwise log the verdict's line
     (when ``announce``: on the main process only)."""
     if not verdict.fits:
-        raise WillNotFit(verdict, style=style)
+        raise WillNotFit(verdict, will_not_fit_message(verdict, style))
     if announce:
-        from memcheck.render import verdict_line
+        from memcheck.report.text import verdict_line
 
         logger.info("memcheck: %s", verdict_line(verdict))
 

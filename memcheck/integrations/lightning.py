@@ -39,10 +39,10 @@ except ImportError:
 import torch
 
 from memcheck.errors import TraceError, UsageError, require_int
-from memcheck.estimate import meta_twin
+from memcheck.engine.estimate import meta_twin
 from memcheck.integrations._common import CallbackSettings, act_on, first_batch, target, zero_strategy
-from memcheck.preflight import check, leading_size, resizer
-from memcheck.report import Verdict
+from memcheck.engine.preflight import check, leading_size, resizer
+from memcheck.report.results import Verdict
 
 logger = logging.getLogger(__name__)
 

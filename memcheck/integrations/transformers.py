@@ -8,7 +8,7 @@ Example:
 
 At ``on_train_begin`` the callback reads the job from ``TrainingArguments`` and the
 model, builds the worst-case batch (every sequence padded to the longest length, see
-``memcheck.hf.make_batch``), and runs ``memcheck.check`` on a meta twin of the model
+``memcheck.workloads.hf.make_batch``), and runs ``memcheck.check`` on a meta twin of the model
 (no weights are copied). The ``Verdict`` is kept as ``callback.verdict``. A job that
 fits is logged in one line (logger ``memcheck.integrations.transformers``, level INFO);
 a job that does not fit raises ``memcheck.WillNotFit``, whose message is the verdict
@@ -29,17 +29,17 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from memcheck import hf
+from memcheck.workloads import hf
 from memcheck.enums import Task
 from memcheck.errors import UsageError, require_int
-from memcheck.estimate import meta_twin
+from memcheck.engine.estimate import meta_twin
 from memcheck.integrations._common import CallbackSettings, act_on, first_batch, target, zero_strategy
-from memcheck.preflight import check
-from memcheck.report import Verdict
+from memcheck.engine.preflight import check
+from memcheck.report.results import Verdict
 
 logger = logging.getLogger(__name__)
 
-# TrainingArguments.optim -> memcheck's optimizer names (memcheck.optimizers.OPTIMIZERS); used
+# TrainingArguments.optim -> memcheck's optimizer names (memcheck.training.optimizers.OPTIMIZERS); used
 # when the Trainer has not built its optimizer yet. HF's choices: trainer_optimizer.py, _get_*.
 HF_OPTIMIZERS = {
     "adamw_torch": "adamw",
@@ -164,7 +164,7 @@ class MemcheckCallback(TrainerCallback):
             if callable(batch):
                 settings.update(eval_batch_size=eval_rows, eval_accumulate_predictions=keep)
             else:
-                from memcheck.preflight import resizer
+                from memcheck.engine.preflight import resizer
 
                 settings.update(eval_batch=resizer(batch)(eval_rows), eval_accumulate_predictions=keep)
         verdict = check(twin, batch, **settings)

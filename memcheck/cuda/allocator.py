@@ -1,0 +1,756 @@
+"""A simulation of PyTorch's CUDA caching allocator, replayed on a traced event log.
+
+It follows the native allocator of ``c10/cuda/CUDACachingAllocator.cpp`` for one
+device and one stream, with the settings of ``PYTORCH_CUDA_ALLOC_CONF`` parsed as
+``c10/core/AllocatorConfig.cpp`` parses them (see ``AllocatorConfig``).
+
+Requests are rounded up to 512 B, or to a power-of-two division with
+``roundup_power2_divisions``. Rounded requests of at most 1 MiB come from a small
+pool, larger ones from a large pool. A request takes the smallest cached free block
+that fits (best fit, ties to the lower address). Without expandable segments a miss
+``cudaMalloc``s a new segment: 2 MiB for the small pool, ``large_segment_size``
+(20 MiB) for large requests under 10 MiB, and the request rounded up to 2 MiB above
+that. The found block is split when the remainder is worth keeping (any remainder of
+512 B or more in the small pool; more than 1 MiB in the large pool, and only for
+requests under ``max_split_size``); otherwise the whole block is handed out, and the
+leftover counts as allocated. Freed blocks merge with free neighbours and stay
+cached: reserved memory only goes back to the driver when ``capacity`` would be
+exceeded (the allocator's retry path before an OOM).
+
+With ``expandable_segments:True`` each pool has one segment of reserved address
+space that grows by mapping pages (2 MiB in the small pool, ``large_segment_size``
+in the large one); ``reserved`` is the mapped bytes. Any remainder of 512 B or more
+is split off, and pages are unmapped only on the retry path before an OOM.
+
+What it predicts is ``torch.cuda.max_memory_reserved()`` and
+``max_memory_allocated()``. Status: checked against hand-worked sequences in
+``tests/test_allocator.py``; ``tests/test_allocator_gpu.py`` replays a mixed sequence
+on a real GPU and demands exact agreement (it is skipped where no GPU is present).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass, field
+
+from memcheck.errors import UsageError, closest
+from memcheck.enums import ALLOC, FREE
+
+MiB = 1 << 20
+MIN_BLOCK = 512  # kMinBlockSize (c10/core/AllocatorConfig.h): every request is rounded up to this
+SMALL_SIZE = 1 << 20  # kSmallSize: the largest "small" request, 1 MiB
+SMALL_BUFFER = 2 << 20  # kSmallBuffer: small-pool segment size (and expandable small-pool page), 2 MiB
+LARGE_BUFFER = 20 << 20  # kLargeBuffer / default large_segment_size_: segment for 1-10 MiB requests, 20 MiB
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: from here on, segments fit the request
+ROUND_LARGE = 2 << 20  # kRoundLarge: large segments are rounded up to 2 MiB
+ROUNDUP_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB, one entry per power of two
+# An expandable segment reserves address space for 1 1/8 of the GPU's memory
+# (ExpandableSegment::init); the amount never matters to the simulation, only that it is huge.
+EXPANDABLE_ADDRESS_SPACE = 1 << 50
+
+# The environment variables torch 2.13 reads, in the order it reads them; the first one set
+# wins (AcceleratorAllocatorConfig::instance(); libc10.so of torch 2.13.0 lists them so).
+CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+BACKENDS = ("native", "cudaMallocAsync", "hipMallocAsync")
+# Keys the real parsers accept that do not change how device memory is carved up here
+# (host/pinned memory, locking, CUDA-graph and IPC settings). They are checked for shape
+# only and reported in ``AllocatorConfig.ignored_keys``.
+_IGNORED_KEYS = frozenset(
+    {
+        "release_lock_on_cudamalloc",
+        "release_lock_on_hipmalloc",
+        "pinned_use_cuda_host_register",
+        "pinned_use_hip_host_register",
+        "pinned_num_register_threads",
+        "pinned_use_background_threads",
+        "pinned_reserve_segment_size_mb",
+        "pinned_max_round_threshold_mb",
+        "pinned_max_cached_size_mb",
+        "pinned_free_catch_all",
+        "graph_capture_record_stream_reuse",
+        "per_process_memory_fraction",
+        "throw_on_cudamalloc_oom",
+        "expandable_segments_reserve",
+        "expandable_segments_reserve_by_class",
+    }
+)
+# Of those, the ones whose value must be True or False (ConfigTokenizer::toBool).
+_BOOL_KEYS = frozenset(
+    {
+        "release_lock_on_cudamalloc",
+        "release_lock_on_hipmalloc",
+        "pinned_use_cuda_host_register",
+        "pinned_use_hip_host_register",
+        "pinned_use_background_threads",
+        "graph_capture_record_stream_reuse",
+    }
+)
+_MODELLED_KEYS = (
+    "backend",
+    "expandable_segments",
+    "garbage_collection_threshold",
+    "large_segment_size_mb",
+    "max_non_split_rounding_mb",
+    "max_split_size_mb",
+    "roundup_power2_divisions",
+)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The caching allocator's settings, as ``PYTORCH_CUDA_ALLOC_CONF`` sets them.
+
+    Attributes:
+        max_split_size: ``max_split_size_mb`` in bytes; blocks this big are never split,
+            and requests below it never take them. None: unlimited (the default).
+        expandable_segments: ``expandable_segments:True``: one growing segment per pool.
+        roundup_power2_divisions: divisions per power-of-two size interval, 16 entries
+            for [1, 2) MiB (and everything smaller), [2, 4) MiB, ..., [32 GiB, ...);
+            0 or 1: plain 512 B rounding. An int sets every interval.
+        garbage_collection_threshold: parsed and validated, but the allocator only acts on
+            it when ``torch.cuda.set_per_process_memory_fraction`` is set and usage
+            nears that fraction; the simulation does not model it.
+        large_segment_size: ``large_segment_size_mb`` in bytes: segment size for 1-10 MiB
+            requests and the large pool's expandable page (default 20 MiB).
+        max_non_split_rounding_size: ``max_non_split_rounding_mb`` in bytes: how much
+            bigger than an oversize request a cached block may be. None: ``large_segment_size``.
+        backend: ``native`` or ``cudaMallocAsync`` (not simulated).
+        ignored_keys: keys that were set but do not affect the simulation.
+    """
+
+    max_split_size: int | None = None
+    expandable_segments: bool = False
+    roundup_power2_divisions: int | tuple[int, ...] = 0
+    garbage_collection_threshold: float | None = None
+    large_segment_size: int = LARGE_BUFFER
+    max_non_split_rounding_size: int | None = None
+    backend: str = "native"
+    ignored_keys: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        large = self.large_segment_size
+        if not isinstance(large, int) or large <= MIN_LARGE_ALLOC:
+            raise UsageError(f"large_segment_size must be an int > {MIN_LARGE_ALLOC} B (10 MiB), got {large!r}")
+        split = self.max_split_size
+        if split is not None and (not isinstance(split, int) or split < large):
+            raise UsageError(f"max_split_size must be None or an int >= {large} B, got {self.max_split_size!r}")
+        rounding = large if self.max_non_split_rounding_size is None else self.max_non_split_rounding_size
+        if not isinstance(rounding, int) or rounding < large:
+            raise UsageError(f"max_non_split_rounding_size must be an int >= {large} B, got {rounding!r}")
+        object.__setattr__(self, "max_non_split_rounding_size", rounding)
+        div = self.roundup_power2_divisions
+        table = (div,) * ROUNDUP_INTERVALS if isinstance(div, int) else tuple(div)
+        bad = [d for d in table if not isinstance(d, int) or (d != 0 and not _is_pow2(d))]
+        if len(table) != ROUNDUP_INTERVALS or bad:
+            raise UsageError(
+                f"roundup_power2_divisions must be 0, a power of 2, or {ROUNDUP_INTERVALS} such values, got {div!r}"
+            )
+        object.__setattr__(self, "roundup_power2_divisions", table)
+        gc = self.garbage_collection_threshold
+        if gc is not None and not 0.0 < gc < 1.0:
+            raise UsageError(f"garbage_collection_threshold must be in (0.0, 1.0), got {gc!r}")
+        if self.backend not in BACKENDS:
+            raise UsageError(f"allocator backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+
+    def divisions(self, nbytes: int) -> int:
+        """``AcceleratorAllocatorConfig::roundup_power2_divisions(size)``: the entry for ``nbytes``."""
+        index = max(0, nbytes.bit_length() - 1 - 20)  # log2(size) - log2(1 MiB), clamped
+        return self.roundup_power2_divisions[min(index, ROUNDUP_INTERVALS - 1)]
+
+    @classmethod
+    def from_env(cls, conf: str | None = None) -> AllocatorConfig:
+        """Parse an allocator config string, or the environment when ``conf`` is None.
+
+        With ``conf=None`` the variables are read in torch 2.13's order,
+        ``PYTORCH_CUDA_ALLOC_CONF``, ``PYTORCH_HIP_ALLOC_CONF``, ``PYTORCH_ALLOC_CONF``,
+        and the first one that is set is used (an earlier upstream version preferred
+        ``PYTORCH_ALLOC_CONF``; both are accepted). The grammar is
+        ``AcceleratorAllocatorConfig::parseArgs``: ``key:value`` pairs separated by
+        commas, lists in brackets, whitespace ignored, later keys overriding earlier ones.
+
+        Raises:
+            UsageError: naming the key and the bad value, for an unknown key, a malformed
+                value, or a value the real parser rejects (``max_split_size_mb`` below
+                ``large_segment_size_mb`` (20), a division that is not a power of two, a
+                ``garbage_collection_threshold`` outside (0, 1), ``expandable_segments``
+                other than ``True``/``False``, ...).
+
+        Example:
+            >>> cfg = AllocatorConfig.from_env("expandable_segments:True,max_split_size_mb:256")
+            >>> cfg.expandable_segments, cfg.max_split_size
+            (True, 268435456)
+        """
+        source = "PYTORCH_CUDA_ALLOC_CONF"
+        if conf is None:
+            conf = ""
+            for var in CONF_VARS:
+                if var in os.environ:
+                    source, conf = var, os.environ[var]
+                    break
+        return _Parser(conf, source).parse()
+
+
+class _Parser:
+    """``ConfigTokenizer`` plus the key parsers of ``AcceleratorAllocatorConfig`` and
+    ``CUDAAllocatorConfig``, raising UsageError where they raise."""
+
+    def __init__(self, conf: str, source: str):
+        self.source = source
+        self.tokens: list[str] = []
+        buf = ""
+        for ch in conf:
+            if ch in ",:[]":
+                if buf:
+                    self.tokens.append(buf)
+                    buf = ""
+                self.tokens.append(ch)
+            elif not ch.isspace():
+                buf += ch
+        if buf:
+            self.tokens.append(buf)
+
+    def _fail(self, key: str, value: str, why: str):
+        raise UsageError(f"{self.source} {key}: {value!r} {why}")
+
+    def _token(self, i: int, key: str) -> str:
+        if i >= len(self.tokens):
+            self._fail(key, "", "is missing a value")
+        return self.tokens[i]
+
+    def _expect(self, i: int, token: str, key: str):
+        got = self._token(i, key)
+        if got != token:
+            self._fail(key, got, f"is out of place: expected {token!r}")
+
+    def _int(self, i: int, key: str) -> int:
+        value = self._token(i, key)
+        if not (value.isascii() and value.isdigit()):
+            self._fail(key, value, "is not a non-negative integer")
+        return int(value)
+
+    def _bool(self, i: int, key: str) -> bool:
+        value = self._token(i, key)
+        if value not in ("True", "False"):
+            self._fail(key, value, "must be True or False (capitalised)")
+        return value == "True"
+
+    def parse(self) -> AllocatorConfig:
+        t = self.tokens
+        settings: dict = {}
+        # large_segment_size_mb is read first: the minimums of two other keys depend on it.
+        large_mb = LARGE_BUFFER // MiB
+        for i, tok in enumerate(t):
+            if tok == "large_segment_size_mb" and (i == 0 or t[i - 1] == ","):
+                self._expect(i + 1, ":", tok)
+                large_mb = self._int(i + 2, tok)
+                if large_mb <= MIN_LARGE_ALLOC // MiB:
+                    self._fail(tok, str(large_mb), f"must be > {MIN_LARGE_ALLOC // MiB}")
+        settings["large_segment_size"] = large_mb * MiB
+        ignored = []
+        i = 0
+        while i < len(t):
+            key = t[i]
+            if key not in _MODELLED_KEYS and key not in _IGNORED_KEYS:
+                known = sorted((*_MODELLED_KEYS, *_IGNORED_KEYS))
+                hint, allowed = closest(key, known), ", ".join(known)
+                raise UsageError(f"{self.source}: {key!r} is not an allocator option{hint}; allowed: {allowed}")
+            self._expect(i + 1, ":", key)
+            i += 2  # i: the value
+            if key == "large_segment_size_mb":
+                pass  # handled above
+            elif key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+                mb = self._int(i, key)
+                if mb < large_mb:  # "CachingAllocator option max_split_size_mb too small, must be >= 20"
+                    self._fail(key, t[i], f"is too small: must be >= {large_mb} (large_segment_size_mb)")
+                name = "max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding_size"
+                settings[name] = mb * MiB
+            elif key == "garbage_collection_threshold":
+                try:
+                    gc = float(self._token(i, key))
+                except ValueError:
+                    self._fail(key, t[i], "is not a number")
+                if not 0.0 < gc < 1.0:
+                    self._fail(key, t[i], "must be in (0.0, 1.0)")
+                settings["garbage_collection_threshold"] = gc
+            elif key == "roundup_power2_divisions":
+                settings["roundup_power2_divisions"], i = self._divisions(i, key)
+            elif key == "expandable_segments":
+                settings["expandable_segments"] = self._bool(i, key)
+            elif key == "backend":
+                value = self._token(i, key)
+                if value not in BACKENDS:
+                    self._fail(key, value, f"is not one of {', '.join(BACKENDS)}")
+                settings["backend"] = value
+            else:  # a key that does not change the simulation
+                if key in _BOOL_KEYS:
+                    self._bool(i, key)
+                elif self._token(i, key) == "[":  # ConfigTokenizer::skipKey
+                    while i < len(t) and t[i] != "]":
+                        i += 1
+                    if i == len(t):
+                        self._fail(key, "[", "has no closing ']'")
+                ignored.append(key)
+            if i + 1 < len(t):
+                self._expect(i + 1, ",", key)
+            i += 2
+        return AllocatorConfig(**settings, ignored_keys=tuple(dict.fromkeys(ignored)))
+
+    def _divisions(self, i: int, key: str) -> tuple[tuple[int, ...], int]:
+        """``parseRoundUpPower2Divisions``: a single power of two, or ``[mb:div,...,>:div]``."""
+        t = self.tokens
+        if self._token(i, key) != "[":  # the backwards-compatible single value: 0 is rejected here
+            value = self._int(i, key)
+            if not _is_pow2(value):
+                self._fail(key, t[i], "must be a power of 2")
+            return (value,) * ROUNDUP_INTERVALS, i
+        table = [0] * ROUNDUP_INTERVALS
+        first, last_index = True, 0
+        i += 1
+        while i < len(t) and t[i] != "]":
+            boundary = t[i]
+            self._expect(i + 1, ":", key)
+            value = self._int(i + 2, key)
+            if value != 0 and not _is_pow2(value):
+                self._fail(key, f"{boundary}:{value}", "needs a division that is 0 or a power of 2")
+            if boundary == ">":  # every interval after the last one named
+                table[last_index + 1 :] = [value] * (ROUNDUP_INTERVALS - last_index - 1)
+            else:
+                if not (boundary.isascii() and boundary.isdigit()) or not _is_pow2(int(boundary)):
+                    self._fail(key, f"{boundary}:{value}", "needs a size (MB) that is a power of 2")
+                # The interval index is log2 of the number of MB, so "256" names [256, 512) MiB.
+                index = min(int(boundary).bit_length() - 1, ROUNDUP_INTERVALS - 1)
+                if first:  # the first value also covers every smaller interval
+                    table[:index] = [value] * index
+                    first = False
+                table[index] = value
+                last_index = index
+            i += 3
+            if i < len(t) and t[i] == ",":
+                i += 1
+        if i >= len(t):
+            self._fail(key, "[", "has no closing ']'")
+        return tuple(table), i
+
+
+def max_split_size_from_env(conf: str | None = None) -> int | None:
+    """``max_split_size_mb`` in bytes (None: unlimited); ``AllocatorConfig.from_env(conf).max_split_size``."""
+    return AllocatorConfig.from_env(conf).max_split_size
+
+
+_DEFAULT = AllocatorConfig()
+
+
+def round_size(nbytes: int, config: AllocatorConfig | None = None) -> int:
+    """``get_round_size``: 512 B multiples, or the next power-of-two division.
+
+    With ``d`` divisions for the request's interval (``d > 1`` and the request above
+    ``512 * d`` B), a request between 2^k and 2^(k+1) is rounded up to a multiple of
+    2^k / d: with 4 divisions, 5 MiB + 1 B becomes 6 MiB.
+    """
+    if nbytes < MIN_BLOCK:
+        return MIN_BLOCK
+    divisions = (config or _DEFAULT).divisions(nbytes)
+    if divisions > 1 and nbytes > MIN_BLOCK * divisions:
+        if _is_pow2(nbytes):  # roundup_power2_next_division
+            return nbytes
+        floor = 1 << (nbytes.bit_length() - 1)
+        step = floor >> (divisions.bit_length() - 1)
+        if step == 0:
+            return floor << 1
+        rounded = nbytes & ~(step - 1)
+        return nbytes if rounded == nbytes else rounded + step
+    return (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
+
+
+def segment_size(nbytes: int, config: AllocatorConfig | None = None) -> int:
+    """``get_allocation_size``: how much a new segment for a rounded request takes."""
+    if nbytes <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if nbytes < MIN_LARGE_ALLOC:
+        return (config or _DEFAULT).large_segment_size
+    return (nbytes + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """What the simulated allocator saw over a whole event log.
+
+    ``granted[i]`` is, for an ALLOC event ``i``, the size of the block the allocator
+    handed out: the rounded request, or the whole cached block when the remainder was
+    not worth splitting off (what ``torch.cuda.memory_allocated()`` grows by); 0 for
+    other events and for an allocation that did not fit in ``capacity``.
+    """
+
+    peak_allocated_bytes: int  # max over time of granted live blocks (max_memory_allocated)
+    peak_reserved_bytes: int  # max over time of segments held or pages mapped (max_memory_reserved)
+    fragmentation_bytes: int  # reserved minus allocated at the reserved peak
+    segments_at_peak: int  # cudaMalloc'd segments plus expandable segments, at the reserved peak
+    granted: tuple[int, ...] = field(default=(), repr=False)
+    first_oom: int | None = None  # index of the first ALLOC that did not fit in ``capacity``
+
+
+class _Segment:
+    """An expandable segment: a huge address range mapped page by page."""
+
+    __slots__ = ("base", "page")
+
+    def __init__(self, base: int, page: int):
+        self.base, self.page = base, page
+
+
+class _Block:
+    """A ``Block``: a piece of a segment, linked to its address neighbours."""
+
+    __slots__ = ("addr", "size", "allocated", "prev", "next", "small", "es", "mapped")
+
+    def __init__(self, addr: int, size: int, small: bool, es: _Segment | None = None, mapped: bool = True):
+        self.addr, self.size, self.small, self.es, self.mapped = addr, size, small, es, mapped
+        self.allocated = False
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+
+class _Pool:
+    """A ``BlockPool``: free mapped blocks by (size, address), unmapped ones by address."""
+
+    __slots__ = ("small", "keys", "free", "unmapped")
+
+    def __init__(self, small: bool):
+        self.small = small
+        self.keys: list[tuple[int, int]] = []  # sorted (size, addr) of the free mapped blocks
+        self.free: dict[int, _Block] = {}  # addr -> free mapped block
+        self.unmapped: dict[int, _Block] = {}  # addr -> unmapped block of an expandable segment
+
+    def insert(self, b: _Block):
+        bisect.insort(self.keys, (b.size, b.addr))
+        self.free[b.addr] = b
+
+    def remove(self, b: _Block):
+        del self.keys[bisect.bisect_left(self.keys, (b.size, b.addr))]
+        del self.free[b.addr]
+
+
+class CachingAllocator:
+    """The simulated allocator; ``malloc``/``free`` by storage id.
+
+    Args:
+        config: the allocator settings (default: ``AllocatorConfig()``, torch's defaults).
+        capacity: device bytes; when a new segment or page would exceed it, cached
+            memory is released first (``release_available_cached_blocks``, then
+            ``release_cached_blocks``), and ``malloc`` reports an OOM if that is not enough.
+    """
+
+    def __init__(self, config: AllocatorConfig | None = None, *, capacity: int | None = None):
+        self.config = config or _DEFAULT
+        if self.config.backend != "native":
+            raise UsageError(f"backend:{self.config.backend} is not simulated, only the native caching allocator")
+        self.max_split = self.config.max_split_size if self.config.max_split_size is not None else float("inf")
+        self.capacity = capacity
+        self.pools = {True: _Pool(True), False: _Pool(False)}
+        self.live: dict[object, _Block] = {}
+        self.reserved = self.allocated = self.segments = 0
+        self.peak_reserved = 0
+        self._next_addr = 0
+
+    # -- malloc / free ---------------------------------------------------------------
+    def malloc(self, key, nbytes: int) -> int:
+        """Allocate; return the granted block size, or 0 when ``capacity`` is exceeded (an OOM)."""
+        size = round_size(nbytes, self.config)
+        pool = self.pools[size <= SMALL_SIZE]
+        b = self._get_free_block(pool, size)
+        if b is None:
+            b = self._alloc_block(pool, size)
+            if b is None and self._release_available_cached_blocks(pool, size):
+                b = self._alloc_block(pool, size)
+            if b is None and self.capacity is not None:
+                self._release_cached_blocks()
+                b = self._alloc_block(pool, size)
+            if b is None:
+                return 0
+        if self._should_split(b, size):  # alloc_found_block: b keeps the front, the rest stays cached
+            rest = _Block(b.addr + size, b.size - size, b.small, b.es)
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = size
+            pool.insert(rest)
+        b.allocated = True
+        self.live[key] = b
+        self.allocated += b.size
+        return b.size
+
+    def free(self, key) -> None:
+        """``free_block``: merge with free neighbours and return the block to its pool."""
+        b = self.live.pop(key, None)
+        if b is None:
+            return
+        self.allocated -= b.size
+        b.allocated = False
+        pool = self.pools[b.small]
+        self._try_merge(b, b.prev, pool)
+        self._try_merge(b, b.next, pool)
+        pool.insert(b)
+
+    # -- finding and making blocks ---------------------------------------------------------
+    def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
+        keys = pool.keys
+        i = bisect.bisect_left(keys, (size, -1))
+        if i == len(keys):
+            return None
+        b = pool.free[keys[i][1]]
+        if b.es is not None:
+            if self.config.expandable_segments:
+                # A block next to unmapped space counts as the size it can grow to, so a
+                # tighter block further up the size order may be preferred to it.
+                while i + 1 < len(keys):
+                    nxt = pool.free[keys[i + 1][1]]
+                    if not b.es or _expandable_size(nxt) >= _expandable_size(b):
+                        break
+                    i, b = i + 1, nxt
+            else:  # expandable segments switched off: skip their blocks
+                while b.es is not None:
+                    i += 1
+                    if i == len(keys):
+                        return None
+                    b = pool.free[keys[i][1]]
+        if size < self.max_split and b.size >= self.max_split:
+            return None  # do not hand out an oversize block for a smaller request
+        if size >= self.max_split and b.size >= size + self.config.max_non_split_rounding_size:
+            return None  # an oversize request may take a somewhat bigger block, within a limit
+        pool.remove(b)
+        return b
+
+    def _should_split(self, b: _Block, size: int) -> bool:
+        remaining = b.size - size
+        if b.small or self.config.expandable_segments:
+            return remaining >= MIN_BLOCK
+        return size < self.max_split and remaining > SMALL_SIZE
+
+    def _alloc_block(self, pool: _Pool, size: int) -> _Block | None:
+        if self.config.expandable_segments:
+            return self._try_allocate_expandable_block(pool, size)
+        seg_size = segment_size(size, self.config)
+        if self.capacity is not None and self.reserved + seg_size > self.capacity:
+            return None
+        b = _Block(self._take_addresses(seg_size), seg_size, pool.small)
+        self.segments += 1
+        self._grow(seg_size)
+        return b
+
+    def _take_addresses(self, n: int) -> int:
+        addr = self._next_addr
+        self._next_addr += n
+        return addr
+
+    def _grow(self, n: int):
+        self.reserved += n
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    # -- expandable segments -----------------------------------------------------------------
+    def _try_allocate_expandable_block(self, pool: _Pool, size: int) -> _Block | None:
+        c = self._find_expandable_block(pool, size)
+        if not c.mapped and not self._map_block(pool, c, min(c.size, size)):
+            return None
+        while c.size < size:  # c is free and followed by unmapped space: map more, merging into it
+            nxt = c.next
+            if not self._map_block(pool, nxt, min(size - c.size, nxt.size)):
+                return None
+            c = nxt
+        pool.remove(c)
+        return c
+
+    def _find_expandable_block(self, pool: _Pool, size: int) -> _Block:
+        """The lowest address where free and unmapped blocks together hold ``size``."""
+        for addr in sorted(pool.unmapped):
+            c = pool.unmapped[addr]
+            if c.prev is not None and not c.prev.allocated:
+                c = c.prev
+            room, b = 0, c
+            while room < size and b is not None and not b.allocated:
+                room, b = room + b.size, b.next
+            if room >= size:
+                return c
+        page = SMALL_BUFFER if pool.small else self.config.large_segment_size
+        base = self._take_addresses(EXPANDABLE_ADDRESS_SPACE)
+        c = _Block(base, EXPANDABLE_ADDRESS_SPACE, pool.small, _Segment(base, page), mapped=False)
+        pool.unmapped[base] = c
+        self.segments += 1
+        return c
+
+    def _map_block(self, pool: _Pool, b: _Block, size: int) -> bool:
+        """Map whole pages over the start of unmapped ``b``; they merge with free neighbours."""
+        page = b.es.page
+        mapped = (size + page - 1) // page * page  # b starts on a page boundary
+        if self.capacity is not None and self.reserved + mapped > self.capacity:
+            return False
+        del pool.unmapped[b.addr]
+        b.mapped = True
+        if mapped < b.size:
+            rest = _Block(b.addr + mapped, b.size - mapped, b.small, b.es, mapped=False)
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = mapped
+            pool.unmapped[rest.addr] = rest
+        self._try_merge(b, b.prev, pool)
+        self._try_merge(b, b.next, pool)
+        pool.insert(b)
+        self._grow(mapped)
+        return True
+
+    def _unmap_block(self, pool: _Pool, b: _Block):
+        """Unmap the whole pages inside free block ``b``; partial pages stay mapped and free."""
+        es = b.es
+        begin = es.base + (b.addr - es.base + es.page - 1) // es.page * es.page
+        end = es.base + (b.addr + b.size - es.base) // es.page * es.page
+        if begin >= end:
+            return
+        pool.remove(b)
+        if begin > b.addr:
+            before = _Block(b.addr, begin - b.addr, b.small, es)
+            before.prev, before.next = b.prev, b
+            if b.prev is not None:
+                b.prev.next = before
+            b.prev = before
+            pool.insert(before)
+        if b.addr + b.size > end:
+            after = _Block(end, b.addr + b.size - end, b.small, es)
+            after.prev, after.next = b, b.next
+            if b.next is not None:
+                b.next.prev = after
+            b.next = after
+            pool.insert(after)
+        b.addr, b.size, b.mapped = begin, end - begin, False
+        self._try_merge(b, b.prev, pool)
+        self._try_merge(b, b.next, pool)
+        pool.unmapped[b.addr] = b
+        self.reserved -= end - begin
+
+    def _try_merge(self, dst: _Block, src: _Block | None, pool: _Pool):
+        """``try_merge_blocks``: absorb free neighbour ``src`` (same mapped state) into ``dst``."""
+        if src is None or src.allocated or src.mapped != dst.mapped:
+            return
+        if src.mapped:
+            pool.remove(src)
+        else:
+            del pool.unmapped[src.addr]
+        if dst.prev is src:
+            dst.addr = src.addr
+            dst.prev = src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
+
+    # -- giving memory back (only on the way to an OOM) ------------------------------------------
+    def _release_block(self, pool: _Pool, b: _Block):
+        pool.remove(b)
+        self.reserved -= b.size
+        self.segments -= 1
+
+    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
+        """Free cached oversize segments (>= max_split_size) until ``size`` would fit."""
+        if self.config.max_split_size is None or self.capacity is None:
+            return False
+        target = max(size, self.config.max_split_size)
+        keys = pool.keys
+        i = bisect.bisect_left(keys, (target, -1))
+        if i < len(keys) and pool.free[keys[i][1]].es is None:
+            self._release_block(pool, pool.free[keys[i][1]])
+            return True
+        released = 0
+        for size_, addr in reversed(keys[:i]):  # from the largest down
+            if released >= target or size_ < self.config.max_split_size:
+                break
+            b = pool.free[addr]
+            if b.es is None and b.prev is None and b.next is None:
+                self._release_block(pool, b)
+                released += size_
+        return released >= target
+
+    def _release_cached_blocks(self):
+        """``release_cached_blocks``: free unsplit segments, unmap free pages of expandable ones."""
+        for pool in (self.pools[False], self.pools[True]):
+            to_unmap = []
+            for _, addr in list(pool.keys):
+                b = pool.free[addr]
+                if b.es is not None:
+                    to_unmap.append(b)
+                elif b.prev is None and b.next is None:
+                    self._release_block(pool, b)
+            for b in to_unmap:
+                self._unmap_block(pool, b)
+                if not b.mapped and b.prev is None and b.next is None:  # the whole segment is unmapped
+                    del pool.unmapped[b.addr]
+                    self.segments -= 1
+
+
+def _expandable_size(b: _Block) -> int:
+    return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+
+
+def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | None = None) -> AllocatorStats:
+    """Replay a ``TraceLog.events`` list through the caching allocator.
+
+    Args:
+        events: tuples ``(kind, storage_id, nbytes, ...)`` with kind ALLOC, FREE or RECAT
+            (from ``memcheck.enums``); a storage id may be reused after its FREE.
+        config: allocator settings; None means torch's defaults (use
+            ``AllocatorConfig.from_env()`` to honour ``PYTORCH_CUDA_ALLOC_CONF``).
+        capacity: device memory in bytes; see ``CachingAllocator``.
+
+    Returns:
+        AllocatorStats with the peaks and, per event, the granted block size.
+
+    Example:
+        >>> from memcheck.enums import ALLOC
+        >>> simulate([(ALLOC, 1, 3 << 19)]).granted  # 1.5 MiB, split off a 20 MiB segment
+        (1572864,)
+
+    Known limitations:
+        One device, one stream (no ``record_stream``, no cross-stream reuse), no CUDA
+        graphs or private memory pools, no ``empty_cache()`` calls and no
+        ``garbage_collection_threshold`` / memory-fraction GC. A zero-byte request takes
+        no block (``NativeCachingAllocator::allocate`` calls ``malloc`` only for a nonzero
+        size). Ties between equal-size
+        cached blocks go to the lower simulated address, and new segments get ever higher
+        addresses, which real ``cudaMalloc`` does not promise.
+    """
+    alloc = CachingAllocator(config, capacity=capacity)
+    granted = []
+    peak_alloc = frag = segs = 0
+    seen_reserved = 0
+    first_oom = None
+    empty = set()  # zero-byte storages: torch's allocate() hands out a null pointer, no block
+    for n, ev in enumerate(events):
+        kind = ev[0]
+        if kind == ALLOC and ev[2] == 0:
+            empty.add(ev[1])
+            granted.append(0)
+        elif kind == FREE and ev[1] in empty:
+            empty.discard(ev[1])
+            granted.append(0)
+        elif kind == ALLOC:
+            got = alloc.malloc(ev[1], ev[2])
+            granted.append(got)
+            if not got and first_oom is None:
+                first_oom = n
+            if alloc.allocated > peak_alloc:
+                peak_alloc = alloc.allocated
+            if alloc.reserved > seen_reserved:
+                seen_reserved, frag, segs = alloc.reserved, alloc.reserved - alloc.allocated, alloc.segments
+        else:
+            if kind == FREE:
+                alloc.free(ev[1])
+            granted.append(0)
+    return AllocatorStats(peak_alloc, alloc.peak_reserved, frag, segs, tuple(granted), first_oom)

@@ -1,0 +1,484 @@
+"""``estimate()``: trace training steps on the meta device and report the peak."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from memcheck.cuda.allocator import AllocatorConfig, simulate
+from memcheck.rules.autocast import MetaAutocast, MetaGradScaler
+from memcheck.cuda.overhead import context_bytes, workspace_allocations
+from memcheck.rules import extensions
+from memcheck.training.checkpointing import apply_checkpointing
+from memcheck.trace.device_redirect import redirect_cuda
+from memcheck.enums import Category, Device, Offload, Phase, Precision, Strategy
+from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, UsageError, model_frame, require_int
+from memcheck.cuda.gpus import GpuSpec, local_library_versions, resolve_gpu
+from memcheck.training.optimizers import resolve_optimizer
+from memcheck.report.results import BatchInfo, Breakdown, DeviceMemory, Estimate, InputSpec, ModuleMemory, Work
+from memcheck.training.strategies import StrategyConfig, train
+from memcheck.trace.tracer import ALLOC, FREE, RECAT, MemoryTracer, TraceLog
+from memcheck.training.loop import LossFn, default_loss, run_eval, to_precision
+
+_STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER, Category.COMMUNICATION)
+
+
+def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors; no weights are copied."""
+    memo: dict[int, Any] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in memo:
+            continue
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = (
+            torch.nn.Parameter(empty, requires_grad=t.requires_grad)
+            if isinstance(t, torch.nn.Parameter)
+            else empty
+        )
+    extensions.twin_memo(model, memo)  # quantized weights keep their classes (bitsandbytes)
+    return copy.deepcopy(model, memo)
+
+
+def meta_batch(batch: Any) -> Any:
+    """The batch with every tensor replaced by an empty meta tensor of the same shape and dtype."""
+    return tree_map_only(
+        torch.Tensor, lambda t: t if t.device.type == "meta" else torch.empty_like(t, device="meta"), batch
+    )
+
+
+def describe_batch(batch: Any, batch_size: int | None, max_len: int | None, target_len: int | None) -> BatchInfo:
+    """Summarise the tensors of a batch for the report."""
+    if isinstance(batch, dict):
+        items = [(k, v) for k, v in batch.items() if isinstance(v, torch.Tensor)]
+    else:
+        leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+        items = [(f"input{i}", t) for i, t in enumerate(leaves)]
+    inputs = tuple(InputSpec(k, tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in items)
+    if batch_size is None:
+        batch_size = items[0][1].shape[0] if items and items[0][1].dim() else 1
+    return BatchInfo(batch_size, max_len, target_len, inputs)
+
+
+# How torch says an op has no meta kernel: the dispatcher's message for an op without a Meta
+# key, the one for an op without a fake impl, torch.library.custom_op's without register_fake,
+# and a Python meta registration that refuses.
+_NO_KERNEL = (
+    re.compile(r"Could not run '([\w:.]+)' with arguments from the 'Meta' backend"),
+    re.compile(r"(?:^|\s|op )([\w.]+::[\w.]+): attempted to run this operator with Meta tensors"),
+    re.compile(r"no fake impl registered for <CustomOpDef\(([\w.]+::[\w.]+)\)>"),
+    re.compile(r"register_meta function for (torch\.[\w.]+)\(\)"),
+)
+_OP_NAME = re.compile(r"\b(\w+::[\w.]+)")
+# How torch says Python code read a meta tensor's data (it has none).
+_DATA_READ = ("Cannot copy out of meta tensor", "cannot be called on meta tensors",
+              "can't convert meta device type tensor to numpy", "Not available for 'meta' device type")
+
+
+def _missing_meta_kernel(exc: Exception) -> str | None:
+    """The op named by a "no meta kernel" error ("" if it names none), else None."""
+    message = str(exc)
+    for pattern in _NO_KERNEL:
+        match = pattern.search(message)
+        if match:
+            return match.group(1)
+    if isinstance(exc, NotImplementedError) and "meta" in message.lower():
+        match = _OP_NAME.search(message)
+        return match.group(1) if match else ""
+    return None
+
+
+def _translate(exc: Exception, model_name: str) -> MemcheckError:
+    """Map an exception from the traced code to a one-line MemcheckError."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    known = extensions.explain_failure(exc)  # an extension that calls its CUDA library directly
+    if known:
+        return UnsupportedOpError(f"{known}; cannot trace {model_name}")
+    if any(phrase in str(exc) for phrase in _DATA_READ):  # not a missing kernel: the model reads values
+        return TraceError(
+            f"{model_name} reads tensor data (.numpy()/.tolist()/...) that meta tensors do not have, "
+            f"so memcheck cannot trace it ({type(exc).__name__}: {text})"
+        )
+    op = _missing_meta_kernel(exc)
+    if op is not None:
+        what = f"op {op}" if op else f"an op ({text[:120]})"
+        return UnsupportedOpError(
+            f"{what} has no meta kernel and no memcheck rule, so memcheck cannot trace {model_name}; "
+            "register one with memcheck.register_op_rule (see examples/custom_op_rule.py)"
+        )
+    where = model_frame(exc)
+    text = text if len(text) <= 200 else text[:199] + "…"
+    return TraceError(f"{where + ': ' if where else ''}{model_name} failed while being traced: "
+                      f"{type(exc).__name__}: {text} (fix the model code there; --debug shows the traceback)")
+
+
+def estimate(
+    model: torch.nn.Module,
+    batch: Any,
+    *,
+    device: str | Device = Device.CUDA,
+    optimizer: Any = "adamw",
+    loss_fn: LossFn | None = None,
+    precision: str | Precision = Precision.FP32,
+    steps: int = 2,
+    budget_bytes: int | None = None,
+    batch_size: int | None = None,
+    max_len: int | None = None,
+    target_len: int | None = None,
+    model_name: str | None = None,
+    top_modules: int = 8,
+    gpu: str | GpuSpec | None = None,
+    strategy: str | Strategy = Strategy.SINGLE,
+    gpus: int | None = None,
+    accumulate: int = 1,
+    checkpointing: str | list[str] | None = "none",
+    use_reentrant: bool = False,
+    bucket_view: bool = False,
+    bucket_cap_mb: float | None = None,
+    offload: str | Offload | None = None,
+    eval_batch: Any = None,
+    eval_accumulate_predictions: int = 0,
+    progress: Callable[[str], None] | None = None,
+    timeline: bool = False,
+) -> Estimate:
+    """Trace ``steps`` training steps of ``model`` on ``batch`` and return the steady-state peak.
+
+    Nothing is allocated for real: the model and batch are traced as meta tensors
+    (a meta twin is made of a real model, without copying its weights; the
+    caller's model is never modified).
+
+    Args:
+        model: the model, on the meta device or any other.
+        batch: what ``loss_fn`` takes: a dict for ``model(**batch)``, a tensor or a tuple.
+        device: the target, ``"cpu"`` or ``"cuda"``.
+        optimizer: a name from ``memcheck.training.optimizers.OPTIMIZERS`` (``adamw``, ``adamw-fused``,
+            ``adafactor``, ``adamw-8bit``, ``sgd-momentum``, ...), a function
+            ``params -> Optimizer`` or an Optimizer whose class and settings are reused.
+        loss_fn: ``loss_fn(model, batch) -> scalar``; default ``model(**batch).loss`` for
+            dicts, otherwise the output summed.
+        precision: ``fp32``; pure ``bf16``/``fp16`` weights; or ``amp-bf16``/``amp-fp16``, fp32
+            weights under ``torch.autocast`` (amp-fp16 with a GradScaler).
+        steps: training steps to trace (at least 2: the first has no optimizer state).
+        budget_bytes: if given, ``Estimate.fits`` compares it with the device total on CUDA
+            (the peak on CPU); by default the named GPU's capacity.
+        gpu: the CUDA target: a name from ``memcheck.cuda.gpus.GPUS`` (``"H100-80GB"``), a size
+            (``"24GiB"``) or a ``GpuSpec``; by default the local GPU, if any. Its compute
+            capability picks attention kernels and cuBLAS workspace sizes.
+        strategy: ``single`` (default), ``dp``, ``dp-balanced``, ``ddp``, ``fsdp``, ``zero1``,
+            ``zero2``, ``zero3`` (see ``memcheck.training.strategies``), over ``gpus`` GPUs (default 2
+            for a multi-GPU strategy). ``batch`` is one GPU's micro-batch, except under
+            ``dp``/``dp-balanced``, where it is the batch DataParallel scatters.
+        accumulate: gradient accumulation steps; the peak is the steady-state micro-step's.
+        checkpointing: ``none``, ``full`` (every repeated block) or module names/patterns;
+            ``use_reentrant`` picks torch.utils.checkpoint's implementation.
+        bucket_view, bucket_cap_mb: ddp's ``gradient_as_bucket_view`` and ``bucket_cap_mb``.
+        offload: ``optimizer`` or ``params`` to CPU memory, under fsdp / zero.
+        eval_batch: a batch for an evaluation pass after training (no autograd, same
+            precision); ``eval_accumulate_predictions`` N keeps N eval batches' predictions
+            on the device. The peak is the larger of training's and evaluation's.
+        progress: called with a short line as the trace enters each phase (the CLI's
+            stderr progress on a terminal).
+        timeline: also keep the busiest GPU's memory event by event as ``Estimate.timeline``
+            (a ``memcheck.report.timeline.Timeline``), for ``write_snapshot`` and ``plot_timeline``.
+
+    Returns:
+        An ``Estimate``; ``str()`` is the table, ``to_dict()`` the JSON.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = GPT2LMHeadModel(GPT2Config())
+        ...     ids = torch.zeros(8, 1024, dtype=torch.long)
+        >>> est = memcheck.estimate(model, {"input_ids": ids, "labels": ids}, device="cpu")
+        >>> est.peak_bytes
+
+    Known limitations:
+        The CUDA target is emulated on meta tensors: SDPA's kernel choice, autocast's
+        casts, the caching allocator and cuBLAS's workspaces follow torch's source,
+        but the CUDA context is an estimate per GPU model, and a cuDNN convolution's
+        workspace is an allowance. Python functions that handle ``__torch_function__``
+        hide the ops inside them from the autocast emulation (see memcheck.rules.autocast).
+    """
+    device = Device.parse(device)
+    precision = Precision.parse(precision)
+    config = StrategyConfig.parse(strategy, gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb,
+                                  offload=offload)
+    target = target_gpu(gpu, device)
+    require_int(steps, "steps", minimum=2, message=(
+        f"steps must be an integer of at least 2 (step 1 has no optimizer state), got {steps!r}"))
+    require_int(accumulate, "accumulate")
+    require_int(eval_accumulate_predictions, "eval_accumulate_predictions", minimum=0, message=(
+        f"eval_accumulate_predictions must be 0 or a positive integer, got {eval_accumulate_predictions!r}"))
+    if eval_accumulate_predictions and eval_batch is None:
+        raise UsageError("eval_accumulate_predictions needs an eval batch (eval_batch= / --eval-batch-size)")
+    if budget_bytes is not None:
+        require_int(budget_bytes, "budget_bytes")
+    require_int(top_modules, "top_modules", minimum=0,
+                message=f"top_modules must be an integer of 0 or more, got {top_modules!r}")
+    for key, value in (("batch_size", batch_size), ("max_len", max_len), ("target_len", target_len)):
+        if value is not None:  # the report's labels: a wrong one would be printed as if it were traced
+            require_int(value, key)
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if budget_bytes is None and target is not None and target.capacity_bytes:
+        budget_bytes = target.capacity_bytes
+    name = model_name or type(model).__name__
+    opt_label, make_optimizer = resolve_optimizer(optimizer, device)
+    loss_fn = loss_fn or default_loss
+
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UsageError(f"{name} has no trainable parameters (none with requires_grad=True); nothing to train")
+    twin = meta_twin(model)
+    wrapped = apply_checkpointing(twin, checkpointing, use_reentrant=use_reentrant)
+    dtype = precision.weights_dtype
+
+    def prepare(b):
+        return to_precision(meta_batch(b), dtype)
+
+    mbatch = prepare(batch)
+    ebatch = prepare(eval_batch) if eval_batch is not None else None
+    if dtype is not None:
+        twin = twin.to(dtype)
+    info = describe_batch(mbatch, batch_size, max_len, target_len)
+
+    arch = target.arch if target is not None else DEFAULT_ARCH
+    tracer = MemoryTracer(device, arch=arch)
+    if progress is not None:
+        tracer.on_phase = lambda step, phase: progress(
+            f"tracing {name}: " + ("evaluation" if phase is Phase.EVAL else f"step {step + 1} of {steps}, {phase.value}"))
+    for key, value in local_library_versions().items():  # the CUDA/cuDNN this torch would use
+        setattr(tracer, key, value)
+    if device is Device.CUDA and target is None:
+        tracer.assume(
+            f"no GPU named (gpu=/--gpu): kernels chosen as on sm{arch[0]}{arch[1]} and a generic CUDA context"
+        )
+    autocast = scaler = None
+    if precision.autocast_dtype is not None:
+        tracer.autocast = MetaAutocast(device, precision.autocast_dtype)
+        autocast = tracer.autocast.region
+        if precision is Precision.AMP_FP16:
+            scaler = MetaGradScaler()
+            tracer.assume("amp-fp16: a GradScaler scales the loss; no overflow, so every step is taken")
+    if accumulate > 2:
+        tracer.assume(
+            f"accumulate={accumulate}: 2 micro-steps per step traced; micro-steps 3 to {accumulate} repeat the second"
+        )
+    def evaluate(module):
+        tracer.set_phase(steps, Phase.EVAL)  # the eval batch arrives with the evaluation, not in training
+        tracer.watch(batch=ebatch)
+        run_eval(module, ebatch, loss_fn, tracer.set_phase, step=steps, autocast=autocast,
+                 keep_batches=eval_accumulate_predictions)
+    try:
+        with redirect_cuda(target), tracer:  # the model's .cuda() and torch.cuda.* never reach the GPU
+            gpu_map = train(config, tracer, twin, mbatch, loss_fn, make_optimizer, steps, autocast=autocast,
+                            scaler=scaler, accumulate=min(accumulate, 2),
+                            evaluate=evaluate if ebatch is not None else None)
+    except MemcheckError:
+        raise
+    except Exception as exc:  # the model's own code failed under the trace
+        raise _translate(exc, name) from exc
+    traced_summaries: dict[int, DeviceMemory] = {}
+    devices = []
+    for index, traced in enumerate(gpu_map):  # ranks that look alike are summarised once
+        if traced not in traced_summaries:
+            traced_summaries[traced] = _device_summary(
+                tracer.log, traced, index, device, arch, target, root=type(twin).__name__, name=name,
+                top_modules=top_modules,
+            )
+        devices.append(dataclasses.replace(traced_summaries[traced], index=index))
+    if device is Device.CUDA:
+        tracer.assume("CUDA context size is an estimate per GPU model, not yet measured on this GPU")
+    busiest = max(devices, key=lambda d: (d.total_bytes, -d.index))
+    return Estimate(
+        model=name, device=device, precision=precision, optimizer=opt_label, steps=steps, batch=info,
+        peak_bytes=busiest.peak_bytes, breakdown_at_peak=busiest.breakdown_at_peak,
+        peak_phase=busiest.peak_phase, peak_module=busiest.peak_module, peak_step=busiest.peak_step,
+        modules=busiest.modules, assumptions=tuple(tracer.log.assumptions), budget_bytes=budget_bytes,
+        reserved_bytes=busiest.reserved_bytes, fragmentation_bytes=busiest.fragmentation_bytes,
+        context_bytes=busiest.context_bytes, device_total_bytes=busiest.device_total_bytes, gpu=target,
+        strategy=config.label, gpus=config.gpus, accumulate=accumulate, checkpointing=wrapped,
+        train_peak_bytes=busiest.train_peak_bytes, eval_peak_bytes=busiest.eval_peak_bytes,
+        busiest_gpu=busiest.index, per_device=tuple(devices) if config.strategy.multi_gpu else (),
+        work=_work(tracer.log, step=steps - 1, micro_steps=min(accumulate, 2)),
+        timeline=_timeline(tracer.log, gpu_map[busiest.index], busiest, device, arch, root=type(twin).__name__)
+        if timeline else None,
+    )
+
+
+_MICRO_PHASES = (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD)
+
+
+def _work(log: TraceLog, *, step: int, micro_steps: int) -> Work:
+    """The last traced step's compute on its busiest GPU (by FLOPs), per micro-step."""
+    per_gpu: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for (s, phase, gpu), (flops, low, kernels) in log.work.items():
+        if s != step:
+            continue
+        if phase in _MICRO_PHASES:
+            per_gpu[gpu][0] += flops
+            per_gpu[gpu][1] += low
+            per_gpu[gpu][2] += kernels
+        elif phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
+            per_gpu[gpu][3] += kernels
+    flops, low, kernels, opt = max(per_gpu.values(), default=[0, 0, 0, 0])
+    return Work(flops // micro_steps, low // micro_steps, kernels // micro_steps, opt)
+
+
+DEFAULT_ARCH = (8, 0)  # A100-class, when no GPU is named and none is local
+
+
+def target_gpu(gpu, device: Device) -> GpuSpec | None:
+    """The CUDA target's GpuSpec from a name, a size or a spec (the local GPU by default);
+    None on the CPU target, where naming a GPU is an error (the budget is ``budget_bytes``)."""
+    if gpu is not None and not isinstance(gpu, (str, GpuSpec)):
+        raise UsageError(f"gpu must be a name such as 'H100-80GB', a size such as '24GiB', or a GpuSpec; got {gpu!r}")
+    if device is not Device.CUDA:
+        if gpu is not None:
+            raise UsageError(f"gpu={gpu!r} applies to the cuda target only; the target is {device.value} "
+                             "(give the budget as --gpu-memory)")
+        return None
+    return gpu if isinstance(gpu, GpuSpec) else resolve_gpu(gpu)
+
+
+def _with_workspaces(events: list[tuple], arch, start: int) -> tuple[list[tuple], int]:
+    """One GPU's events with cuBLAS's workspaces allocated where a real step first needs
+    them, and where event ``start`` (the steady state's first) now is.
+
+    torch keeps one workspace per (cuBLAS handle, stream) in the caching allocator; the
+    forward runs on the main thread and backward on autograd's device thread, each
+    with its own handle (memcheck.cuda.overhead). The first is allocated at the first
+    forward, the second at the first backward; both live to the end.
+    """
+    by_phase = {Phase.FORWARD: [], Phase.BACKWARD: []}
+    for label, nbytes in workspace_allocations(arch):
+        by_phase[Phase.BACKWARD if "autograd" in label else Phase.FORWARD].append((label, nbytes))
+    out, new_start = [], None
+    for i, ev in enumerate(events):
+        for label, nbytes in by_phase.pop(ev[5], ()):
+            out.append((ALLOC, f"workspace:{label}:{ev[7]}", nbytes, Category.WORKSPACE, f"({label})", ev[5],
+                        ev[6], ev[7]))
+        if i == start:
+            new_start = len(out)
+        out.append(ev)
+    return out, len(out) if new_start is None else new_start
+
+
+def _short(module: str | None, root: str) -> str:
+    if not module or module == "Global":
+        return "(outside modules)"
+    if module.startswith("("):
+        return module
+    if module == root:
+        return "(model)"
+    return module.split(".", 1)[1] if module.startswith(root + ".") else module
+
+
+def _device_events(log: TraceLog, traced: int, device: Device, arch) -> tuple[list[tuple], int]:
+    """One traced GPU's events (with cuBLAS's workspaces on CUDA), and the index of step 2's first."""
+    second = log.step_starts[1] if len(log.step_starts) > 1 else 0
+    events, start = [], None
+    for i, ev in enumerate(log.events):
+        if ev[7] != traced:
+            continue
+        if start is None and i >= second:
+            start = len(events)
+        events.append(ev)
+    start = len(events) if start is None else start
+    if device is Device.CUDA:
+        events, start = _with_workspaces(events, arch, start)
+    return events, start
+
+
+def _timeline(log: TraceLog, traced: int, busiest: DeviceMemory, device: Device, arch, *, root: str):
+    """The busiest GPU's memory event by event (``estimate(timeline=True)``)."""
+    from memcheck.report.timeline import build_timeline
+
+    events, start = _device_events(log, traced, device, arch)
+    return build_timeline(events, start, device=device, gpu=busiest.index, context_bytes=busiest.context_bytes,
+                          config=AllocatorConfig.from_env(), module_label=lambda m: _short(m, root))
+
+
+def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch, gpu: GpuSpec | None, *,
+                    root: str, name: str, top_modules: int) -> DeviceMemory:
+    """The steady-state peak of one traced GPU (or the CPU), what was live at it, and on CUDA
+    what the caching allocator reserves and the device shows in use."""
+    events, start = _device_events(log, traced, device, arch)
+    cuda = None
+    if device is Device.CUDA:
+        sim = simulate(events, config=AllocatorConfig.from_env())
+        sizes = sim.granted
+        cuda = (sim.peak_reserved_bytes, context_bytes(gpu))
+    else:
+        sizes = [ev[2] for ev in events]
+    eval_start = next((i for i, ev in enumerate(events) if ev[5] is Phase.EVAL), len(events))
+
+    live = 0
+    best = train_best = eval_best = -1
+    best_at = 0
+    granted: dict = {}
+    for i, ev in enumerate(events):
+        kind = ev[0]
+        if kind == ALLOC:
+            granted[ev[1]] = sizes[i]
+            live += sizes[i]
+            if i >= start:
+                if i < eval_start:
+                    train_best = max(train_best, live)
+                else:
+                    eval_best = max(eval_best, live)
+                if live > best:
+                    best, best_at = live, i
+        elif kind == FREE:
+            live -= granted.pop(ev[1], ev[2])
+    if best < 0:
+        raise TraceError(f"tracing {name} recorded no memory after step 1")
+
+    # Replay up to the peak to see what was live and why.
+    # Categories set just after the peak's allocation (a buffer created, then registered)
+    # belong to it too, so the replay runs on through those RECAT events.
+    end = best_at + 1
+    while end < len(events) and events[end][0] == RECAT:
+        end += 1
+    state: dict = {}
+    for i, ev in enumerate(events[:end]):
+        kind, sid, n, cat, module = ev[:5]
+        if kind == ALLOC:
+            state[sid] = [sizes[i], cat, module]
+        elif kind == FREE:
+            state.pop(sid, None)
+        elif sid in state:
+            state[sid][1] = cat
+            if module is not None:
+                state[sid][2] = module
+    by_cat: dict[Category, int] = defaultdict(int)
+    by_mod: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for n, cat, module in state.values():
+        by_cat[cat] += n
+        by_mod[_short(module, root)][0 if cat in _STATE else 1] += n
+    modules = sorted(
+        (ModuleMemory(m, st, act) for m, (st, act) in by_mod.items()), key=lambda m: -m.total
+    )[:top_modules]
+    peak_event = events[best_at]
+    return DeviceMemory(
+        index=index, peak_bytes=best, breakdown_at_peak=Breakdown.from_categories(by_cat),
+        peak_phase=peak_event[5], peak_module=_short(peak_event[4], root), peak_step=peak_event[6] + 1,
+        modules=tuple(modules), train_peak_bytes=max(train_best, 0),
+        eval_peak_bytes=eval_best if eval_best >= 0 else None, **_device_totals(best, cuda),
+    )
+
+
+def _device_totals(allocated_peak: int, cuda) -> dict:
+    if cuda is None:
+        return {}
+    reserved, context = cuda
+    reserved = max(reserved, allocated_peak)
+    return {
+        # What the cache holds beyond the allocated peak: blocks too fragmented, or in the
+        # wrong pool, to serve the peak's requests, so new segments had to be reserved.
+        "reserved_bytes": reserved, "fragmentation_bytes": reserved - allocated_peak, "context_bytes": context,
+        "device_total_bytes": reserved + context,
+    }

@@ -1,0 +1,627 @@
+"""``plan()``: the micro-batch, accumulation, checkpointing and precision to run so a job fits.
+
+The planner searches by tracing, never by extrapolating a figure it reports:
+
+1. **Options.** Each (checkpointing, precision) pair is an option: checkpointing
+   ``none``, ``half`` (every second repeated block wrapped in ``torch.utils.checkpoint``)
+   and ``full`` (every block, through transformers' own switch where the model has
+   one); precisions from ``precision_options``.
+2. **The boundary, in at most 5 traces an option.** At a fixed shape, memory is
+   close to affine in the micro-batch. The planner traces micro-batches 1 and 4,
+   predicts from the line through them the largest micro-batch whose device total
+   stays under the limit, traces it, and then traces one more on the other side;
+   each further guess is the secant through the two traced points nearest the
+   boundary (regula falsi), kept strictly between the largest size known to fit and
+   the smallest known not to. The largest traced size that fits is the option's
+   maximum; every figure reported for it comes from its own trace.
+3. **The choice.** With ``global_batch`` G over N GPUs, the micro-batches tried are
+   the divisors m of G / N, each with ``G / (m * N)`` accumulation steps (so the
+   global batch is exactly G), and each option's largest fitting one is its
+   cheapest. The option with the lowest cost per optimizer step wins; without G,
+   each option runs its largest micro-batch and the lowest cost per sample wins.
+   Each option's figures come from the trace at exactly its micro-batch and
+   accumulation.
+4. **The limit.** The recommended configuration's own traced device total (the
+   peak, on the CPU target) is at most ``capacity * (1 - margin)``.
+5. **Nothing fits.** At micro-batch 1 with the most checkpointing and the lowest
+   precision allowed, the plan names the smallest GPU in the table that holds the job
+   and the fewest GPUs of this size that hold one rank of fsdp (zero3 for a DeepSpeed
+   stage): per-rank memory is close to ``R + S / N``, so a few traces find N, and N is
+   reported only once traced to fit, with N - 1 traced not to (``Plan.sharded``).
+
+The cost proxy (relative; it ranks configurations, it does not predict seconds):
+
+    cost per micro-step = FLOPs_fp32 / 19.5e12 + FLOPs_bf16/fp16 / 312e12 + kernels * 10e-6
+    cost per optimizer step = accumulation * cost per micro-step + optimizer kernels * 10e-6
+
+FLOPs are counted in the trace by torch.utils.flop_counter's formulas (matmuls,
+convolutions, attention), so checkpointing's recomputation is included. The
+rates are an A100's datasheet figures (FP32 19.5 TFLOP/s; BF16/FP16 tensor cores
+312 TFLOP/s); matmuls in fp32 do not use TF32 by default in PyTorch. The 10 µs per
+kernel is eager PyTorch's per-op overhead (Python, dispatch and launch), which is
+the penalty that makes small micro-batches slow: the same kernels run for fewer
+tokens. Memory-bound elementwise work is not counted.
+
+Known limitations:
+    The sharded GPU count's "fewest" is checked against N - 1 only: the caching
+    allocator's cached segments can make a rank's device total rise by a few GiB
+    from one count to the next, so a count further below could, rarely, fit.
+    The proxy ranks; it is not a measured throughput. The default margin comes
+    from the CUDA target's accuracy targets (device total within 5%), since no GPU
+    measurement has been committed yet (benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable
+
+import torch
+
+from memcheck.training.checkpointing import FULL, HALF, NONE, half_of, repeated_blocks
+from memcheck.enums import Device, Precision, Strategy
+from memcheck.errors import UsageError, closest, require_int, require_margin
+from memcheck.engine.estimate import estimate, target_gpu
+from memcheck.cuda.gpus import GPUS, GpuSpec
+from memcheck.report.results import Estimate, LengthPoint, Plan, PlanOption, ShardedFit, Work
+from memcheck.training.strategies import StrategyConfig
+from memcheck.units import format_bytes
+
+# Where the default margin comes from: issue 3's accuracy target for the CUDA
+# target's device total (|error| <= 5%), because no GPU measurement has been
+# committed yet (benchmarks/results/). On the CPU target the fp32 zoo is within
+# 0.21% of the profiler's measured peak (README, "Accuracy, measured").
+DEFAULT_MARGIN = 0.05
+TRACES_PER_OPTION = 5
+MAX_MICRO_BATCH = 65536  # the search's ceiling without a global batch
+MAX_GPUS = 65536  # the sharded GPU count's ceiling when nothing fits on one GPU
+SHARDED_TRACES = 10  # traces the sharded GPU count may take
+CHECKPOINTING_OPTIONS = (NONE, HALF, FULL)
+
+# The cost proxy's constants (see the module docstring).
+FP32_FLOPS_PER_SECOND = 19.5e12  # A100 datasheet, FP32 (non-tensor-core)
+LOW_PRECISION_FLOPS_PER_SECOND = 312e12  # A100 datasheet, BF16/FP16 tensor cores, dense
+SECONDS_PER_KERNEL = 10e-6  # eager PyTorch's per-op overhead, order of magnitude
+LENGTH_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+_ESTIMATE_KWARGS = frozenset({"optimizer", "loss_fn", "steps", "use_reentrant", "bucket_view", "bucket_cap_mb",
+                              "offload"})
+LENGTH_STEP = 8  # the longest fitting length is searched in multiples of 8 (pad_to_multiple_of=8)
+
+
+def _flop_seconds(work: Work) -> float:
+    """The proxy's FLOP terms for one micro-step."""
+    high = work.flops_per_micro_step - work.low_precision_flops_per_micro_step
+    return high / FP32_FLOPS_PER_SECOND + work.low_precision_flops_per_micro_step / LOW_PRECISION_FLOPS_PER_SECOND
+
+
+def micro_step_cost(work: Work) -> float:
+    """The proxy's cost of one micro-step (relative seconds)."""
+    return _flop_seconds(work) + work.kernels_per_micro_step * SECONDS_PER_KERNEL
+
+
+def step_cost(work: Work, accumulation: int) -> float:
+    """The proxy's cost of one optimizer step of ``accumulation`` micro-steps."""
+    return accumulation * micro_step_cost(work) + work.optimizer_kernels * SECONDS_PER_KERNEL
+
+
+def plan(
+    model: torch.nn.Module,
+    make_batch: Callable[..., Any],
+    *,
+    gpu: str | GpuSpec | None = None,
+    budget_bytes: int | None = None,
+    global_batch: int | None = None,
+    gpus: int | None = None,
+    strategy: str | Strategy = Strategy.SINGLE,
+    margin: float | None = None,
+    precision_options=("fp32",),
+    checkpointing_options=CHECKPOINTING_OPTIONS,
+    max_len: int | None = None,
+    target_len: int | None = None,
+    max_len_limit: int | None = None,
+    device: str | Device = Device.CUDA,
+    model_name: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    length_profile: bool = True,
+    **estimate_kwargs,
+) -> Plan:
+    """Find the configuration that fits ``gpu`` and reaches ``global_batch`` fastest.
+
+    Args:
+        model: the model (meta or real; its weights are never touched).
+        make_batch: ``make_batch(batch_size)`` or ``make_batch(batch_size, max_len)``
+            returning the worst-case batch (every sequence padded to the length); with
+            a length parameter the plan includes a sequence-length profile.
+        gpu: the target GPU (a name, a size such as ``"24GiB"``, or a GpuSpec); its
+            capacity is the budget unless ``budget_bytes`` is given (needed on ``device="cpu"``).
+        global_batch: samples per optimizer step over all GPUs; without it the
+            micro-batch is maximised.
+        gpus, strategy: as in ``estimate``; the micro-batch is per GPU (under
+            ``dp`` the traced batch is the micro-batch times ``gpus``).
+        margin: the fraction of the capacity held back (default ``DEFAULT_MARGIN``).
+        precision_options: precisions the user accepts (``fp32``, ``amp-bf16``, ...).
+        checkpointing_options: among ``none``, ``half``, ``full``.
+        max_len, target_len: the traced lengths (for the length profile).
+        max_len_limit: the model's position limit; the longest fitting length is
+            searched up to it.
+        progress: called with a short line before each trace (the CLI's stderr progress).
+        length_profile: trace the length profile (needs a ``make_batch`` that takes a length).
+        estimate_kwargs: ``optimizer``, ``loss_fn``, ``steps``, ``use_reentrant``,
+            ``bucket_view``, ``bucket_cap_mb``, ``offload`` as in ``estimate``.
+
+    Returns:
+        A ``Plan``: ``recommended`` (None when nothing fits, with ``suggestion``
+        saying what would), ``alternatives``, ``length_profile``, ``traces``.
+
+    Example:
+        >>> p = memcheck.plan(model, lambda b, n: make(b, n), gpu="RTX-4090", global_batch=64,
+        ...                   max_len=1024, precision_options=("fp32", "amp-bf16"))
+        >>> p.recommended.micro_batch_size, p.recommended.accumulation_steps
+    """
+    unknown = sorted(set(estimate_kwargs) - _ESTIMATE_KWARGS)
+    if unknown:
+        raise UsageError(f"plan() got unknown argument(s) {', '.join(unknown)}; it passes on to estimate() "
+                         f"only {', '.join(sorted(_ESTIMATE_KWARGS))}")
+    device = Device.parse(device)
+    config = StrategyConfig.parse(strategy, gpus, bucket_view=estimate_kwargs.get("bucket_view", False),
+                                  bucket_cap_mb=estimate_kwargs.get("bucket_cap_mb"),
+                                  offload=estimate_kwargs.get("offload"))
+    strategy, gpus = config.strategy, config.gpus
+    if global_batch is not None:
+        require_int(global_batch, "global batch")
+        if global_batch % gpus:
+            below, above = global_batch // gpus * gpus, (global_batch // gpus + 1) * gpus
+            raise UsageError(
+                f"global batch {global_batch} is not divisible by {gpus} GPUs; every GPU takes the same share: "
+                + (f"use a multiple of {gpus}, such as {below} or {above}" if below
+                   else f"use {above} or another multiple of {gpus}")
+            )
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(make_batch) or isinstance(make_batch, torch.Tensor):
+        raise UsageError("make_batch must be a function make_batch(batch_size[, max_len]) returning the worst-case "
+                         f"batch, got {type(make_batch).__name__}")
+    for key, value in (("max_len", max_len), ("target_len", target_len), ("max_len_limit", max_len_limit)):
+        if value is not None:
+            require_int(value, key)
+    margin = DEFAULT_MARGIN if margin is None else require_margin(margin)
+    target = target_gpu(gpu, device)
+    if budget_bytes is None:
+        if target is None:
+            raise UsageError("a plan needs a capacity: name the GPU (--gpu H100-80GB or --gpu 24GiB) "
+                             "or give --gpu-memory")
+        budget_bytes = target.capacity_bytes
+    require_int(budget_bytes, "budget_bytes")
+    precisions = _unique(Precision.parse(p, what="precision")
+                         for p in _as_list(precision_options, "precision_options"))
+    checkpoints = _unique(_parse_option(c) for c in _as_list(checkpointing_options, "checkpointing_options"))
+    if not precisions or not checkpoints:
+        raise UsageError("a plan needs at least one precision and one checkpointing option")
+    arity = _arity(make_batch)
+    name = model_name or type(model).__name__
+    blocks = repeated_blocks(model)
+    if not blocks:
+        checkpoints = [c for c in checkpoints if c == NONE] or [NONE]
+
+    limit = int(budget_bytes * (1 - margin))
+    search = _Search(
+        model, make_batch, arity, device=device, gpu=target, budget=budget_bytes, strategy=strategy,
+        gpus=gpus, global_batch=global_batch, max_len=max_len, target_len=target_len, blocks=blocks,
+        name=name, progress=progress, kwargs=estimate_kwargs,
+    )
+    cap = global_batch // gpus if global_batch is not None else MAX_MICRO_BATCH
+    options: list[PlanOption] = []
+    best: tuple[float, PlanOption] | None = None
+    # Likely winners first (low precision, no recomputation), so that later options can
+    # be dropped early: see _Search.option's bound.
+    for precision in sorted(precisions, key=lambda p: p is Precision.FP32):
+        for ck in checkpoints:
+            if best is not None and _dominated(best[1], ck, precision, cap):
+                continue
+            option = search.option(precision, ck, limit, cap, best[0] if best else None)
+            options.append(option)
+            if option.fits and (best is None or option.relative_cost < best[0]):
+                best = (option.relative_cost, option)
+    recommended = best[1] if best else None
+    alternatives = tuple(o for o in options if o is not recommended)
+    profile: tuple[LengthPoint, ...] = ()
+    longest = None
+    chosen_estimate = None
+    suggestion = sharded = None
+    if recommended is not None:
+        chosen_estimate = search.estimate_at(recommended.micro_batch_size, recommended.precision,
+                                             recommended.checkpointing, recommended.accumulation_steps)
+        if length_profile and search.takes_length and max_len:
+            profile, longest = search.length_profile(recommended, limit, max_len_limit)
+    else:
+        suggestion, sharded = search.what_would_fit(precisions, checkpoints, margin)
+    return Plan(
+        model=name, device=device, gpu=target, capacity_bytes=budget_bytes, margin=margin,
+        limit_bytes=limit, strategy=strategy.value, gpus=gpus, global_batch=global_batch,
+        recommended=recommended, alternatives=alternatives, length_profile=profile,
+        longest_fitting_length=longest, max_len=max_len, traces=search.traces, estimate=chosen_estimate,
+        suggestion=suggestion, sharded=sharded, blocks=tuple(blocks), position_limit=max_len_limit,
+    )
+
+
+def _dominated(best: PlanOption, checkpointing: str, precision: Precision, cap: int) -> bool:
+    """An option with more checkpointing at the same precision cannot beat one that already
+    reaches the micro-batch ceiling: it runs the same micro-batches and recomputes."""
+    more = CHECKPOINTING_OPTIONS.index(checkpointing) > CHECKPOINTING_OPTIONS.index(best.checkpointing)
+    return best.precision == precision.value and best.micro_batch_size >= cap and more
+
+
+class _Search:
+    """Traces the job at chosen points and remembers every trace."""
+
+    def __init__(self, model, make_batch, arity, *, device, gpu, budget, strategy, gpus, global_batch,
+                 max_len, target_len, blocks, name, progress, kwargs):
+        self.model, self.make_batch, self.arity = model, make_batch, arity
+        self.takes_length = arity >= 2  # make_batch(batch_size, max_len[, target_len])
+        self.device, self.gpu, self.budget = device, gpu, budget
+        self.strategy, self.gpus, self.global_batch = strategy, gpus, global_batch
+        self.max_len, self.target_len, self.blocks = max_len, target_len, blocks
+        self.name, self.progress, self.kwargs = name, progress, kwargs
+        self.traces = 0
+        self._cache: dict[tuple, Estimate] = {}
+
+    def accumulation(self, micro: int) -> int:
+        if self.global_batch is None:
+            return 1
+        return math.ceil(self.global_batch / (micro * self.gpus))
+
+    def estimate_at(self, micro: int, precision: str | Precision, checkpointing: str, accumulate: int, *,
+                    length: int | None = None, gpu: GpuSpec | None = None, strategy: Strategy | None = None,
+                    gpus: int | None = None) -> Estimate:
+        """One trace (or the remembered one for the same point)."""
+        precision = Precision.parse(precision)
+        strategy = strategy or self.strategy
+        gpus = gpus or self.gpus
+        gpu = gpu or self.gpu
+        key = (micro, precision, checkpointing, accumulate, length, gpu, strategy, gpus)
+        if key in self._cache:
+            return self._cache[key]
+        if self.progress is not None:
+            self.progress(f"tracing micro-batch {micro}, {precision.value}, checkpointing {checkpointing}"
+                          + (f", length {length}" if length else "") + (f", {strategy.value} x{gpus}"
+                                                                         if strategy.multi_gpu else ""))
+        rows = micro * gpus if strategy in (Strategy.DP, Strategy.DP_BALANCED) else micro
+        if self.takes_length:
+            length = length or self.max_len
+            target = self.target_len
+            if target and self.max_len and length != self.max_len:
+                target = max(1, round(target * length / self.max_len))
+            batch = self.make_batch(rows, length, target) if self.arity >= 3 else self.make_batch(rows, length)
+        else:
+            batch = self.make_batch(rows)
+        spec = {NONE: NONE, FULL: FULL, HALF: list(half_of(self.blocks))}[checkpointing]
+        est = estimate(
+            self.model, batch, device=self.device, precision=precision, gpu=gpu if self.device is Device.CUDA
+            else None, budget_bytes=self.budget, strategy=strategy, gpus=gpus if strategy.multi_gpu else None,
+            accumulate=accumulate, checkpointing=spec, batch_size=micro, max_len=length or self.max_len,
+            target_len=self.target_len, model_name=self.name, top_modules=0, **self.kwargs,
+        )
+        self.traces += 1
+        self._cache[key] = est
+        return est
+
+    def option(self, precision: Precision, checkpointing: str, limit: int, cap: int,
+               best_cost: float | None = None) -> PlanOption:
+        """The largest micro-batch that fits under ``limit`` for one option.
+
+        With a global batch the candidates are the divisors of its per-GPU share, so
+        that micro-batch x accumulation x GPUs is exactly the global batch; without
+        one, every size up to ``cap``. Within one option the largest fitting
+        candidate is also the cheapest: FLOPs per sample do not change with the
+        micro-batch, and fewer micro-steps launch fewer kernels.
+
+        After the first trace, an option whose FLOPs alone (per sample, or for the global
+        batch) already cost more than ``best_cost`` cannot win, and its search stops.
+        """
+        before = self.traces
+        totals: dict[int, int] = {}
+        work: dict[int, Work] = {}
+        candidates = _divisors(cap) if self.global_batch is not None else None
+
+        def trace(m: int) -> bool:
+            est = self.estimate_at(m, precision, checkpointing, self.accumulation(m))
+            totals[m], work[m] = est.total_bytes, est.work
+            return est.total_bytes <= limit
+
+        def above(m: int) -> int | None:  # the next candidate after m
+            if candidates is None:
+                return m + 1 if m < cap else None
+            return next((c for c in candidates if c > m), None)
+
+        def at_or_below(m: int) -> int:
+            if candidates is None:
+                return m
+            return max(c for c in candidates if c <= m)
+
+        def result(micro: int, fits: bool, cost: float, confirmed: bool, note: str = "") -> PlanOption:
+            return PlanOption(
+                micro_batch_size=micro, accumulation_steps=self.accumulation(micro), checkpointing=checkpointing,
+                precision=precision.value, predicted_device_total_bytes=totals[micro], fits=fits,
+                relative_cost=cost, traces=self.traces - before, largest_fitting_micro_batch=lo,
+                boundary_confirmed=confirmed, note=note,
+            )
+
+        lo, hi = 0, None
+        candidate = 1
+        while self.traces - before < TRACES_PER_OPTION:
+            if trace(candidate):
+                lo = candidate
+            else:
+                hi = candidate
+            if lo == 0 or above(lo) is None or above(lo) == hi:
+                break
+            if best_cost is not None and self._flops_bound(work[1]) >= best_cost:
+                return result(1, True, step_cost(work[1], self.accumulation(1)), False,
+                              "search stopped after 1 trace: its FLOPs alone cost more than a better option")
+            guess = at_or_below(_next_guess(totals, limit, lo, hi, cap, self._per_sample_bytes(precision,
+                                                                                                checkpointing)))
+            candidate = guess if guess > lo else above(lo)
+        if lo == 0:
+            return result(1, False, math.inf, True)
+        cost = step_cost(work[lo], self.accumulation(lo))
+        if self.global_batch is None:
+            cost = cost / lo  # per sample: the throughput's inverse
+        return result(lo, True, cost, above(lo) is None or above(lo) == hi)
+
+    def _per_sample_bytes(self, precision: Precision, checkpointing: str) -> int:
+        """What grows with the batch, from the micro-batch-1 trace (remembered, not re-run):
+        activations, temporaries, outputs and the batch itself at its peak."""
+        b = self.estimate_at(1, precision, checkpointing, self.accumulation(1)).breakdown_at_peak
+        return b.activations + b.temporaries + b.outputs + b.inputs
+
+    def _flops_bound(self, work: Work) -> float:
+        """A lower bound on an option's cost from its micro-batch-1 trace: the FLOP terms only."""
+        return _flop_seconds(work) * (self.global_batch // self.gpus if self.global_batch is not None else 1)
+
+    def length_profile(self, rec: PlanOption, limit: int, position_limit: int | None):
+        """Peaks at 25-100% of max_len at the recommended point, and the longest length that fits."""
+        points = []
+        lengths = {}
+        for fraction in LENGTH_FRACTIONS:
+            length = max(1, round(self.max_len * fraction))
+            est = self.estimate_at(rec.micro_batch_size, rec.precision, rec.checkpointing, rec.accumulation_steps,
+                                   length=None if length == self.max_len else length)
+            lengths[length] = est.total_bytes
+            points.append(LengthPoint(length, est.total_bytes, est.total_bytes <= limit))
+        # The recommendation fits at max_len, so the longest fitting length is at least that.
+        ceiling = position_limit or self.max_len
+        longest = self._longest(rec, lengths, limit, ceiling) if ceiling > self.max_len else self.max_len
+        return tuple(points), longest
+
+    def _longest(self, rec: PlanOption, lengths: dict[int, int], limit: int, ceiling: int) -> int:
+        """The longest multiple of LENGTH_STEP up to ``ceiling`` that fits: a quadratic through
+        the traced lengths predicts it, and traces confirm (at most 4)."""
+        lo = max(n for n, b in lengths.items() if b <= limit)
+        hi = min((n for n, b in lengths.items() if b > limit), default=None)
+        for _ in range(4):
+            top = (hi - 1) if hi is not None else ceiling
+            guess = _quadratic_root(lengths, limit)
+            guess = top if guess is None else min(top, int(guess))
+            guess = max(guess // LENGTH_STEP * LENGTH_STEP, (lo // LENGTH_STEP + 1) * LENGTH_STEP)
+            if guess > top:
+                break
+            est = self.estimate_at(rec.micro_batch_size, rec.precision, rec.checkpointing, rec.accumulation_steps,
+                                   length=guess)
+            lengths[guess] = est.total_bytes
+            if est.total_bytes <= limit:
+                lo = guess
+            else:
+                hi = guess
+            if hi is not None and (lo // LENGTH_STEP + 1) * LENGTH_STEP >= hi:
+                break  # confirmed from both sides
+        return lo
+
+    def what_would_fit(self, precisions, checkpoints, margin: float) -> tuple[str, ShardedFit | None]:
+        """When nothing fits at micro-batch 1: the smallest GPU in the table that holds the
+        most frugal option, and how many GPUs of this size a sharded strategy needs. Each
+        answer is confirmed by its own trace."""
+        precision = min(precisions, key=lambda p: 0 if p.weights_dtype is not None else
+                        1 if p.autocast_dtype is not None else 2)
+        checkpointing = FULL if FULL in checkpoints else checkpoints[-1]
+        how = f"micro-batch 1, {precision.value}, checkpointing {checkpointing}"
+        parts = []
+        sharded = None
+        if self.device is Device.CUDA:
+            base = self.estimate_at(1, precision, checkpointing, self.accumulation(1))
+            larger = [g for g in sorted(GPUS.values(), key=lambda g: g.capacity_bytes)
+                      if g.capacity_bytes > self.budget]
+            for spec in larger:  # predicted from the trace on this GPU, then traced on that one
+                if base.reserved_bytes + spec.context_bytes > spec.capacity_bytes * (1 - margin):
+                    continue
+                est = self.estimate_at(1, precision, checkpointing, self.accumulation(1), gpu=spec)
+                if est.total_bytes <= spec.capacity_bytes * (1 - margin):
+                    which = (f"{self.strategy.value} over {self.gpus} {spec.name}s" if self.strategy.multi_gpu
+                             else f"one {spec.name}")  # the job as asked, on larger GPUs
+                    parts.append(f"{which} ({format_bytes(spec.capacity_bytes)}) holds {how}: "
+                                 f"{format_bytes(est.total_bytes)}" + (" per GPU" if self.strategy.multi_gpu else ""))
+                    break
+            else:
+                parts.append("no single GPU in `memcheck gpus` holds it")
+            sharded, sentence = self._sharded_count(base, precision, checkpointing, margin, how)
+            parts.append(sentence)
+        return "; ".join(parts), sharded
+
+    def _sharded_count(self, base: Estimate, precision: Precision, checkpointing: str, margin: float,
+                       how: str) -> tuple[ShardedFit, str]:
+        """The fewest GPUs of this size that hold one rank of fsdp (zero3 when a DeepSpeed stage
+        was asked for) at micro-batch 1, in at most SHARDED_TRACES traces, and its sentence.
+
+        A rank holds close to ``R + S / N``: S is the state that shards (weights, gradients,
+        optimizer state and the optimizer step's temporaries), R the rest (activations, the
+        gathered block, communication buffers, fragmentation, the context). The first guess
+        takes S from the failing trace's weights, gradients and optimizer state and R from what
+        else it holds but temporaries; after one sharded trace R is re-read from it; after
+        two, each guess is the secant in 1/N through the two traced counts nearest the limit.
+        Guesses are kept strictly between the most GPUs known not to fit and the fewest known
+        to fit (halving that bracket where the secant lands next to one of its ends or the last
+        trace did not halve it, as on the flat stretches the allocator's segments make), and the
+        search stops when the two are adjacent: N fits and N - 1 does not, both traced (or
+        N - 1 is the failing job).
+        """
+        sharded = (Strategy.ZERO3 if self.strategy in (Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3)
+                   else Strategy.FSDP)
+        limit = int(self.budget * (1 - margin))
+        own = self.strategy is sharded  # the failing trace is already one rank of it, at self.gpus
+        seen: dict[int, int] = {self.gpus: base.total_bytes} if own else {}
+        lo, hi = (self.gpus if own else 1), None  # the most GPUs known not to fit; the fewest known to
+        b = base.breakdown_at_peak
+        # Not the optimizer step's temporaries: they shard too, but a rank's peak moves out of the
+        # step as N grows (measured: the first guess for LLaMA-70B lands further off with them).
+        state = (b.params + b.grads + b.optimizer) * (self.gpus if own else 1)
+        rest = base.total_bytes - (b.params + b.grads + b.optimizer + b.temporaries)
+        guess = _gpus_for(state, rest, limit)
+        width = None  # hi - lo after the previous trace, once both are known
+        for _ in range(SHARDED_TRACES):
+            if guess is None:  # no prediction: double, or halve the bracket
+                guess = 2 * lo if hi is None else (lo + hi) // 2
+            guess = max(lo + 1, min(guess, MAX_GPUS) if hi is None else min(guess, hi - 1))
+            if guess > MAX_GPUS:  # MAX_GPUS itself was traced and does not fit
+                break
+            accumulate = math.ceil(self.global_batch / guess) if self.global_batch is not None else 1
+            seen[guess] = self.estimate_at(1, precision, checkpointing, accumulate, strategy=sharded,
+                                           gpus=guess).total_bytes
+            if seen[guess] <= limit:
+                hi = guess if hi is None else min(hi, guess)
+            else:
+                lo = max(lo, guess)
+            if hi == lo + 1:
+                break
+            slow = width is not None and hi - lo > width // 2  # the last trace did not halve the bracket
+            width = None if hi is None else hi - lo
+            near = sorted(seen, key=lambda n: abs(seen[n] - limit))[:2]
+            if len(near) == 2:
+                n1, n2 = near
+                slope = (seen[n1] - seen[n2]) / (1 / n1 - 1 / n2)
+                if slope > 0:
+                    state, rest = slope, seen[n1] - slope / n1
+            else:
+                rest = seen[guess] - state / guess
+            guess = _gpus_for(state, rest, limit)
+            if guess is None and hi is None and len(near) == 2:
+                # what does not shard fills the GPU: confirmed by tracing the most GPUs searched
+                guess = MAX_GPUS
+            if hi is not None and (slow or hi - lo > 2 and guess is not None and not lo + 1 < guess < hi - 1):
+                guess = (lo + hi) // 2  # the secant hugs an end of the bracket, or is slow (a flat stretch): halve it
+        fit = ShardedFit(
+            strategy=sharded.value, gpus=hi, device_total_bytes=None if hi is None else seen[hi],
+            precision=precision.value, checkpointing=checkpointing,
+            fewer_do_not_fit=hi is not None and hi == lo + 1, traced=tuple(sorted(seen.items())),
+        )
+        name = sharded.value
+        if hi is None:
+            most = max(seen)
+            if most < MAX_GPUS:
+                return fit, (f"{name} over {most} GPUs of this size still does not hold {how}: "
+                             f"{format_bytes(seen[most])} per GPU (the search stopped after {SHARDED_TRACES} traces)")
+            return fit, (f"{name} would not hold {how} even over {MAX_GPUS} GPUs of this size: "
+                         f"{format_bytes(seen[most])} per GPU, and what does not shard (about "
+                         f"{format_bytes(max(0, int(rest)))}) already fills the {format_bytes(limit)} limit")
+        text = f"{name} over {hi} GPUs of this size holds {how}: {format_bytes(seen[hi])} per GPU"
+        if hi - 1 in seen:
+            text += f" ({hi - 1} GPUs: {format_bytes(seen[hi - 1])}, over the {format_bytes(limit)} limit)"
+        elif not fit.fewer_do_not_fit:
+            text += f" (fewer not ruled out: {lo} GPUs do not fit, the counts between were not traced)"
+        if self.global_batch is not None and hi > self.global_batch:
+            text += f"; that is more GPUs than the global batch of {self.global_batch} has samples"
+        return fit, text
+
+
+def _gpus_for(state: float, rest: float, limit: int) -> int | None:
+    """The fewest N with ``rest + state / N <= limit``; None when ``rest`` alone reaches the limit."""
+    if rest >= limit:
+        return None
+    return math.ceil(max(state, 0) / (limit - rest))
+
+
+def _next_guess(totals: dict[int, int], limit: int, lo: int, hi: int | None, cap: int,
+                first_slope: float = 0) -> int:
+    """The next micro-batch to trace: the secant through the two traced points nearest the
+    boundary, kept strictly between ``lo`` (fits) and ``hi`` (does not). After one trace
+    the slope is ``first_slope``: the bytes at micro-batch 1's peak that scale with the
+    batch (activations, temporaries, outputs, the batch itself)."""
+    top = min(cap, hi - 1) if hi is not None else cap
+    if len(totals) == 1:
+        (a, total), = totals.items()
+        if first_slope <= 0:
+            return max(lo + 1, min(top, 4))
+        return max(lo + 1, min(top, a + math.floor((limit - total) / first_slope)))
+    if hi is not None:
+        a, b = lo, hi
+    else:
+        a, b = sorted(totals)[-2:]
+    slope = (totals[b] - totals[a]) / (b - a)
+    if slope <= 0:
+        guess = top
+    else:
+        guess = a + math.floor((limit - totals[a]) / slope)
+    if guess <= lo:  # the prediction says lo is the boundary: confirm it from above
+        guess = lo + 1
+    return max(lo + 1, min(top, guess))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _quadratic_root(points: dict[int, int], limit: int) -> float | None:
+    """The length where a quadratic through the three traced points nearest the limit
+    reaches it (memory grows linearly in length with flash attention, quadratically
+    with eager attention's score matrix)."""
+    xs = sorted(points, key=lambda n: abs(points[n] - limit))[:3]
+    if len(xs) < 3:
+        return None
+    xs.sort()
+    (x0, x1, x2), (y0, y1, y2) = xs, [points[x] for x in xs]
+    # Newton's divided differences: y = y0 + d1 (x - x0) + d2 (x - x0)(x - x1)
+    d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+    d2 = (d12 - d01) / (x2 - x0)
+    a, b, c = d2, d01 - d2 * (x0 + x1), y0 - d01 * x0 + d2 * x0 * x1 - limit
+    if abs(a) < 1e-12:
+        return None if b <= 0 else -c / b
+    disc = b * b - 4 * a * c
+    if disc < 0:
+        return None
+    roots = [(-b + s * math.sqrt(disc)) / (2 * a) for s in (1, -1)]
+    ahead = [r for r in roots if r >= x0]
+    return min(ahead) if ahead else None
+
+
+def _parse_option(value) -> str:
+    text = str(value).strip().lower()
+    if text not in CHECKPOINTING_OPTIONS:
+        raise UsageError(f"checkpointing option {value!r} is not one of {', '.join(CHECKPOINTING_OPTIONS)}"
+                         + closest(text, CHECKPOINTING_OPTIONS))
+    return text
+
+
+def _as_list(value, what: str) -> list:
+    if isinstance(value, (str, Precision)):
+        return [v for v in str(value.value if isinstance(value, Precision) else value).split(",") if v.strip()]
+    try:
+        return list(value)
+    except TypeError:  # None, a number: not a list of names
+        raise UsageError(f"{what} must be a comma-separated string or a list of names, got {value!r}") from None
+
+
+def _unique(items) -> list:
+    out = []
+    for item in items:
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def _arity(fn) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 3
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)

@@ -1,0 +1,418 @@
+"""Measure what DDP and FSDP2 really allocate per process, on CPU with the gloo backend.
+
+Each rank is a fresh process (``torch.multiprocessing``, start method ``spawn``)
+that joins a gloo process group over a file store, wraps the model, trains
+``steps`` steps with ``memcheck.training.loop.run_steps``, and measures the
+allocator the way ``memcheck.measure.local.measure_cpu`` does: the profiler's
+allocation events (``profile_memory=True``), the steady-state peak taken from the
+start of step 2. The results are the oracle for the ``ddp`` and ``fsdp``
+strategies' estimates; nothing here uses the tracer.
+
+One difference from ``measure_cpu``, because gloo runs collectives on worker
+threads: the live-byte count is the CPU allocator's own process-wide running
+total (``total_allocated`` of each profiler allocation event, with the c10 flag
+``caffe2_report_cpu_memory_usage`` set; see ``_process_wide_cpu_accounting``),
+not the sum of the recorded events. gloo drops the last reference to some
+collective temporaries on its worker thread after the profiler's thread-local
+state is gone (the flat buffer of DDP's initial broadcast, the clone gloo's
+reduce-scatter makes of its input), so their frees are never recorded and a
+plain sum would keep them live for the rest of the run, on some ranks and not
+others. Where the flag cannot be set, allocations and frees are paired by
+address instead (an upper bound).
+
+Not measured: gloo's own scratch memory is ``new``/``malloc``, outside the c10
+allocator. Its ring allreduce holds two segments of at most 1 MiB each
+(``gloo/allreduce.h`` ``kMaxSegmentSize``, ``gloo/allreduce.cc`` ``ring``), and a
+gloo process group runs at most two collectives at once (two worker threads),
+so at most about 4 MiB per rank is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue as queue_module
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from memcheck.errors import MemcheckError, UsageError
+from memcheck.measure.local import STEP_MARK, Measured, mark_step
+from memcheck.training.loop import LossFn, default_loss, run_steps
+
+DEFAULT_TIMEOUT_S = 300.0  # seconds for the whole run, and for any one collective (gloo's timeout)
+_POLL_S = 0.2  # seconds between checks that the ranks are still alive
+_EXIT_GRACE_S = 10.0  # seconds a rank that has reported gets to tear down its process group and exit
+_RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # one thread per rank: ranks share the cores
+
+
+class DistributedMeasureError(MemcheckError):
+    """A distributed measurement failed: a rank could not start, raised, died or timed out."""
+
+
+def measure_ddp_cpu(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    loss_fn: LossFn | None = None,
+    world_size: int = 2,
+    steps: int = 2,
+    bucket_cap_mb: float | None = 25,
+    gradient_as_bucket_view: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Measured]:
+    """Train under ``DistributedDataParallel`` on ``world_size`` CPU ranks and measure each.
+
+    Every rank calls ``build()`` (so every rank holds the same micro-batch shape:
+    the per-rank batch is the micro-batch), then wraps the model in
+    ``DistributedDataParallel(model, bucket_cap_mb=..., gradient_as_bucket_view=...)``,
+    then calls ``make_optimizer(ddp.parameters())``, all inside the profiled
+    region, so the broadcast of rank 0's weights and the Reducer's bucket
+    buffers are measured.
+
+    ``build``, ``make_optimizer`` and ``loss_fn`` are sent to spawned processes,
+    so they must be picklable: module-level functions of an importable module
+    (no lambdas, closures or functions defined under ``if __name__ == "__main__"``).
+    ``loss_fn(model, batch)`` receives the DDP wrapper; it defaults to
+    ``memcheck.training.loop.default_loss``.
+
+    Returns:
+        One ``Measured`` per rank, in rank order.
+
+    Raises:
+        UsageError: a bad argument, or a callable that cannot be pickled.
+        DistributedMeasureError: a rank could not start, raised, died or ran past
+            ``timeout_s``; the message carries the rank's traceback.
+
+    Example:
+        >>> # mymodels.py defines build() -> (model, batch) and adamw(params) at module level
+        >>> ranks = measure_ddp_cpu(mymodels.build, mymodels.adamw, world_size=2)
+        >>> max(r.steady_peak_bytes for r in ranks)
+
+    Known limitations:
+        gloo's internal scratch (at most about 2 MiB per allreduce in flight) is
+        allocated outside the c10 allocator and is not counted. ``bucket_cap_mb``
+        passed explicitly also sets the first bucket's cap (DDP keeps its 1 MiB
+        first bucket only when ``bucket_cap_mb`` is ``None``).
+    """
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise UsageError(f"bucket_cap_mb must be a positive number or None, got {bucket_cap_mb!r}")
+    options = {"bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": bool(gradient_as_bucket_view)}
+    return _run_ranks("ddp", build, make_optimizer, loss_fn, world_size, steps, options, timeout_s)
+
+
+def measure_fsdp_cpu(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    loss_fn: LossFn | None = None,
+    world_size: int = 2,
+    steps: int = 2,
+    wrap: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Measured]:
+    """Train under FSDP2 (``fully_shard``) on ``world_size`` CPU ranks and measure each.
+
+    Every rank calls ``build()``, then ``fully_shard(m, mesh=mesh)`` for each
+    module ``wrap(model)`` returns (in that order), then ``fully_shard(model)``
+    on the root, then ``make_optimizer(model.parameters())``, all inside the
+    profiled region. ``wrap`` defaults to the root's direct children that own
+    parameters. The mesh is ``init_device_mesh("cpu", (world_size,))``.
+
+    ``build``, ``make_optimizer``, ``loss_fn`` and ``wrap`` must be picklable
+    module-level functions, as for ``measure_ddp_cpu``.
+
+    Returns:
+        One ``Measured`` per rank, in rank order.
+
+    Raises:
+        UsageError: a bad argument, or a callable that cannot be pickled.
+        DistributedMeasureError: FSDP2 is missing from this torch, or a rank
+            could not start, raised, died or timed out.
+
+    Known limitations:
+        On gloo, reduce-scatter is emulated by cloning the whole (padded)
+        unsharded gradient and allreducing the clone (``ProcessGroupGloo.cpp``
+        ``reduce_scatter_tensor_coalesced``), and all-gather goes through a flat
+        temporary on the worker thread; NCCL does neither, so these CPU peaks
+        are higher than a GPU run's. Which thread frees gloo's temporaries
+        is a race, so a rank's peak can differ from run to run by about one
+        activation (2 MiB for the 256 x 2048 float MLP).
+    """
+    return _run_ranks("fsdp", build, make_optimizer, loss_fn, world_size, steps, {"wrap": wrap}, timeout_s)
+
+
+def _run_ranks(strategy, build, make_optimizer, loss_fn, world_size, steps, options, timeout_s) -> list[Measured]:
+    """Validate, spawn one process per rank, and collect their ``Measured`` in rank order."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not isinstance(steps, int) or steps < 1:
+        raise UsageError(f"steps must be an integer >= 1, got {steps!r}")
+    if not timeout_s > 0:
+        raise UsageError(f"timeout_s must be positive, got {timeout_s!r}")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        raise DistributedMeasureError("this torch build has no torch.distributed gloo backend")
+    callables = {"build": build, "make_optimizer": make_optimizer, "loss_fn": loss_fn, **options}
+    for name, fn in callables.items():
+        if callable(fn):
+            try:
+                pickle.dumps(fn)
+            except Exception as e:  # pickling raises PicklingError, AttributeError or TypeError
+                raise UsageError(
+                    f"{name}={fn!r} cannot be sent to a spawned rank ({type(e).__name__}: {e}); "
+                    "pass a module-level function of an importable module, not a lambda or closure"
+                ) from None
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    results: queue_module.Queue = ctx.Queue()
+    processes = []
+    grace_s = 0.0  # on any failure the ranks are stopped at once: a surviving rank waits in a collective
+    with tempfile.TemporaryDirectory(prefix="memcheck-dist-") as tmp, _environ(_RANK_ENV):
+        init_method = "file://" + os.path.join(tmp, "store")  # FileStore: no TCP port to collide on
+        try:
+            for rank in range(world_size):
+                args = (rank, world_size, init_method, results, strategy, build, make_optimizer, loss_fn, steps,
+                        options, timeout_s)
+                process = ctx.Process(target=_rank_main, args=args, name=f"memcheck-{strategy}-rank{rank}", daemon=True)
+                try:
+                    process.start()
+                except Exception as e:
+                    raise DistributedMeasureError(
+                        f"could not spawn rank {rank} of {world_size}: {type(e).__name__}: {e}"
+                    ) from e
+                processes.append(process)
+            measured = _collect(results, processes, world_size, timeout_s)
+            grace_s = _EXIT_GRACE_S
+            return measured
+        finally:
+            _stop(processes, grace_s)
+
+
+def _collect(results, processes, world_size, timeout_s) -> list[Measured]:
+    """Wait for every rank's message; raise on the first error, death or the deadline."""
+    deadline = time.monotonic() + timeout_s
+    measured: dict[int, Measured] = {}
+    while len(measured) < world_size:
+        try:
+            rank, ok, payload = results.get(timeout=_POLL_S)
+        except queue_module.Empty:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(measured))
+                raise DistributedMeasureError(f"ranks {missing} did not finish within {timeout_s:g} s") from None
+            for rank, process in enumerate(processes):
+                # A rank that exits 0 has already flushed its message; one that died did not send it.
+                if rank not in measured and process.exitcode not in (None, 0):
+                    raise DistributedMeasureError(
+                        f"rank {rank} died with exit code {process.exitcode} before reporting "
+                        "(killed for memory, or crashed while importing the model's module?)"
+                    ) from None
+            continue
+        if not ok:
+            raise DistributedMeasureError(f"rank {rank} failed:\n{payload}")
+        measured[rank] = payload
+    return [measured[rank] for rank in range(world_size)]
+
+
+def _stop(processes, grace_s: float) -> None:
+    """Give the ranks ``grace_s`` seconds to exit, then terminate and if need be kill them (ours, by handle)."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """Set environment variables for the spawned ranks, restoring the parent's afterwards."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _rank_main(rank, world_size, init_method, results, strategy, build, make_optimizer, loss_fn, steps, options,
+               timeout_s) -> None:
+    """Entry point of one spawned rank: join the group, measure, report ``(rank, ok, payload)``."""
+    dist = torch.distributed
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        if strategy == "ddp":
+            setup = _ddp_setup(build, **options)
+        else:
+            setup = _fsdp_setup(build, world_size, **options)
+        report = (rank, True, _measure_rank(setup, make_optimizer, loss_fn or default_loss, steps))
+    except BaseException:  # report everything, KeyboardInterrupt included: the parent is waiting
+        report = (rank, False, traceback.format_exc())
+    results.put(report)  # before the teardown, which can block while a peer is stuck in a collective
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _ddp_setup(build, *, bucket_cap_mb, gradient_as_bucket_view):
+    def setup():
+        model, batch = build()
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view
+        )
+        return ddp, batch
+
+    return setup
+
+
+def _fsdp_setup(build, world_size, *, wrap):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        try:  # torch 2.4 and 2.5 kept FSDP2 under _composable
+            from torch.distributed._composable.fsdp import fully_shard
+        except ImportError as e:
+            raise DistributedMeasureError(f"this torch ({torch.__version__}) has no FSDP2 fully_shard") from e
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def setup():
+        model, batch = build()
+        mesh = init_device_mesh("cpu", (world_size,))
+        blocks = wrap(model) if wrap is not None else _children_with_parameters(model)
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, batch
+
+    return setup
+
+
+def _children_with_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def _measure_rank(setup, make_optimizer, loss_fn, steps) -> Measured:
+    """``measure_cpu``'s measurement, with ``setup()`` (build and wrap) inside the profiled region."""
+    with _process_wide_cpu_accounting() as process_wide:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            model, batch = setup()
+            optimizer = make_optimizer(model.parameters())
+            run_steps(model, batch, loss_fn, optimizer, steps, mark_step)
+            del model, batch, optimizer
+    events, step_start = allocator_events(prof.profiler.kineto_results.experimental_event_tree())
+    live = live_bytes_process_wide(events) if process_wide else live_bytes_paired(events)
+    steady_from = step_start.get(1, step_start.get(0, 0))
+    peak = max((n for _, n in live), default=0)
+    steady = max((n for t, n in live if t >= steady_from), default=0)
+    return Measured(peak_bytes=max(peak, 0), steady_peak_bytes=max(steady, 0))
+
+
+@contextlib.contextmanager
+def _process_wide_cpu_accounting():
+    """Make the CPU allocator count every thread's allocations while profiling; yields whether it could.
+
+    ``c10::ProfiledCPUMemoryReporter`` (``c10/core/CPUAllocator.cpp``) updates its
+    running total only on threads where the profiler is active, unless the flag
+    ``caffe2_report_cpu_memory_usage`` is set. gloo frees some tensors on its
+    worker threads outside the profiler's thread-local state (the last
+    reference to a collective's temporary is dropped there), so without the
+    flag those frees vanish. With it, each recorded event's ``total_allocated``
+    is the process's live bytes, whichever thread last changed them. The flag
+    is a global of libc10, reached through ctypes; it is set only in a spawned
+    rank and restored on exit.
+    """
+    flag = None
+    try:
+        import ctypes
+
+        libc10 = next((torch.__path__[0] + "/lib/" + name for name in ("libc10.so", "libc10.dylib")
+                       if os.path.exists(torch.__path__[0] + "/lib/" + name)), None)
+        if libc10 is not None:
+            flag = ctypes.c_bool.in_dll(ctypes.CDLL(libc10), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError):  # no such library or symbol in this build
+        flag = None
+    if flag is None:
+        yield False
+        return
+    saved = flag.value
+    flag.value = True
+    try:
+        yield True
+    finally:
+        flag.value = saved
+
+
+def allocator_events(event_tree) -> tuple[list[tuple[int, int, int, int]], dict[int, int]]:
+    """The CPU allocator's events in time order, and ``{step: start_ns}`` from the ``STEP_MARK`` markers.
+
+    ``event_tree`` is ``prof.profiler.kineto_results.experimental_event_tree()``;
+    each event is ``(start_ns, signed nbytes, total_allocated, ptr)``. The sort
+    is stable, so events with the same timestamp keep the tree's order.
+    """
+    allocation = torch._C._profiler._ExtraFields_Allocation
+    events = []
+    step_start: dict[int, int] = {}
+    stack = list(reversed(event_tree))
+    while stack:
+        node = stack.pop()
+        extra = node.extra_fields
+        if isinstance(extra, allocation):
+            if extra.device.type == "cpu" and extra.alloc_size != 0:
+                events.append((node.start_time_ns, extra.alloc_size, extra.total_allocated, extra.ptr))
+            continue
+        if node.name.startswith(STEP_MARK + "."):
+            step_start[int(node.name.rsplit(".", 1)[1])] = node.start_time_ns
+        stack.extend(reversed(node.children))
+    events.sort(key=lambda e: e[0])
+    return events, step_start
+
+
+def live_bytes_process_wide(events) -> list[tuple[int, int]]:
+    """``(start_ns, live bytes)`` after each event, from the allocator's process-wide running total.
+
+    The baseline is the total just before the first event, so bytes live
+    before profiling began are not counted, as in ``measure_cpu``.
+    """
+    if not events:
+        return []
+    base = events[0][2] - events[0][1]
+    return [(t, total - base) for t, _, total, _ in events]
+
+
+def live_bytes_paired(events) -> list[tuple[int, int]]:
+    """``(start_ns, live bytes)`` after each event, pairing allocations and frees by address.
+
+    The fallback when the allocator cannot count every thread: a free of a block
+    allocated before profiling began is dropped, and a block whose free was
+    never recorded is taken as freed just before its address is allocated again
+    (or never, if it is not), so the result is an upper bound.
+    """
+    live_blocks: dict[int, int] = {}
+    live = 0
+    out = []
+    for t, n, _, ptr in events:
+        if n > 0:
+            live -= live_blocks.pop(ptr, 0)  # a free that was not recorded
+            live_blocks[ptr] = n
+            live += n
+        elif live_blocks.get(ptr) == -n:
+            del live_blocks[ptr]
+            live += n
+        out.append((t, live))
+    return out

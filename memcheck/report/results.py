@@ -1,0 +1,456 @@
+"""Result objects: frozen dataclasses of integer bytes. ``str()`` renders, ``to_dict()`` is the JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING
+
+from memcheck.training.checkpointing import half_of
+from memcheck.enums import Category, Device, Phase, Precision
+from memcheck.cuda.gpus import GpuSpec
+
+if TYPE_CHECKING:
+    from memcheck.report.timeline import Timeline
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes live at one instant, by category. ``total`` is their sum."""
+
+    params: int = 0
+    buffers: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    temporaries: int = 0
+    outputs: int = 0
+    inputs: int = 0
+    workspaces: int = 0
+    communication: int = 0
+    other: int = 0
+
+    @classmethod
+    def from_categories(cls, by_category: dict[Category, int]) -> "Breakdown":
+        return cls(**{c.value: n for c, n in by_category.items()})
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModuleMemory:
+    """Memory live at the peak that belongs to one module (by its qualified name)."""
+
+    name: str
+    state_bytes: int  # parameters, buffers, gradients, optimizer state and communication buffers it owns
+    activation_bytes: int  # activations, temporaries and outputs allocated inside it
+
+    @property
+    def total(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One tensor of the traced batch."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """The worst-case batch that was traced."""
+
+    batch_size: int
+    max_len: int | None
+    target_len: int | None
+    inputs: tuple[InputSpec, ...]
+
+
+@dataclass(frozen=True)
+class Work:
+    """The compute one GPU runs per micro-step and per optimizer step, counted in the trace.
+
+    FLOPs are torch.utils.flop_counter's formulas (matmuls, convolutions, attention;
+    elementwise ops count 0) and include checkpointing's recomputation; kernels are
+    the ops that launch one (views and bare allocations excluded). The planner's
+    cost proxy (memcheck.engine.plan) reads them.
+    """
+
+    flops_per_micro_step: int  # forward, loss and backward of one micro-batch
+    low_precision_flops_per_micro_step: int  # of those, in bf16/fp16 (autocast or pure low precision)
+    kernels_per_micro_step: int
+    optimizer_kernels: int  # optimizer.step() and zero_grad(), once per optimizer step
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One GPU's (or the CPU's) steady-state peak under a strategy, and what was live at it."""
+
+    index: int
+    peak_bytes: int
+    breakdown_at_peak: Breakdown
+    peak_phase: Phase
+    peak_module: str
+    peak_step: int  # 1-based
+    modules: tuple[ModuleMemory, ...]
+    train_peak_bytes: int  # the training steps' steady-state peak
+    eval_peak_bytes: int | None = None  # the evaluation pass's peak, when one was traced
+    reserved_bytes: int | None = None
+    fragmentation_bytes: int | None = None
+    context_bytes: int | None = None
+    device_total_bytes: int | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.device_total_bytes if self.device_total_bytes is not None else self.peak_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "peak_bytes": self.peak_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "breakdown_at_peak": self.breakdown_at_peak.to_dict(),
+            "peak_phase": self.peak_phase.value,
+            "train_peak_bytes": self.train_peak_bytes,
+            "eval_peak_bytes": self.eval_peak_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one training step needs at its steady-state peak, on the target device."""
+
+    model: str
+    device: Device
+    precision: Precision
+    optimizer: str
+    steps: int
+    batch: BatchInfo
+    peak_bytes: int
+    breakdown_at_peak: Breakdown
+    peak_phase: Phase
+    peak_module: str
+    peak_step: int  # 1-based
+    modules: tuple[ModuleMemory, ...]
+    assumptions: tuple[str, ...]
+    budget_bytes: int | None = None
+    # CUDA target only (None on CPU):
+    reserved_bytes: int | None = None  # max_memory_reserved: the caching allocator's segments
+    fragmentation_bytes: int | None = None  # reserved minus the allocated peak: cached but unusable
+    context_bytes: int | None = None  # CUDA context and libraries outside the allocator
+    device_total_bytes: int | None = None  # reserved + context: what nvidia-smi shows as used
+    gpu: GpuSpec | None = None
+    # Strategy (figures above are the busiest GPU's):
+    strategy: str = "single"
+    gpus: int = 1
+    accumulate: int = 1
+    checkpointing: tuple[str, ...] = ()  # the modules wrapped in torch.utils.checkpoint
+    train_peak_bytes: int | None = None
+    eval_peak_bytes: int | None = None  # None when no evaluation pass was traced
+    busiest_gpu: int = 0
+    per_device: tuple[DeviceMemory, ...] = ()  # multi-GPU strategies: every GPU, in order
+    work: Work | None = None  # the busiest GPU's compute per micro-step, for the planner
+    # estimate(timeline=True): the busiest GPU's memory event by event (--snapshot, --plot); not in to_dict
+    timeline: Timeline | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def peak_in(self) -> str:
+        """``"train"`` or ``"eval"``: which pass sets the peak."""
+        if self.eval_peak_bytes is not None and self.eval_peak_bytes > (self.train_peak_bytes or 0):
+            return "eval"
+        return "train"
+
+    @property
+    def total_bytes(self) -> int:
+        """The figure judged against the budget: device total on CUDA, the peak on CPU."""
+        return self.device_total_bytes if self.device_total_bytes is not None else self.peak_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """True/False against the budget; None when no budget was given."""
+        if self.budget_bytes is None:
+            return None
+        return self.total_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict:
+        """The JSON object ``memcheck --json`` prints."""
+        return {
+            "model": self.model,
+            "peak_bytes": self.peak_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "fragmentation_bytes": self.fragmentation_bytes,
+            "context_bytes": self.context_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "gpu": None if self.gpu is None else {
+                "name": self.gpu.name,
+                "capacity_bytes": self.gpu.capacity_bytes,
+                "arch": f"sm{self.gpu.arch[0]}{self.gpu.arch[1]}",
+            },
+            "breakdown_at_peak": self.breakdown_at_peak.to_dict(),
+            "peak_phase": self.peak_phase.value,
+            "peak_in": self.peak_in,
+            "train_peak_bytes": self.train_peak_bytes,
+            "eval_peak_bytes": self.eval_peak_bytes,
+            "peak_module": self.peak_module,
+            "peak_step": self.peak_step,
+            "batch": {
+                "batch_size": self.batch.batch_size,
+                "max_len": self.batch.max_len,
+                "target_len": self.batch.target_len,
+                "input_shapes": {i.name: list(i.shape) for i in self.batch.inputs},
+                "input_dtypes": {i.name: i.dtype for i in self.batch.inputs},
+            },
+            "strategy": self.strategy,
+            "gpus": self.gpus,
+            "busiest_gpu": self.busiest_gpu,
+            "per_device": [d.to_dict() for d in self.per_device],
+            "accumulate": self.accumulate,
+            "checkpointing": list(self.checkpointing),
+            "work": None if self.work is None else asdict(self.work),
+            "device": self.device.value,
+            "precision": self.precision.value,
+            "optimizer": self.optimizer,
+            "steps": self.steps,
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "modules": [
+                {"name": m.name, "state_bytes": m.state_bytes, "activation_bytes": m.activation_bytes}
+                for m in self.modules
+            ],
+            "assumptions": list(self.assumptions),
+        }
+
+    def __str__(self) -> str:
+        from memcheck.report.text import render_estimate
+
+        return render_estimate(self)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One job under every strategy that applies to ``gpus`` GPUs (``memcheck --compare``)."""
+
+    gpus: int
+    rows: tuple[Estimate, ...]
+
+    @property
+    def fits(self) -> bool | None:
+        """True when some strategy fits its budget; None without a budget."""
+        verdicts = [r.fits for r in self.rows if r.fits is not None]
+        return any(verdicts) if verdicts else None
+
+    def to_dict(self) -> dict:
+        return {"gpus": self.gpus, "fits": self.fits, "rows": [r.to_dict() for r in self.rows]}
+
+    def __str__(self) -> str:
+        from memcheck.report.text import render_comparison
+
+        return render_comparison(self)
+
+
+@dataclass(frozen=True)
+class PlanOption:
+    """One (checkpointing, precision) option the planner traced, at its best micro-batch."""
+
+    micro_batch_size: int
+    accumulation_steps: int
+    checkpointing: str  # "none", "half" (every second repeated block) or "full"
+    precision: str
+    predicted_device_total_bytes: int  # the traced device total (the peak on the CPU target)
+    fits: bool
+    relative_cost: float  # the cost proxy: per optimizer step with a global batch, else per sample
+    traces: int  # traces this option took
+    largest_fitting_micro_batch: int  # 0 when micro-batch 1 does not fit
+    boundary_confirmed: bool  # the size above the largest fitting one was traced and does not fit
+    note: str = ""  # why the search stopped early, when it did
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["relative_cost"] = None if self.relative_cost == float("inf") else self.relative_cost
+        return out
+
+
+@dataclass(frozen=True)
+class ShardedFit:
+    """When nothing fits on one GPU: the fewest GPUs of the same size that hold one rank of a
+    sharded strategy at micro-batch 1, found by tracing (``memcheck.engine.plan``)."""
+
+    strategy: str  # "fsdp", or "zero3" when a DeepSpeed stage was asked for
+    gpus: int | None  # the fewest that fit; None when none up to the search's ceiling did
+    device_total_bytes: int | None  # the traced device total of one rank at ``gpus``
+    precision: str
+    checkpointing: str
+    fewer_do_not_fit: bool  # gpus - 1 was traced (or is one GPU) and does not fit
+    traced: tuple[tuple[int, int], ...]  # (gpus, traced device total per GPU), for every count traced
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["micro_batch_size"] = 1
+        out["traced"] = [{"gpus": n, "device_total_bytes": b} for n, b in self.traced]
+        return out
+
+
+@dataclass(frozen=True)
+class LengthPoint:
+    """The traced device total at one padded length (the length profile)."""
+
+    length: int
+    predicted_device_total_bytes: int
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run so the job fits: ``memcheck plan``'s result."""
+
+    model: str
+    device: Device
+    gpu: GpuSpec | None
+    capacity_bytes: int
+    margin: float  # the fraction of the capacity held back
+    limit_bytes: int  # capacity * (1 - margin): the recommended device total stays at or below it
+    strategy: str
+    gpus: int
+    global_batch: int | None
+    recommended: PlanOption | None  # None when nothing fits
+    alternatives: tuple[PlanOption, ...]
+    length_profile: tuple[LengthPoint, ...]
+    longest_fitting_length: int | None  # at the recommended micro-batch
+    max_len: int | None
+    traces: int  # every trace the plan took
+    estimate: Estimate | None  # the recommended configuration's own trace
+    suggestion: str | None = None  # when nothing fits: what would
+    sharded: ShardedFit | None = None  # when nothing fits on the CUDA target: how many GPUs fsdp/zero3 need
+    blocks: tuple[str, ...] = ()  # the repeated blocks "full" checkpoints ("half": every second)
+    position_limit: int | None = None  # the longest length the model's position embeddings take
+    verification: "Verification | None" = None  # --measure: the recommendation run for real
+
+    @property
+    def fits(self) -> bool:
+        return self.recommended is not None
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.capacity_bytes - self.limit_bytes
+
+    @property
+    def effective_global_batch(self) -> int | None:
+        r = self.recommended
+        return None if r is None else r.micro_batch_size * r.accumulation_steps * self.gpus
+
+    def to_dict(self) -> dict:
+        r = self.recommended
+        plan = {
+            "micro_batch_size": r.micro_batch_size if r else None,
+            "accumulation_steps": r.accumulation_steps if r else None,
+            "checkpointing": r.checkpointing if r else None,
+            "checkpointed_modules": list(self.checkpointed_modules),
+            "precision": r.precision if r else None,
+            "predicted_device_total_bytes": r.predicted_device_total_bytes if r else None,
+            "capacity_bytes": self.capacity_bytes,
+            "margin": self.margin,
+            "margin_bytes": self.margin_bytes,
+            "limit_bytes": self.limit_bytes,
+            "global_batch": self.global_batch,
+            "effective_global_batch": self.effective_global_batch,
+            "strategy": self.strategy,
+            "gpus": self.gpus,
+            "traces": self.traces,
+            "fits": self.fits,
+            "suggestion": self.suggestion,
+            "sharded": None if self.sharded is None else self.sharded.to_dict(),
+            "alternatives": [o.to_dict() for o in self.alternatives],
+            "length_profile": [asdict(p) for p in self.length_profile],
+            "longest_fitting_length": self.longest_fitting_length,
+            "verification": None if self.verification is None else self.verification.to_dict(),
+        }
+        return {"plan": plan, "estimate": None if self.estimate is None else self.estimate.to_dict()}
+
+    @property
+    def checkpointed_modules(self) -> tuple[str, ...]:
+        r = self.recommended
+        if r is None or r.checkpointing == "none":
+            return ()
+        return self.blocks if r.checkpointing == "full" else half_of(self.blocks)
+
+    def __str__(self) -> str:
+        from memcheck.report.text import render_plan
+
+        return render_plan(self)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The recommended configuration run for real (``--measure``)."""
+
+    device: str  # "cuda" or "cpu"
+    steps: int  # optimizer steps run (fewer when it ran out of memory)
+    predicted_bytes: int  # the plan's device total (the peak on CPU)
+    measured_bytes: int | None  # the driver's used memory on CUDA, the profiler's peak on CPU
+    peak_allocated_bytes: int | None  # max_memory_allocated (CUDA)
+    peak_reserved_bytes: int | None  # max_memory_reserved (CUDA)
+    out_of_memory: bool
+    error: str | None = None  # the OOM's first line
+
+    @property
+    def error_fraction(self) -> float | None:
+        if not self.measured_bytes:
+            return None
+        return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "error_fraction": self.error_fraction}
+
+
+@dataclass(frozen=True)
+class EvalFix:
+    """When training fits and the evaluation pass does not: an evaluation that fits."""
+
+    eval_batch_size: int
+    eval_accumulate_predictions: int  # evaluation batches whose predictions stay on the device
+    predicted_device_total_bytes: int  # traced at exactly these settings (the peak on CPU)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``memcheck.check``'s result: the job's estimate judged against the capacity minus the margin."""
+
+    estimate: Estimate
+    capacity_bytes: int
+    margin: float  # the fraction of the capacity held back
+    limit_bytes: int  # capacity * (1 - margin)
+    fix: "Plan | None" = None  # for a job over the limit: the plan at the job's own global batch
+    eval_fix: EvalFix | None = None  # for a job whose evaluation pass alone is over the limit
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.total_bytes <= self.limit_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.capacity_bytes - self.limit_bytes
+
+    def __str__(self) -> str:
+        from memcheck.report.text import render_verdict
+
+        return render_verdict(self)
+
+    def to_dict(self) -> dict:
+        return {
+            "fits": self.fits,
+            "total_bytes": self.estimate.total_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "margin": self.margin,
+            "limit_bytes": self.limit_bytes,
+            "fix": None if self.fix is None else self.fix.to_dict()["plan"],
+            "eval_fix": None if self.eval_fix is None else asdict(self.eval_fix),
+            "estimate": self.estimate.to_dict(),
+        }

@@ -1,0 +1,437 @@
+"""All human-readable output: tables through tabulate, JSON through ``to_dict``."""
+
+from __future__ import annotations
+
+import json
+
+from typing import TYPE_CHECKING
+
+from tabulate import tabulate
+
+from memcheck.training.checkpointing import half_of
+from memcheck.units import format_bytes
+
+if TYPE_CHECKING:  # the results import this module to render themselves
+    from memcheck.report.results import Comparison, DeviceMemory, Estimate, Plan, PlanOption, Verdict
+
+_CATEGORY_LABELS = {
+    "params": "parameters",
+    "buffers": "buffers",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "activations (saved for backward)",
+    "temporaries": "temporaries",
+    "outputs": "outputs and loss",
+    "inputs": "input batch",
+    "workspaces": "cuBLAS workspaces",
+    "communication": "communication buffers",
+    "other": "other",
+}
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def _gpu_label(est: Estimate) -> str:
+    gpu = est.gpu
+    if gpu is None:
+        return "no GPU named"
+    return f"{gpu.name}, {format_bytes(gpu.capacity_bytes)}, sm{gpu.arch[0]}{gpu.arch[1]}"
+
+
+def render_estimate(est: Estimate) -> str:
+    """The table printed by ``memcheck MODEL``."""
+    b = est.batch
+    shapes = ", ".join(f"{i.name} {tuple(i.shape)}" for i in b.inputs)
+    how = [est.strategy]
+    if est.accumulate > 1:
+        how.append(f"accumulate {est.accumulate}")
+    if est.checkpointing:
+        how.append(f"checkpointing {len(est.checkpointing)} module(s)" if est.checkpointing[0][0] != "("
+                   else "checkpointing " + est.checkpointing[0])
+    lines = [
+        f"memcheck: {est.model} on {est.device.value}, {est.precision.value}, {est.optimizer}, "
+        f"batch {b.batch_size}" + (f" x {b.max_len} tokens" if b.max_len else ""),
+        f"strategy: {', '.join(how)}",
+        f"worst-case batch: {shapes}" if shapes else "",
+        "",
+    ]
+    bd = est.breakdown_at_peak.to_dict()
+    rows = [
+        [_CATEGORY_LABELS[k], format_bytes(v), _pct(v, est.peak_bytes)] for k, v in bd.items() if v
+    ]
+    peak_label = "allocated peak (steady state)" if est.reserved_bytes is not None else "peak (steady state)"
+    rows.append([peak_label, format_bytes(est.peak_bytes), "100.0%"])
+    lines.append(tabulate(rows, headers=["at the peak", "memory", "share"], tablefmt="simple"))
+    if est.device_total_bytes is not None:
+        lines.append("")
+        lines.append(tabulate(
+            [
+                ["allocated peak (max_memory_allocated)", format_bytes(est.peak_bytes)],
+                ["reserved by the caching allocator (max_memory_reserved)", format_bytes(est.reserved_bytes)],
+                ["  of which beyond the allocated peak (fragmentation)", format_bytes(est.fragmentation_bytes)],
+                ["CUDA context and libraries (estimate)", format_bytes(est.context_bytes)],
+                ["device total (as nvidia-smi shows)", format_bytes(est.device_total_bytes)],
+            ],
+            headers=[f"on the GPU ({_gpu_label(est)})", "memory"], tablefmt="simple",
+        ))
+    if est.per_device:
+        lines.append("")
+        lines.append(render_devices(est.per_device))
+    lines.append("")
+    where = f"GPU {est.busiest_gpu}, " if est.per_device else ""
+    lines.append(
+        f"peak {where}in step {est.peak_step}, phase {est.peak_phase.value}, module {est.peak_module}"
+    )
+    if est.eval_peak_bytes is not None:
+        lines.append(
+            f"the job's peak is in {'evaluation' if est.peak_in == 'eval' else 'training'}: "
+            f"training {format_bytes(est.train_peak_bytes)}, evaluation {format_bytes(est.eval_peak_bytes)}"
+        )
+    if est.modules:
+        lines.append("")
+        mrows = [
+            [m.name, format_bytes(m.state_bytes), format_bytes(m.activation_bytes), format_bytes(m.total)]
+            for m in est.modules
+        ]
+        lines.append(
+            tabulate(
+                mrows,
+                headers=["top modules at the peak", "weights+grads+optim+comm", "activations", "total"],
+                tablefmt="simple",
+            )
+        )
+    if est.assumptions:
+        lines.append("")
+        lines.append("assumed:")
+        lines.extend(f"  - {a}" for a in est.assumptions)
+    if est.budget_bytes is not None:
+        lines.append("")
+        verdict = "FITS" if est.fits else "DOES NOT FIT"
+        what = "device total" if est.device_total_bytes is not None else "peak"
+        lines.append(
+            f"{verdict}: {what} {format_bytes(est.total_bytes)} vs {format_bytes(est.budget_bytes)} available"
+        )
+    return "\n".join(line for line in lines if line is not None).replace("\n\n\n", "\n\n")
+
+
+def _device_groups(devices) -> list[tuple[str, DeviceMemory]]:
+    """Consecutive GPUs with the same figures share a column ("GPU 1-7")."""
+    groups: list[list[DeviceMemory]] = []
+    for d in devices:
+        if groups and _same(groups[-1][-1], d):
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+    return [(f"GPU {g[0].index}" if len(g) == 1 else f"GPU {g[0].index}-{g[-1].index}", g[0]) for g in groups]
+
+
+def _same(a: DeviceMemory, b: DeviceMemory) -> bool:
+    return (a.peak_bytes, a.reserved_bytes, a.device_total_bytes, a.breakdown_at_peak) == (
+        b.peak_bytes, b.reserved_bytes, b.device_total_bytes, b.breakdown_at_peak)
+
+
+def render_devices(devices) -> str:
+    """Each GPU's figures, GPUs as columns."""
+    groups = _device_groups(devices)
+    rows = []
+    for key, label in _CATEGORY_LABELS.items():
+        values = [getattr(d.breakdown_at_peak, key) for _, d in groups]
+        if any(values):
+            rows.append([label] + [format_bytes(v) for v in values])
+    rows.append(["allocated peak"] + [format_bytes(d.peak_bytes) for _, d in groups])
+    if groups[0][1].device_total_bytes is not None:
+        rows.append(["reserved"] + [format_bytes(d.reserved_bytes) for _, d in groups])
+        rows.append(["device total"] + [format_bytes(d.device_total_bytes) for _, d in groups])
+    rows.append(["peak phase"] + [d.peak_phase.value for _, d in groups])
+    return tabulate(rows, headers=["per GPU, at its own peak"] + [name for name, _ in groups], tablefmt="simple")
+
+
+def render_comparison(cmp: Comparison) -> str:
+    """The table printed by ``memcheck MODEL --compare``."""
+    first = cmp.rows[0]
+    b = first.batch
+    lines = [
+        f"memcheck: {first.model} on {first.device.value}, {first.precision.value}, {first.optimizer}, "
+        f"{b.batch_size} per GPU" + (f" x {b.max_len} tokens" if b.max_len else "") + f", {cmp.gpus} GPU(s)",
+        "",
+    ]
+    cuda = first.device_total_bytes is not None
+    headers = ["strategy", "peak (allocated)"] + (["reserved", "device total"] if cuda else []) + ["busiest GPU"]
+    rows = []
+    for r in cmp.rows:
+        row = [r.strategy, format_bytes(r.peak_bytes)]
+        if cuda:
+            row += [format_bytes(r.reserved_bytes), format_bytes(r.device_total_bytes)]
+        row.append(str(r.busiest_gpu) if r.per_device else "-")
+        if r.fits is not None:
+            row.append("fits" if r.fits else "DOES NOT FIT")
+        rows.append(row)
+    if any(r.fits is not None for r in cmp.rows):
+        headers.append(f"vs {format_bytes(first.budget_bytes)}")
+    lines.append(tabulate(rows, headers=headers, tablefmt="simple"))
+    lines.append("")
+    lines.append("figures are each strategy's busiest GPU; run one with --strategy NAME --gpus N for its breakdown")
+    return "\n".join(lines)
+
+
+PADDING_NOTE = (
+    "padding: these figures are for every sequence padded to the length shown. The tokenizer's "
+    "padding=True pads each batch only to its longest sample, so shapes (and memory) vary from batch to "
+    "batch; only padding='max_length' (or a bucketing sampler capped at that length) makes the traced "
+    "worst case the real worst case."
+)
+
+
+def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
+    """The recommendation as memcheck flags and as transformers TrainingArguments."""
+    flags = [f"--batch-size {r.micro_batch_size}"]
+    args = [f"per_device_train_batch_size={r.micro_batch_size}"]
+    if r.accumulation_steps > 1:
+        flags.append(f"--accumulate {r.accumulation_steps}")
+    args.append(f"gradient_accumulation_steps={r.accumulation_steps}")
+    if r.checkpointing == "full":
+        flags.append("--checkpointing full")
+        args.append("gradient_checkpointing=True")
+    elif r.checkpointing == "half":
+        flags.append("--checkpointing " + ",".join(plan.checkpointed_modules))
+        # transformers' every_n_layers checkpoints layers 0, n, 2n, ... (modeling_utils.py
+        # _set_gradient_checkpointing): with n = 2 the blocks half_of() names.
+        args.append("gradient_checkpointing=True, gradient_checkpointing_kwargs={'every_n_layers': 2}")
+    if r.precision != "fp32":
+        flags.append(f"--precision {r.precision}")
+    args.append({"amp-bf16": "bf16=True", "amp-fp16": "fp16=True", "bf16": "bf16=True with the model loaded in "
+                 "torch.bfloat16", "fp16": "the model loaded in torch.float16 (no TrainingArguments flag)"}
+                .get(r.precision, "fp32 (neither bf16 nor fp16)"))
+    if plan.strategy != "single":
+        flags.append(f"--strategy {plan.strategy} --gpus {plan.gpus}")
+        args.append({"fsdp": 'fsdp="full_shard"', "zero3": "deepspeed= a ZeRO stage 3 config",
+                     "zero2": "deepspeed= a ZeRO stage 2 config", "zero1": "deepspeed= a ZeRO stage 1 config"}
+                    .get(plan.strategy, f"launched on {plan.gpus} GPUs (torchrun --nproc_per_node {plan.gpus})"))
+    return " ".join(flags), ", ".join(args)
+
+
+def _checkpointing_label(plan: Plan, option: PlanOption) -> str:
+    if option.checkpointing == "half":
+        return f"half ({len(half_of(plan.blocks))} of {len(plan.blocks)} blocks)"
+    if option.checkpointing == "full" and plan.blocks:
+        return f"full ({len(plan.blocks)} blocks)"
+    return option.checkpointing
+
+
+def render_plan(plan: Plan) -> str:
+    """The table printed by ``memcheck plan``."""
+    where = plan.gpu.name if plan.gpu is not None else plan.device.value
+    head = f"memcheck plan: {plan.model} on {where}" + (
+        f", {plan.gpus} GPU(s), {plan.strategy}" if plan.device.value == "cuda" else "")
+    if plan.global_batch is not None:
+        head += f", global batch {plan.global_batch}"
+    if plan.max_len:
+        head += f", every sequence padded to {plan.max_len}"
+    what = "device total" if plan.device.value == "cuda" else "peak"
+    lines = [
+        head,
+        f"limit: {what} at most {format_bytes(plan.limit_bytes)} = capacity {format_bytes(plan.capacity_bytes)} "
+        f"minus a {plan.margin:.0%} margin ({format_bytes(plan.margin_bytes)})",
+        "",
+    ]
+    r = plan.recommended
+    if r is not None:
+        per_step = r.micro_batch_size * r.accumulation_steps * plan.gpus
+        lines.append(
+            f"RECOMMENDED: micro-batch {r.micro_batch_size} x {r.accumulation_steps} accumulation step(s)"
+            + (f" x {plan.gpus} GPUs" if plan.gpus > 1 else "") + f" = {per_step} samples per optimizer step, "
+            f"checkpointing {_checkpointing_label(plan, r)}, {r.precision}"
+        )
+        if plan.global_batch is not None and per_step != plan.global_batch:
+            lines.append(f"  note: {per_step} is the nearest reachable to the global batch {plan.global_batch}")
+        lines.append(f"  {what} {format_bytes(r.predicted_device_total_bytes)} (traced at exactly this point)")
+        flags, args = _flags(plan, r)
+        lines.append(f"  memcheck flags:     {flags}")
+        lines.append(f"  TrainingArguments: {args}")
+        if r.checkpointing == "half":
+            lines.append(f"  checkpointed blocks: {', '.join(plan.checkpointed_modules)}")
+    else:
+        lines.append("NOTHING FITS: not even micro-batch 1 with the most checkpointing and the lowest precision allowed")
+        if plan.suggestion:
+            lines.append(f"  what would: {plan.suggestion}")
+    lines.append("")
+    rows = []
+    for o in ((r,) if r else ()) + plan.alternatives:
+        rows.append([
+            "*" if o is r else "", o.precision, _checkpointing_label(plan, o),
+            o.micro_batch_size if o.fits else "-", o.accumulation_steps if o.fits else "-",
+            format_bytes(o.predicted_device_total_bytes) + ("" if o.fits else " at micro-batch 1"),
+            ("not searched" if o.note else str(o.largest_fitting_micro_batch)
+             + ("" if o.boundary_confirmed else " (not pinned)")) if o.fits else "none", f"{o.relative_cost / r.relative_cost:.2f}" if (o.fits and r) else "-",
+            str(o.traces),
+        ])
+    lines.append(tabulate(rows, headers=["", "precision", "checkpointing", "micro-batch", "accumulation",
+                                         what, "largest fitting", "relative cost", "traces"], tablefmt="simple",
+                          disable_numparse=True))
+    lines.append("relative cost: the proxy's time per optimizer step (per sample without a global batch), "
+                 "1.00 = recommended; see memcheck.engine.plan")
+    if plan.length_profile:
+        lines.append("")
+        lines.append(tabulate(
+            [[p.length, f"{100 * p.length / plan.max_len:.0f}%", format_bytes(p.predicted_device_total_bytes),
+              "fits" if p.fits else "DOES NOT FIT"] for p in plan.length_profile],
+            headers=[f"padded length (micro-batch {r.micro_batch_size})", "of max-len", what, ""],
+            tablefmt="simple",
+        ))
+        if plan.longest_fitting_length is not None:
+            limit = plan.position_limit or plan.max_len
+            lines.append(f"longest padded length that fits at micro-batch {r.micro_batch_size}: "
+                         f"{plan.longest_fitting_length}" + (
+                             " (the model's position limit)" if plan.longest_fitting_length == plan.position_limit
+                             else " (searched up to --max-len)" if limit == plan.max_len else
+                             f" (in multiples of 8, up to the position limit {limit})"))
+    if plan.verification is not None:
+        lines.append("")
+        lines.append(render_verification(plan.verification))
+    lines.append("")
+    lines.append(f"traces: {plan.traces}")
+    if plan.max_len:
+        lines.append(PADDING_NOTE)
+    return "\n".join(lines)
+
+
+def _where(v: Verdict) -> str:
+    gpu = v.estimate.gpu
+    return (f"{gpu.name} {format_bytes(v.capacity_bytes)}" if gpu is not None
+            else f"{v.estimate.device.value} budget {format_bytes(v.capacity_bytes)}")
+
+
+def verdict_line(v: Verdict) -> str:
+    """One line: does the job fit, by how much, and at which settings."""
+    est = v.estimate
+    what = "device total" if est.device_total_bytes is not None else "peak"
+    settings = (f"micro-batch {est.batch.batch_size} x {est.accumulate} accumulation step(s), {est.precision.value}, "
+                f"checkpointing {'none' if not est.checkpointing else f'{len(est.checkpointing)} module(s)'}"
+                + (f", {est.strategy} x{est.gpus}" if est.gpus > 1 else ""))
+    limit = (f"the {format_bytes(v.limit_bytes)} limit ({_where(v)} minus a {v.margin:.0%} margin)"
+             if v.margin else f"the {format_bytes(v.limit_bytes)} capacity ({_where(v)})")
+    if v.fits:
+        return f"fits: {est.model} needs {format_bytes(est.total_bytes)} ({what}) of {limit} at {settings}"
+    where = "the evaluation pass" if est.peak_in == "eval" else est.peak_phase.value
+    return (f"will not fit: {est.model} needs {format_bytes(est.total_bytes)} ({what}, reached in {where}) "
+            f"over {limit} at {settings}")
+
+
+_FIX_STYLES = ("python", "memcheck", "trainer", "lightning", "config")
+
+
+def fix_line(v: Verdict, style: str = "python") -> str:
+    """One line: what to run instead, in the words of where the job is configured:
+    ``python`` (check()'s arguments), ``memcheck`` (CLI flags), ``trainer`` (transformers'
+    TrainingArguments), ``lightning`` (Trainer arguments) or ``config`` (``memcheck check`` keys)."""
+    if style not in _FIX_STYLES:
+        raise ValueError(f"style must be one of {', '.join(_FIX_STYLES)}, got {style!r}")
+    if v.fits:
+        return "fix: none needed"
+    if v.eval_fix is not None:
+        e = v.eval_fix
+        words = {
+            "python": f"eval_batch_size={e.eval_batch_size}, eval_accumulate_predictions={e.eval_accumulate_predictions}",
+            "memcheck": f"--eval-batch-size {e.eval_batch_size} --eval-accumulate-predictions "
+                        f"{e.eval_accumulate_predictions}",
+            "trainer": f"per_device_eval_batch_size={e.eval_batch_size}"
+                       + (f", eval_accumulation_steps={e.eval_accumulate_predictions}"
+                          if e.eval_accumulate_predictions else ""),
+            "lightning": f"an evaluation DataLoader with batch_size={e.eval_batch_size}",
+            "config": f"eval_batch = {e.eval_batch_size}, eval_accumulate_predictions = {e.eval_accumulate_predictions}",
+        }[style]
+        return (f"fix: training fits, evaluation does not; evaluate with {words} "
+                f"({format_bytes(e.predicted_device_total_bytes)}, traced)")
+    if v.fix is None:
+        if v.estimate.peak_in == "eval":
+            return "fix: not even an evaluation batch of 1 fits next to the training state; use a larger GPU"
+        return "fix: not searched (check(fix=False))"
+    plan, r = v.fix, v.fix.recommended
+    if r is None:
+        return (f"fix: no micro-batch, accumulation and checkpointing at {v.estimate.precision.value} fits; "
+                f"what would: {plan.suggestion or ('a larger GPU' if plan.device.value == 'cuda' else 'a larger budget')}")
+    flags, args = _flags(plan, r)
+    ck = "none" if r.checkpointing == "none" else "full" if r.checkpointing == "full" else list(
+        plan.checkpointed_modules)
+    words = {
+        "python": f"batch_size={r.micro_batch_size}, accumulate={r.accumulation_steps}, checkpointing={ck!r}",
+        "memcheck": flags,
+        "trainer": args,
+        "lightning": f"batch_size={r.micro_batch_size} in the DataLoader, Trainer(accumulate_grad_batches="
+                     f"{r.accumulation_steps})" + ("" if r.checkpointing == "none" else
+                                                    ", gradient checkpointing on " + _checkpointing_label(plan, r)),
+        "config": f"micro_batch = {r.micro_batch_size}, accumulation = {r.accumulation_steps}, checkpointing = "
+                  + (f'"{ck}"' if isinstance(ck, str) else "[" + ", ".join(f'"{m}"' for m in ck) + "]"),
+    }[style]
+    return (f"fix: {words} (global batch {plan.effective_global_batch} kept; "
+            f"{format_bytes(r.predicted_device_total_bytes)}, traced at exactly these settings)")
+
+
+def render_verdict(v: Verdict, style: str = "python") -> str:
+    """The verdict and, for a job that does not fit, the fix: two lines."""
+    return verdict_line(v) if v.fits else f"{verdict_line(v)}\n{fix_line(v, style)}"
+
+
+def render_verification(v) -> str:
+    """``--measure``'s line: the recommendation run for real."""
+    if v.out_of_memory:
+        return (f"MEASURED: ran out of memory after {v.steps} step(s) on {v.device}, predicted "
+                f"{format_bytes(v.predicted_bytes)}: {v.error}")
+    what = "device used (driver)" if v.device == "cuda" else "peak (profiler)"
+    text = (f"MEASURED over {v.steps} real steps on {v.device}: {what} {format_bytes(v.measured_bytes)}, "
+            f"predicted {format_bytes(v.predicted_bytes)} ({100 * v.error_fraction:+.1f}%)")
+    if v.peak_reserved_bytes is not None:
+        text += (f"; max_memory_allocated {format_bytes(v.peak_allocated_bytes)}, "
+                 f"max_memory_reserved {format_bytes(v.peak_reserved_bytes)}")
+    return text
+
+
+def render_json(est) -> str:
+    """One JSON object, as ``--json`` prints it (an Estimate, a Comparison or a Plan)."""
+    return json.dumps(est.to_dict(), indent=2)
+
+
+def render_gpus(gpus, as_json: bool = False) -> str:
+    """The table (or JSON) of ``memcheck gpus``."""
+    rows = [
+        {"name": g.name, "capacity_bytes": g.capacity_bytes, "arch": f"sm{g.arch[0]}{g.arch[1]}",
+         "context_bytes": g.context_bytes}
+        for g in gpus
+    ]
+    if as_json:
+        return json.dumps(rows, indent=2)
+    return tabulate(
+        [[r["name"], format_bytes(r["capacity_bytes"]), r["arch"], format_bytes(r["context_bytes"])] for r in rows],
+        headers=["GPU", "capacity", "arch", "CUDA context (estimate)"], tablefmt="simple",
+    )
+
+
+def render_config_check(results, skipped=(), as_json: bool = False) -> str:
+    """``memcheck check``'s output for ``(JobConfig, Verdict)`` pairs: one line per job that
+    fits; for one that does not, its verdict and its fix in config keys. ``--json``: one
+    object, ``{"fits", "results": [...], "skipped": [...]}``."""
+    if as_json:
+        return json.dumps({
+            "fits": all(v.fits for _, v in results),
+            "results": [{"file": job.file, "job": job.name, "table": job.where or None,
+                         "verdict_line": verdict_line(v), "fix_line": None if v.fits else fix_line(v, "config"),
+                         **v.to_dict()} for job, v in results],
+            "skipped": list(skipped),
+        }, indent=2)
+    lines = []
+    for job, v in results:
+        if v.fits:
+            what = "device total" if v.estimate.device_total_bytes is not None else "peak"
+            lines.append(f"ok    {job.label}: {what} {format_bytes(v.estimate.total_bytes)} of the "
+                         f"{format_bytes(v.limit_bytes)} limit")
+        else:
+            lines.append(f"FAIL  {job.label}: {verdict_line(v)}")
+            lines.append(f"      {fix_line(v, 'config')}")
+    return "\n".join(lines)
+
+
+def will_not_fit_message(verdict: "Verdict", style: str = "python") -> str:
+    """``WillNotFit``'s message: the verdict on one line, the fix (in ``style``'s words) on the next."""
+    return f"{verdict_line(verdict)}\n{fix_line(verdict, style)}"

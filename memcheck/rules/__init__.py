@@ -1,0 +1,24 @@
+"""Op rules: what memcheck knows about particular ops, per target device.
+
+``registry`` holds the tables and ``register_op_rule``, and imports no rule. Each module
+below registers its own rules when imported; importing this package imports them all:
+
+* ``sdpa``: ``scaled_dot_product_attention``'s kernel choice on each target, and the CPU
+  flash-attention kernels' buffers;
+* ``cpu_kernels``: CPU kernels whose buffers differ from the meta kernel's (oneDNN, LSTM, ...);
+* ``cuda_kernels`` and ``cuda_attention``: CUDA kernels whose memory differs from the meta
+  kernel's (softmax, cuDNN convolutions; flash / efficient / cuDNN attention);
+* ``data_dependent``: ops whose output size depends on values take the worst case;
+* ``autocast``: ``torch.autocast``'s casts, emulated on meta tensors;
+* ``extensions``: flash-attn and bitsandbytes, by qualified op name.
+"""
+
+from memcheck.rules import (  # noqa: F401  (each registers its rules)
+    autocast,
+    cpu_kernels,
+    cuda_attention,
+    cuda_kernels,
+    data_dependent,
+    extensions,
+    sdpa,
+)

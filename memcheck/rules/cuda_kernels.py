@@ -1,0 +1,59 @@
+"""Rules for kernels whose memory on CUDA differs from what their meta kernels show.
+
+Attention has its own module (``memcheck.rules.cuda_attention``); these are the rest.
+Each rule is active only when the tracer's target is CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memcheck.cuda.overhead import cudnn_conv_workspace_bytes, cudnn_workspace_note
+from memcheck.enums import Device
+from memcheck.rules.registry import register_op_rule
+
+aten = torch.ops.aten
+
+
+def _softmax_rule(log: bool):
+    """aten/src/ATen/native/SoftMax.cpp ``softmax``/``log_softmax``: on CUDA a Half input
+    with ``dtype=float32`` runs the ``half_to_float`` kernel, reading fp16 and writing
+    fp32 with no float32 copy of the input; elsewhere (bf16, CPU) the input is converted
+    first. HF's eager attention and autocast's fp32_set_opt_dtype both take this path."""
+    kernel = aten._log_softmax.default if log else aten._softmax.default
+
+    def rule(ctx, func, args, kwargs):
+        x = args[0] if args else kwargs.get("input")
+        rest = {**dict(zip(("dim", "_stacklevel", "dtype") if func in (F.softmax, F.log_softmax) else ("dim", "dtype"),
+                           args[1:])), **{k: v for k, v in kwargs.items() if k not in ("input", "self")}}
+        dim, dtype = rest.get("dim"), rest.get("dtype")
+        if (
+            ctx.device is Device.CUDA and isinstance(x, torch.Tensor) and x.device.type == "meta"
+            and x.dtype == torch.float16 and dtype == torch.float32 and dim is not None
+        ):
+            return kernel(x, dim, True)
+        return func(*args, **kwargs)
+
+    return rule
+
+
+for _fn in (F.softmax, torch.softmax, torch.Tensor.softmax):
+    register_op_rule(_fn, _softmax_rule(log=False))
+for _fn in (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax):
+    register_op_rule(_fn, _softmax_rule(log=True))
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def cudnn_convolution_scratch(ctx, out, inp, weight, result_bytes: int) -> None:
+    """A cuDNN convolution call's workspace: allocated from the caching allocator for the
+    call and freed on return (Conv_v8.cpp ``run_conv_plan``). Its size is the chosen
+    engine's, which torch does not bound; memcheck adds an allowance
+    (``memcheck.cuda.overhead.cudnn_conv_workspace_bytes``) and says so in the report."""
+    benchmark = bool(torch.backends.cudnn.benchmark)
+    ctx.assume(cudnn_workspace_note(benchmark))
+    ctx.track(out)
+    ctx.scratch(cudnn_conv_workspace_bytes(_nbytes(inp), _nbytes(weight), result_bytes, benchmark))

@@ -1,0 +1,467 @@
+"""Stand-ins for data-dependent ops: ops whose output's size, or the Python value they
+return, depends on tensor values that meta tensors do not have.
+
+Two kinds of answer, and every rule says which it gives in the report (``ctx.assume``):
+
+* **Worst case**, where the output has a largest size: boolean-mask indexing and
+  ``masked_select`` select every element, ``unique`` finds every element distinct,
+  ``nonzero`` finds every element non-zero. The trace is then an upper bound for the op.
+* **A documented synthetic value**, where there is no bound or the op yields a Python
+  value: ``.item()``, ``.tolist()`` and ``.numpy()`` read 1 (``True`` for bool, and the
+  checks of ``any``/``all``/``==``/``!=`` below), ``bincount``'s largest value gives it
+  as many bins as it has inputs, and each of ``repeat_interleave``'s repeats is 1.
+
+On the CPU target the rules also emit what the CPU kernels allocate inside the op
+(``ctx.scratch``). Those sizes were measured with the profiler's allocator events
+(torch 2.13; 64 to 100,000 elements; bool, 8-, 16-, 32- and 64-bit dtypes; 1 and 2
+threads; worst-case data: all-True masks, all-distinct values); each rule gives its
+figure. On CUDA only the outputs (and the index tensors that ATen's shared indexing
+code allocates) are traced; the CUDA kernels' own temporaries are not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from memcheck.enums import Device
+from memcheck.rules.registry import register_op_rule
+
+aten = torch.ops.aten
+
+INDEX_BYTES = 8  # the int64 of nonzero's indices, unique's inverse and counts, repeat_interleave's output
+GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE (aten/src/ATen/Parallel.h): masked_select's serial cut-off
+
+
+def _is_meta(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "meta"
+
+
+def _bind(func, args, kwargs) -> dict:
+    """The op's arguments by name, defaults filled in from its schema."""
+    bound = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+def _index(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.long, device="meta")
+
+
+# --------------------------------------------------------------------------------------
+# Data-dependent scalars. On meta a tensor has no values, so ``bool(t)``, ``t.item()`` and
+# ``if (mask == 0).any()`` need a stand-in. memcheck assumes the worst-case batch *contains
+# padding*, i.e. its values are not uniform: ``all`` and ``==`` on a scalar are False,
+# ``any`` and ``!=`` are True. transformers checks ``mask.sum() == mask.numel()``
+# (masking_utils.fast_all) before it materialises an attention mask; the answer False
+# takes the branch that allocates the mask, the costlier one.
+
+_REDUCTION_TAG = "_memcheck_reduction"
+
+
+def _tag_reduction(kind):
+    def rule(ctx, func, args, kwargs):
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.device.type == "meta":
+            setattr(out, _REDUCTION_TAG, kind)
+        return out
+
+    return rule
+
+
+register_op_rule(aten.all, _tag_reduction("all"))
+register_op_rule(aten.any, _tag_reduction("any"))
+register_op_rule(aten.eq, _tag_reduction("=="))
+register_op_rule(aten.ne, _tag_reduction("!="))
+_FALSE_WHEN = ("all", "==")
+
+
+def synthetic_value(t: torch.Tensor):
+    """The value memcheck reads from an element of meta tensor ``t``: 1 (1.0, 1+0j), and
+    for bool the answer of the check that made ``t`` (see above), True by default."""
+    if t.dtype == torch.bool:
+        return getattr(t, _REDUCTION_TAG, None) not in _FALSE_WHEN
+    if t.is_complex():
+        return 1 + 0j
+    return 1.0 if t.is_floating_point() else 1
+
+
+@register_op_rule(aten._local_scalar_dense.default)
+def local_scalar_dense(ctx, func, args, kwargs):
+    """``Tensor.item()`` on a meta tensor: a documented synthetic value (``synthetic_value``)."""
+    t = args[0]
+    if t.device.type != "meta":
+        return func(*args, **kwargs)
+    kind = getattr(t, _REDUCTION_TAG, None)
+    if t.dtype == torch.bool:
+        value = kind not in _FALSE_WHEN
+        ctx.assume(
+            f"data-dependent check ({kind or 'bool'}) resolved to {value}: the batch is assumed to contain padding"
+        )
+        return value
+    if t.is_floating_point():
+        ctx.assume("a data-dependent float (.item()) was taken as 1.0")
+        return 1.0
+    ctx.assume("a data-dependent integer (.item()) was taken as 1")
+    return 1
+
+
+def _unequal(what: str):
+    def rule(ctx, func, args, kwargs):
+        """``torch.equal`` / ``torch.allclose`` on meta tensors: False, as ``==`` on a scalar
+        (the batch is assumed to contain padding, so two tensors are not the same)."""
+        if not any(_is_meta(a) for a in args[:2]):
+            return func(*args, **kwargs)
+        ctx.assume(f"{what} resolved to False: the batch is assumed to contain padding")
+        return False
+
+    return rule
+
+
+register_op_rule(aten.equal.default, _unequal("torch.equal"))
+register_op_rule(aten.allclose.default, _unequal("torch.allclose"))
+
+
+# --------------------------------------------------------------------------------------
+# Reading a meta tensor's data from Python. These are Tensor methods, so they are
+# FUNCTION_RULES: the tracer's TorchFunctionMode sees them before they fail.
+
+_NUMPY_DTYPES = {
+    torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
+    torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16, torch.float32: np.float32,
+    torch.float64: np.float64, torch.complex64: np.complex64, torch.complex128: np.complex128,
+}  # what Tensor.numpy() supports (torch/csrc/utils/tensor_numpy.cpp aten_to_numpy_dtype)
+
+
+def _numpy_dtype(dtype: torch.dtype):
+    if dtype in _NUMPY_DTYPES:
+        return _NUMPY_DTYPES[dtype]
+    # Other dtypes: ask torch with an empty CPU tensor; it raises as a real .numpy() does (bfloat16).
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _nested(shape, value):
+    if not shape:
+        return value
+    return [_nested(shape[1:], value) for _ in range(shape[0])]
+
+
+@register_op_rule(torch.Tensor.tolist)
+def tolist(ctx, func, args, kwargs):
+    """``Tensor.tolist()`` on a meta tensor: nested lists (a scalar for a 0-d tensor) holding
+    the synthetic value ``.item()`` reads (``synthetic_value``). The lists are Python
+    objects, not tensor memory: nothing is counted."""
+    t = args[0]
+    if not _is_meta(t):
+        return func(*args, **kwargs)
+    value = synthetic_value(t)
+    ctx.assume(f"Tensor.tolist() of a meta tensor read every element as {value!r}")
+    return _nested(tuple(t.shape), value)
+
+
+def _ones_array(t: torch.Tensor, dtype):
+    """A read-only array of ``t``'s shape whose every element is the synthetic value, backed
+    by one element (zero strides, ``np.broadcast_to``): no host memory for the data."""
+    return np.broadcast_to(np.asarray(synthetic_value(t), dtype=dtype), tuple(t.shape))
+
+
+@register_op_rule(torch.Tensor.numpy)
+def numpy(ctx, func, args, kwargs):
+    """``Tensor.numpy()`` on a meta tensor: a read-only, zero-stride array of the synthetic
+    value (``synthetic_value``) in the dtype a real ``.numpy()`` gives. A real CPU
+    ``.numpy()`` shares the tensor's memory, so nothing is counted."""
+    t = args[0]
+    if not _is_meta(t):
+        return func(*args, **kwargs)
+    out = _ones_array(t, _numpy_dtype(t.dtype))
+    ctx.assume(f"Tensor.numpy() of a meta tensor read every element as {synthetic_value(t)!r} (a read-only array)")
+    return out
+
+
+@register_op_rule(torch.Tensor.__array__)
+def array(ctx, func, args, kwargs):
+    """``np.asarray(t)`` (``Tensor.__array__``) on a meta tensor: as ``Tensor.numpy()``, in
+    the dtype asked for, still backed by one element."""
+    t = args[0]
+    if not _is_meta(t):
+        return func(*args, **kwargs)
+    dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+    out = _ones_array(t, dtype if dtype is not None else _numpy_dtype(t.dtype))
+    ctx.assume(f"Tensor.numpy() of a meta tensor read every element as {synthetic_value(t)!r} (a read-only array)")
+    return out
+
+
+@register_op_rule(torch.Tensor.__format__)
+def format_scalar(ctx, func, args, kwargs):
+    """``f"{loss:.3f}"`` on a 0-d meta tensor: formats ``.item()``'s synthetic value (torch
+    formats a real 0-d tensor through ``.item()``)."""
+    t = args[0]
+    if _is_meta(t) and t.dim() == 0:
+        spec = args[1] if len(args) > 1 else kwargs.get("format_spec", "")
+        return format(t.item(), spec)  # .item() reaches local_scalar_dense, which lists the assumption
+    return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# Ops whose output's size depends on the data.
+
+
+@register_op_rule(aten.nonzero.default)
+def nonzero(ctx, func, args, kwargs):
+    """Worst case for ``nonzero``: every element is non-zero, so ``(numel, dim)`` int64 indices."""
+    t = args[0]
+    if t.device.type != "meta":
+        return func(*args, **kwargs)
+    ctx.assume("nonzero() assumed to select every element (worst case)")
+    return torch.empty((t.numel(), t.dim()), dtype=torch.long, device="meta")
+
+
+def _is_mask(i) -> bool:
+    return _is_meta(i) and i.dtype in (torch.bool, torch.uint8) and i.dim() > 0
+
+
+def _expand_masks(indices) -> tuple[list, int]:
+    """``indices`` with each boolean mask replaced by the long indices ``nonzero`` would give
+    if every element were True (one ``(numel,)`` tensor per mask dimension), and the bytes of
+    those indices. ATen's shared indexing code (``expandTensors``, aten/src/ATen/native/
+    IndexingUtils.h) calls ``nonzero`` on each mask on every device, CPU and CUDA alike."""
+    out, nbytes = [], 0
+    for i in indices:
+        if _is_mask(i):
+            out.extend(_index(i.numel()) for _ in range(i.dim()))
+            nbytes += i.numel() * i.dim() * INDEX_BYTES
+        else:
+            out.append(i)
+    return out, nbytes
+
+
+@register_op_rule(aten.index.Tensor)
+def index_with_mask(ctx, func, args, kwargs):
+    """``x[mask]``: worst case, the mask is all True and every element is selected. The
+    meta kernel cannot run (it calls ``nonzero``), so the mask is replaced by the indices
+    of every element. Real kernels also hold ``nonzero``'s ``(numel, mask.dim())`` int64
+    indices while the output is written (measured on CPU: exact)."""
+    b = _bind(func, args, kwargs)
+    if not any(_is_mask(i) for i in b["indices"]):
+        return func(*args, **kwargs)
+    indices, nz_bytes = _expand_masks(b["indices"])
+    out = func(b["self"], indices)
+    ctx.assume("boolean-mask indexing x[mask] assumed to select every element (worst case)")
+    ctx.track(out)
+    ctx.scratch(nz_bytes)
+    return out
+
+
+def _index_put(ctx, func, args, kwargs):
+    """``x[mask] = v`` (``index_put_``) and the backward of ``x[mask]`` (``index_put`` with
+    ``accumulate=True``): the meta kernel runs, but the real one first turns the mask into
+    ``nonzero``'s indices; worst case, every element. A single mask with a one-element
+    value and no accumulation is ``masked_fill_`` instead, with no indices
+    (``canDispatchToMaskedFill``, aten/src/ATen/native/TensorAdvancedIndexingUtils.h).
+    Measured on CPU: exact."""
+    b = _bind(func, args, kwargs)
+    indices = b["indices"]
+    if not any(_is_mask(i) for i in indices):
+        return func(*args, **kwargs)
+    out = func(*args, **kwargs)
+    defined = [i for i in indices if i is not None]
+    if not b["accumulate"] and b["values"].numel() == 1 and len(defined) == 1:
+        return out  # masked_fill_
+    ctx.assume("x[mask] = v (and the backward of x[mask]) assumed to write every element (worst case)")
+    ctx.track(out)
+    ctx.scratch(_expand_masks(indices)[1])
+    return out
+
+
+for _op in (aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
+    register_op_rule(_op, _index_put)
+
+
+@register_op_rule(aten.masked_select.default)
+def masked_select(ctx, func, args, kwargs):
+    """``masked_select`` has no meta kernel. Worst case: the mask is all True, so the output
+    holds every element of the broadcast shape. On CPU (``masked_select_out_impl_cpu``,
+    aten/src/ATen/native/TensorAdvancedIndexing.cpp) ``mask.sum()`` first converts the
+    mask to int64 (8 B per element, and the 8 B sum); the parallel kernel, used unless
+    the input is small (< GRAIN_SIZE elements) or one thread runs, and always for a
+    broadcast or non-contiguous input, then holds two int64 copies of the mask (the mask
+    and its prefix sum) while writing the output. Measured on CPU: exact."""
+    b = _bind(func, args, kwargs)
+    self, mask = b["self"], b["mask"]
+    if not (_is_meta(self) or _is_meta(mask)):
+        return func(*args, **kwargs)
+    shape = torch.broadcast_shapes(self.shape, mask.shape)
+    n = math.prod(shape)
+    ctx.assume("masked_select assumed to select every element (worst case)")
+    cpu = ctx.device is Device.CPU
+    if cpu:
+        ctx.scratch(8, n * INDEX_BYTES)
+    out = torch.empty(n, dtype=self.dtype, device="meta")
+    ctx.track(out)
+    serial = (
+        (self.numel() < GRAIN_SIZE or torch.get_num_threads() == 1)
+        and self.expand(shape).is_contiguous() and mask.expand(shape).is_contiguous()
+    )
+    if cpu and not serial:
+        ctx.scratch(n * INDEX_BYTES, n * INDEX_BYTES)
+    return out
+
+
+def _distinct_bound(t: torch.Tensor) -> int:
+    """The most distinct values ``t`` can hold: one per element, at most as many as its dtype has."""
+    if t.dtype == torch.bool:
+        return min(t.numel(), 2)
+    if t.element_size() <= 2:
+        return min(t.numel(), 2 ** (8 * t.element_size()))
+    return t.numel()
+
+
+@register_op_rule(aten._unique2.default)
+def unique(ctx, func, args, kwargs):
+    """``torch.unique`` (``_unique2``) has no meta kernel. Worst case: every element is
+    distinct, so ``numel`` values (at most 2 for bool, 256 for 8-bit and 65,536 for 16-bit
+    dtypes); the inverse has the input's shape and the counts one per value, each empty
+    unless asked for, as on CPU.
+
+    The CPU kernel (measured, ``n`` elements of ``e`` bytes, ``k`` values: exact) first
+    sorts a copy (``e*n``) with int64 indices (``8*n``) and one more ``8*n`` buffer freed
+    before the outputs; the copy and the indices live on while the outputs are written,
+    with an ``8*k + 8`` buffer when counts are asked for. bool inputs take a counting
+    kernel that needs nothing beyond its outputs."""
+    b = _bind(func, args, kwargs)
+    t = b["self"]
+    if not _is_meta(t):
+        return func(*args, **kwargs)
+    n, k, e = t.numel(), _distinct_bound(t), t.element_size()
+    ctx.assume("torch.unique assumed every element distinct (worst case)")
+    sort = ctx.device is Device.CPU and t.dtype != torch.bool
+    if sort:
+        ctx.scratch(e * n, INDEX_BYTES * n, INDEX_BYTES * n)
+    out = (
+        torch.empty(k, dtype=t.dtype, device="meta"),
+        torch.empty(t.shape if b["return_inverse"] else (0,), dtype=torch.long, device="meta"),
+        _index(k if b["return_counts"] else 0),
+    )
+    ctx.track(out)
+    if sort:
+        ctx.scratch(e * n, INDEX_BYTES * n, INDEX_BYTES * k + 8 if b["return_counts"] else 0)
+    return out
+
+
+def _unique_slices(ctx, t: torch.Tensor, dim: int, *, consecutive: bool):
+    """``unique(dim=...)`` and ``unique_consecutive(dim=...)``: worst case, every slice along
+    ``dim`` is distinct, so the output has the input's shape; the inverse and counts (one
+    int64 per slice) are returned whether asked for or not, as on CPU. On CPU the kernel
+    copies the input with ``dim`` moved first when that view is not contiguous, and the
+    sorting ``unique`` holds one more copy (measured: exact, but for a fixed 14,400 B
+    buffer the sort takes and frees before the outputs, left out)."""
+    dim = dim % t.dim() if t.dim() else 0
+    slices = t.shape[dim] if t.dim() else 1
+    out = (torch.empty(t.shape, dtype=t.dtype, device="meta"), _index(slices), _index(slices))
+    ctx.track(out)
+    if ctx.device is Device.CPU:
+        copies = 0 if t.dim() == 0 or t.movedim(dim, 0).is_contiguous() else 1
+        ctx.scratch((copies + (0 if consecutive else 1)) * t.numel() * t.element_size())
+    return out
+
+
+@register_op_rule(aten.unique_dim.default)
+def unique_dim(ctx, func, args, kwargs):
+    """``torch.unique(x, dim=d)`` has no meta kernel; see ``_unique_slices``."""
+    b = _bind(func, args, kwargs)
+    if not _is_meta(b["self"]):
+        return func(*args, **kwargs)
+    ctx.assume("torch.unique(dim=...) assumed every slice distinct (worst case)")
+    return _unique_slices(ctx, b["self"], b["dim"], consecutive=False)
+
+
+@register_op_rule(aten.unique_consecutive.default)
+def unique_consecutive(ctx, func, args, kwargs):
+    """``torch.unique_consecutive`` has no meta kernel. Worst case: no element equals its
+    neighbour, so ``numel`` values; inverse and counts empty unless asked for, as on CPU,
+    where the kernel needs nothing beyond its outputs (measured: exact). With ``dim``:
+    ``_unique_slices``."""
+    b = _bind(func, args, kwargs)
+    t = b["self"]
+    if not _is_meta(t):
+        return func(*args, **kwargs)
+    ctx.assume("torch.unique_consecutive assumed no element equal to its neighbour (worst case)")
+    if b["dim"] is not None:
+        return _unique_slices(ctx, t, b["dim"], consecutive=True)
+    n = t.numel()
+    return (
+        torch.empty(n, dtype=t.dtype, device="meta"),
+        torch.empty(t.shape if b["return_inverse"] else (0,), dtype=torch.long, device="meta"),
+        _index(n if b["return_counts"] else 0),
+    )
+
+
+@register_op_rule(aten.unique_dim_consecutive.default)
+def unique_dim_consecutive(ctx, func, args, kwargs):
+    """``unique_dim_consecutive`` has no meta kernel; see ``_unique_slices``."""
+    b = _bind(func, args, kwargs)
+    if not _is_meta(b["self"]):
+        return func(*args, **kwargs)
+    ctx.assume("torch.unique_consecutive assumed no element equal to its neighbour (worst case)")
+    return _unique_slices(ctx, b["self"], b["dim"], consecutive=True)
+
+
+@register_op_rule(aten.bincount.default)
+def bincount(ctx, func, args, kwargs):
+    """``bincount`` has no meta kernel, and its size, ``max(input) + 1`` bins (at least
+    ``minlength``), has no bound. Synthetic value: the largest input is ``numel - 1``, so
+    ``max(minlength, numel)`` bins, what one bin per input needs. The output is int64, or
+    float32/float64 for float32/float64 weights and float64 for other weights; on CPU
+    other weights are first converted to float64 (``weights.to(kDouble)``, 8 B each,
+    held while the output is written; measured: exact)."""
+    b = _bind(func, args, kwargs)
+    t, weights, minlength = b["self"], b["weights"], b["minlength"]
+    if not _is_meta(t):
+        return func(*args, **kwargs)
+    bins = max(int(minlength), t.numel())
+    dtype = torch.long
+    if weights is not None:
+        dtype = weights.dtype if weights.dtype in (torch.float32, torch.float64) else torch.float64
+    ctx.assume(
+        f"bincount: the largest value taken as the element count - 1, so max(minlength, numel) = {bins} bins"
+    )
+    out = torch.empty(bins, dtype=dtype, device="meta")
+    ctx.track(out)
+    if ctx.device is Device.CPU and weights is not None and weights.dtype not in (torch.float32, torch.float64):
+        ctx.scratch(weights.numel() * 8)
+    return out
+
+
+@register_op_rule(aten.repeat_interleave.Tensor)
+def repeat_interleave(ctx, func, args, kwargs):
+    """``repeat_interleave`` with a tensor of repeats: the output has ``sum(repeats)``
+    elements, with no bound, and the meta kernel needs ``output_size``. Synthetic value:
+    every repeat is 1 (``.item()``'s integer), so as many elements as repeats; with
+    ``output_size`` given, that size. On CPU the kernel holds the repeats' cumulative sum
+    (int64, 8 B per repeat) while the output is written; int32 repeats are first
+    converted, with a second int64 buffer freed before the output (measured: exact)."""
+    b = _bind(func, args, kwargs)
+    repeats, size = b["repeats"], b["output_size"]
+    if not _is_meta(repeats):
+        return func(*args, **kwargs)
+    if size is None:
+        size = repeats.numel()
+        ctx.assume("repeat_interleave with a tensor of repeats: each repeat taken as 1 "
+                   "(pass output_size= to trace the real size)")
+    cpu = ctx.device is Device.CPU
+    r = repeats.numel() * INDEX_BYTES
+    if cpu and repeats.dtype != torch.long:
+        ctx.scratch(r, r)
+    out = torch.empty(int(size), dtype=repeats.dtype, device="meta")
+    ctx.track(out)
+    if cpu:
+        ctx.scratch(r)
+    return out

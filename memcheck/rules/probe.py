@@ -1,0 +1,29 @@
+"""The CPU allocator's events, read from ``torch.profiler``: what the CPU kernel rules'
+probes measure (``memcheck.rules.cpu_kernels``) and what ``memcheck.measure`` compares
+the tracer with. Nothing here uses the tracer's accounting."""
+
+from __future__ import annotations
+
+import torch
+
+
+def cpu_memory_events(raw_events) -> list[tuple[int, int]]:
+    """``(start_ns, signed nbytes)`` of the CPU allocator's events, in time order.
+
+    ``raw_events`` is ``prof.profiler.kineto_results.events()``; the sort is stable,
+    so events with the same timestamp keep the order they were recorded in.
+    """
+    cpu = torch._C._autograd.DeviceType.CPU
+    return sorted(
+        ((e.start_ns(), e.nbytes()) for e in raw_events if e.name() == "[memory]" and e.device_type() == cpu),
+        key=lambda x: x[0],
+    )
+
+
+def running_peak(deltas) -> int:
+    """The highest running sum of signed allocation deltas (0 when it never rises)."""
+    live = peak = 0
+    for delta in deltas:
+        live += delta
+        peak = max(peak, live)
+    return peak

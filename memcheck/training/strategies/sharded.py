@@ -1,0 +1,896 @@
+"""``fsdp`` and ``zero1``/``zero2``/``zero3``: sharded data parallelism, emulated on one rank.
+
+Every rank runs the same step on its own micro-batch, so rank 0 is traced and its
+figures hold for all (under fsdp and zero3 rank 0 holds the largest shard; under
+zero1/2 ranks differ by the parameters straddling partition boundaries). The model's full
+parameters stay on meta for the forward and backward compute, but the tracer stops
+counting them (``MemoryTracer.ignore``): what a rank really holds, its shards,
+gathered copies and communication buffers, is allocated explicitly as meta tensors
+at the moment the real wrapper allocates it and dropped when it frees it. The
+optimizer runs on stand-ins of the rank's shard, so its state has the shard's size.
+Sources: torch 2.13 ``torch/distributed/fsdp/_fully_shard/`` and DeepSpeed 0.19.8
+``deepspeed/runtime/zero/`` (the files and lines below are theirs). Checked: fsdp on CPU
+ranks (``memcheck.measure.distributed``, gloo) matches FSDP2's own allocations to the byte,
+up to gloo's reduce-scatter clone (which NCCL does not make).
+
+**fsdp** (``fully_shard`` on each repeated block, then on the root, defaults):
+
+- per parameter of shape ``(d0, *rest)`` the rank keeps a padded shard of
+  ``ceil(d0/W) * prod(rest)`` elements (``_fsdp_param.py:304-316``); the optimizer
+  sees the unpadded local rows (a view of it), so Adam's state is unpadded;
+- forward: a group's pre-forward allocates the all-gather output (``W`` padded
+  shards, ``_fsdp_collectives.py:351``), frees the previous group's one, then the
+  unsharded parameters (another ``W`` padded shards); blocks free the unsharded
+  parameters at post-forward, the root keeps them to the end of backward
+  (``_fsdp_state.py:205``); the last all-gather output goes at the root's post-forward;
+- backward: a block's pre-backward re-gathers it (the all-gather output freed at
+  once) and prefetches the block before it (``_backward_prefetch``); once all its
+  gradients exist, its post-backward frees the unsharded parameters and the previous
+  reduce-scatter input, allocates its own (``W`` padded shards), frees autograd's
+  gradients and allocates the reduce-scatter output, whose views are the sharded
+  gradients (``_fsdp_collectives.py:592-754``); the root's runs at the end of backward;
+- ``offload="params"`` (``CPUOffloadPolicy``): shards, sharded gradients and the
+  optimizer live in host memory; each all-gather copies the shards to the device first.
+
+**zero1/zero2** (``stage_1_and_2.py``): the trainable parameters become one flat
+buffer per dtype, padded to ``2W`` elements (387, 441-446); the rank's partition is
+cloned to an fp32 master (560) on which the optimizer steps; the first gradient hook
+of a backward allocates the IPG bucket (``setup_buckets``, 3256), freed at the
+epilogue. Stage 2 copies each gradient into the bucket as it arrives, and a full
+bucket is all-reduced through a flattened copy (``allreduce_bucket``, 2367); the
+gradients of the parameters in the rank's partition are copied to
+``grads_in_partition`` (2184), kept until the step. Stage 1 keeps autograd's full
+gradients until the end of backward, then runs the same reduction (958-978). At the
+step the partition's gradients are flattened and cast to fp32 (3114-3118).
+
+**zero3** (``stage3.py``, ``partition_parameters.py``, ``partitioned_param_coordinator.py``):
+each parameter is split into ``ceil(numel/W)``-element partitions (1690-1817), the
+trainable ones in one buffer per dtype; the fp32 master is a copy unless the model is
+fp32 (then it is the partition itself, 1162); the IPG bucket and the gradient
+partition buffer are allocated once (780, 791). Each module's parameters are
+gathered at its pre-forward and pre-backward: one flat buffer, then a full copy per
+parameter (``AllGatherCoalescedHandle.wait``), ~2x while both live; one parameter
+alone is a padded buffer. After the module they are released unless they are
+persistent (at most 1e5 elements) or, once step 1 has recorded the module trace,
+used again within ``max_reuse_distance`` elements of the trace; later modules are
+prefetched up to ``prefetch_bucket_size`` elements. Gradients are copied into the
+bucket, reduce-scattered through a concatenated copy (``coalesced_collectives.py:81``)
+and added into the gradient partitions. The step releases every gathered
+parameter, flattens and casts each sub-group's gradients and re-gathers the
+persistent ones. ``offload="optimizer"`` puts the master, the optimizer state and the
+gradient partitions in host memory; ``offload="params"`` (``offload_param`` with
+``offload_optimizer``) also the parameter partitions, except persistent ones.
+
+DeepSpeed's bf16/fp16 modes (low-precision weights, fp32 master) are
+``precision="bf16"``/``"fp16"``; ``amp-*`` keeps fp32 weights under autocast, as
+DeepSpeed's ``torch_autocast`` does.
+
+Known limitations:
+    The real wrappers allocate their buffers on several CUDA streams, each with its
+    own allocator pool; here they share one, so reserved memory comes out lower. The
+    optimizer is the one memcheck is given, run on the rank's stand-ins (DeepSpeed's
+    default FusedAdam and CPUAdam allocate no step temporaries). A block's (fsdp) or
+    module's (zero3) post-backward runs when its last gradient is accumulated; the
+    real hooks watch the gradients of its inputs. Only DeepSpeed's defaults are
+    modelled. Each of these is also stated as an assumption in the report.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memcheck.training.checkpointing import repeated_blocks
+from memcheck.enums import Category, Device, Offload, Phase, Strategy
+from memcheck.errors import UsageError
+
+# DeepSpeed 0.19.8 defaults, deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig), all in elements:
+REDUCE_BUCKET_SIZE = int(5e8)  # reduce_bucket_size (line 113)
+PREFETCH_BUCKET_SIZE = int(5e7)  # stage3_prefetch_bucket_size (222)
+PARAM_PERSISTENCE_THRESHOLD = int(1e5)  # stage3_param_persistence_threshold (228)
+MAX_LIVE_PARAMETERS = int(1e9)  # stage3_max_live_parameters (245)
+MAX_REUSE_DISTANCE = int(1e9)  # stage3_max_reuse_distance (251)
+SUB_GROUP_SIZE = int(1e9)  # sub_group_size (182)
+NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py:387: flat buffer padded to a multiple of 2*W elements
+
+
+def _e(n: int) -> str:
+    """``5e8`` for 500000000: DeepSpeed's config values as its docs write them."""
+    return f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
+
+
+def sharded_emulation(config, tracer, model: torch.nn.Module, accumulate: int = 1):
+    """The emulation of one rank of ``config.strategy`` (fsdp or zero1-3) over ``config.gpus`` ranks.
+
+    It has ``make_optimizer(make_optimizer)``, ``on_phase(step, phase)`` and ``close()``;
+    ``memcheck.training.strategies.train`` runs the steps with it.
+    """
+    strategy, offload = config.strategy, config.offload  # the pair is validated by StrategyConfig.parse
+    if strategy is Strategy.FSDP:
+        emulation = _MetaFSDP(tracer, model, config.gpus, offload is Offload.PARAMS)
+    elif strategy is Strategy.ZERO3:
+        emulation = _MetaZero3(tracer, model, config.gpus, offload)
+    else:
+        emulation = _MetaZero12(tracer, model, config.gpus, 1 if strategy is Strategy.ZERO1 else 2,
+                                offload is Offload.OPTIMIZER, accumulate)
+    tracer.assume(f"{strategy.value}: rank 0 is traced and stands for every rank")
+    if tracer.device is Device.CUDA:
+        tracer.assume(f"{strategy.value}: communication buffers share the compute stream's allocator pool (the real "
+                      "wrapper allocates them on its own streams, so it reserves more)")
+    return emulation
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+def _empty(tracer, numel: int, dtype: torch.dtype, category: Category, label: str) -> torch.Tensor:
+    """A device buffer of ``numel`` elements, counted in ``category`` from its allocation on."""
+    with _disable_current_modes():  # one ALLOC event, already in its category (no TEMPORARY first)
+        t = torch.empty(int(numel), dtype=dtype, device="meta")
+    tracer.register(t, category, label)
+    return t
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors in a module's output (tuples, lists, dicts and transformers' ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _tensors(item)]
+    return []
+
+
+class _Emulation:
+    """What every sharded emulation shares: hooks to remove, an end-of-backward callback,
+    an optimizer step wrapper and the ignored full parameters kept alive."""
+
+    def __init__(self, tracer, model: torch.nn.Module, world: int, *, frozen_sharded: bool = True):
+        self.tracer, self.model, self.world = tracer, model, world
+        self.handles: list = []
+        self.kept: list[torch.Tensor] = []  # host buffers
+        self.queued = False
+        # What the rank holds of these is allocated explicitly. The tracer keys storages by
+        # address, so an ignored one must outlive the trace (the model keeps them).
+        self.full = list(model.parameters())  # tied parameters once, in registration order
+        for p in self.full:
+            if frozen_sharded or p.requires_grad:
+                tracer.ignore(p)
+
+    def host(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer in host memory: never counted, even when a later op touches it. Kept to the
+        end of the trace, since the tracer keys storages by address."""
+        with _disable_current_modes():
+            t = torch.zeros(shape, dtype=dtype, device="meta")
+        self.tracer.ignore(t)
+        self.kept.append(t)
+        return t
+
+    def queue_end_of_backward(self) -> None:
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self.queued = False
+        self.end_of_backward()
+
+    def end_of_backward(self) -> None:
+        pass
+
+    def on_phase(self, step: int, phase: Phase) -> None:
+        pass
+
+    def make_optimizer(self, make_optimizer) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def wrap_step(self, opt: torch.optim.Optimizer, step, host: bool) -> torch.optim.Optimizer:
+        """Make ``opt.step()`` run ``step(inner)``; ``host``: on the CPU, unseen, its state not counted."""
+        inner = opt.step
+        tracer = self.tracer
+
+        def run_inner(*args, **kwargs):
+            if not host:
+                return inner(*args, **kwargs)
+            with _disable_current_modes():
+                out = inner(*args, **kwargs)
+            for state in opt.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        tracer.ignore(value)
+            return out
+
+        opt.step = lambda *args, **kwargs: step(run_inner, *args, **kwargs)
+        return opt
+
+    def owner(self, stand_in: torch.Tensor, name: str | None) -> None:
+        """Report a stand-in's optimizer state under ``name`` (the tracer's module attribution)."""
+        if name is not None:
+            self.tracer._owner[id(stand_in)] = name
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+# ---- FSDP2 ----------------------------------------------------------------------------------
+
+
+class _FsdpGroup:
+    """One ``fully_shard`` call's parameters (an FSDPParamGroup)."""
+
+    def __init__(self, name: str, module: torch.nn.Module, params: list, world: int):
+        self.name, self.module, self.params = name, module, params
+        self.rows = []  # per parameter: (padded shard elements, local unpadded shape of rank 0)
+        for p in params:
+            shape = tuple(p.shape) or (1,)
+            rest = math.prod(shape[1:])
+            chunk = -(-shape[0] // world)  # torch.chunk's size: rank 0's chunk is the padded size
+            self.rows.append((chunk * rest, (min(chunk, shape[0]), *shape[1:])))
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self.unsharded: list[torch.Tensor] | None = None
+        self.prefetched: torch.Tensor | None = None  # an all-gather output issued ahead (backward prefetch)
+        self.in_backward = False
+        self.ready: set[int] = set()
+
+    def gathered_bytes(self, world: int) -> int:
+        return sum(n * world * p.element_size() for (n, _), p in zip(self.rows, self.params))
+
+
+class _MetaFSDP(_Emulation):
+    """FSDP2 on one rank: shards, all-gather and reduce-scatter buffers, per group."""
+
+    def __init__(self, tracer, model: torch.nn.Module, world: int, offload: bool):
+        super().__init__(tracer, model, world)
+        self.offload = offload
+        modules = dict(model.named_modules())
+        seen: set[int] = set()
+        self.blocks = []
+        for name in repeated_blocks(model):
+            params = [p for p in modules[name].parameters() if id(p) not in seen]
+            seen.update(id(p) for p in params)
+            self.blocks.append(_FsdpGroup(name, modules[name], params, world))
+        self.root = _FsdpGroup("(root)", model, [p for p in self.full if id(p) not in seen], world)
+        self.group_of = {id(p): g for g in self.blocks + [self.root] for p in g.params}
+        tracer.assume(f"fsdp: fully_shard on each of the {len(self.blocks)} repeated blocks, then on the root; FSDP2 "
+                      "defaults (no mixed-precision policy; blocks resharded after forward, the root not)")
+        tracer.assume("fsdp: a block's reduce-scatter runs when its last gradient is accumulated "
+                      "(FSDP2 hooks the gradients of its inputs)")
+        if offload:
+            tracer.assume("fsdp offload: shards, sharded gradients and the optimizer step are host memory; "
+                          "the optimizer's temporaries are not on the GPU")
+        self.shards: dict[int, torch.Tensor] = {}
+        self.stand_ins: dict[int, torch.nn.Parameter] = {}
+        for g in self.blocks + [self.root]:
+            for p, (n, local) in zip(g.params, g.rows):
+                shard = (self.host(n, p.dtype) if offload
+                         else _empty(tracer, n, p.dtype, Category.PARAMETER, "(FSDP shards)"))
+                self.shards[id(p)] = shard
+                if p.requires_grad:
+                    self.stand_ins[id(p)] = torch.nn.Parameter(shard[: math.prod(local)].view(local))
+                    self.owner(self.stand_ins[id(p)], tracer._owner.get(id(p)))
+        self.host_grads: dict[int, torch.Tensor] = {}
+        self.kept_all_gather: torch.Tensor | None = None  # forward: freed by the next group's unshard
+        self.kept_reduce_scatter: torch.Tensor | None = None  # freed by the next group's post-backward
+        self.order: list[_FsdpGroup] = []  # post-forward order, for backward prefetch
+        for g in self.blocks + [self.root]:
+            self.handles.append(g.module.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g)))
+            self.handles.append(g.module.register_forward_hook(lambda m, a, o, g=g: self._post_forward(g, o)))
+        for p in self.full:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def make_optimizer(self, make_optimizer):
+        opt = make_optimizer(list(self.stand_ins.values()))
+        return self.wrap_step(opt, lambda inner, *a, **k: inner(*a, **k), host=self.offload)
+
+    # all-gather
+    def _all_gather(self, g: _FsdpGroup) -> torch.Tensor:
+        copies = ([_empty(self.tracer, n, p.dtype, Category.COMMUNICATION, "(FSDP host-to-device)")
+                   for (n, _), p in zip(g.rows, g.params)] if self.offload else [])
+        out = _empty(self.tracer, g.gathered_bytes(self.world), torch.uint8, Category.COMMUNICATION,
+                     "(FSDP all-gather)")
+        del copies  # the all-gather inputs, freed after the copy-in
+        return out
+
+    def _unshard(self, g: _FsdpGroup, forward: bool) -> None:
+        gathered = g.prefetched if g.prefetched is not None else self._all_gather(g)
+        g.prefetched = None
+        if forward:
+            self.kept_all_gather = None  # the previous group's output (wait_for_unshard)
+        g.unsharded = [_empty(self.tracer, n * self.world, p.dtype, Category.PARAMETER, "(FSDP unsharded params)")
+                       for (n, _), p in zip(g.rows, g.params)]
+        if forward:
+            self.kept_all_gather = gathered  # kept in all_gather_state until the next group's unshard
+        del gathered  # backward: freed right after the copy-out
+
+    def _pre_forward(self, g: _FsdpGroup) -> None:
+        if g.params and g.unsharded is None:  # a root without parameters has no group to gather
+            self._unshard(g, forward=True)
+
+    def _post_forward(self, g: _FsdpGroup, output) -> None:
+        if g.in_backward:
+            return  # a checkpointed block recomputed inside its backward: stays unsharded
+        if g is self.root:
+            self.kept_all_gather = None  # the root's _post_forward flushes the last all-gather
+        else:
+            g.unsharded = None  # reshard_after_forward: blocks only
+        if g.params:
+            self.order.append(g)
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, g=g: self._pre_backward(g))
+
+    # backward
+    def _pre_backward(self, g: _FsdpGroup) -> None:
+        if g.in_backward:
+            return
+        g.in_backward = True
+        self.queue_end_of_backward()
+        if g.params and g.unsharded is None:
+            self._unshard(g, forward=False)
+        index = max((i for i, h in enumerate(self.order) if h is g), default=0)
+        if index > 0:  # _backward_prefetch: one group ahead in reverse post-forward order
+            target = self.order[index - 1]
+            if target.unsharded is None and target.prefetched is None:
+                target.prefetched = self._all_gather(target)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self.queue_end_of_backward()
+        g = self.group_of[id(p)]
+        if g is self.root:
+            return  # the root reduces in the final callback
+        g.ready.add(id(p))
+        if len(g.ready) == len(g.trainable):
+            self._post_backward(g)
+
+    def _post_backward(self, g: _FsdpGroup) -> None:
+        present = [i for i in g.trainable if g.params[i].grad is not None]
+        dtype = g.params[present[0]].grad.dtype if present else None
+        grads = [g.params[i].grad for i in present]
+        for i in present:
+            g.params[i].grad = None
+        g.unsharded = None  # reshard before reducing
+        g.ready.clear()
+        g.in_backward = False
+        if not present:
+            del grads
+            return
+        self.kept_reduce_scatter = None  # reduce_scatter_max_input_buffers=1: the previous input goes
+        padded = sum(g.rows[i][0] for i in present)
+        rs_in = _empty(self.tracer, padded * self.world, dtype, Category.COMMUNICATION, "(FSDP reduce-scatter)")
+        del grads  # chunk_cat copied them; autograd's unsharded gradients are freed
+        rs_out = _empty(self.tracer, padded, dtype, Category.GRADIENT, "(FSDP sharded grads)")
+        offset = 0
+        for i in present:
+            n, local = g.rows[i]
+            stand_in = self.stand_ins[id(g.params[i])]
+            if self.offload:
+                if stand_in.grad is None:  # copied to host memory; the device output is dropped
+                    if id(stand_in) not in self.host_grads:
+                        self.host_grads[id(stand_in)] = self.host(local, dtype)
+                    stand_in.grad = self.host_grads[id(stand_in)]
+            elif stand_in.grad is None:
+                stand_in.grad = rs_out[offset: offset + math.prod(local)].view(local)
+            else:
+                stand_in.grad.add_(rs_out[offset: offset + math.prod(local)].view(local))  # accumulate in place
+            offset += n
+        del rs_out
+        self.kept_reduce_scatter = rs_in
+
+    def end_of_backward(self) -> None:
+        """``_root_post_backward_final_callback``: leftover groups, then the root; clear the RS inputs."""
+        for g in self.blocks:
+            if g.in_backward or g.ready:
+                self._post_backward(g)
+        self._post_backward(self.root)
+        self.kept_reduce_scatter = None
+        for g in self.blocks + [self.root]:
+            g.prefetched = None
+        self.order.clear()
+
+
+# ---- DeepSpeed ZeRO-1/2 ---------------------------------------------------------------------
+
+
+def _assume_zero_common(tracer, name: str) -> None:
+    tracer.assume(f"{name}: the chosen optimizer steps on the flat fp32 partition (DeepSpeed's default "
+                  "FusedAdam allocates no step temporaries); the fp32 master counts as optimizer state")
+    if tracer.autocast is not None:
+        tracer.assume(f"{name} with autocast: fp32 weights under torch.autocast (DeepSpeed's torch_autocast); "
+                      "DeepSpeed's bf16/fp16 modes are precision='bf16'/'fp16'")
+
+
+class _ZeroGroup:
+    """One dtype's trainable parameters: flat buffer, partition, fp32 master."""
+
+    def __init__(self, zero: "_MetaZero12", params: list, world: int, offload: bool):
+        tracer = zero.tracer
+        self.params, self.dtype = params, params[0].dtype
+        align = NCCL_START_ALIGNMENT_FACTOR * world
+        total = sum(p.numel() for p in params)
+        self.aligned = -(-total // align) * align
+        self.partition = self.aligned // world
+        self.flat = _empty(tracer, self.aligned, self.dtype, Category.PARAMETER, "(ZeRO flat params)")
+        offset, self.in_partition = 0, set()
+        for p in params:  # rank 0's partition [0, partition): the parameters that overlap it, whole
+            if offset < self.partition and p.numel():
+                self.in_partition.add(id(p))
+            offset += p.numel()
+        self.in_partition_numel = sum(p.numel() for p in params if id(p) in self.in_partition)
+        self.master = (zero.host(self.partition, torch.float32) if offload else
+                       _empty(tracer, self.partition, torch.float32, Category.OPTIMIZER, "(ZeRO fp32 master)"))
+        self.master.requires_grad_(True)
+        self.host_grad = zero.host(self.partition, torch.float32) if offload else None
+
+
+class _MetaZero12(_Emulation):
+    """DeepSpeed ZeRO stage 1 or 2 on one rank."""
+
+    def __init__(self, tracer, model: torch.nn.Module, world: int, stage: int, offload: bool, accumulate: int):
+        super().__init__(tracer, model, world, frozen_sharded=False)  # frozen parameters are not flattened
+        self.stage, self.offload, self.accumulate = stage, offload, accumulate
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in self.full:
+            if p.requires_grad:
+                by_dtype.setdefault(p.dtype, []).append(p)
+        if not by_dtype:
+            raise UsageError("zero needs trainable parameters")
+        self.groups = [_ZeroGroup(self, ps, world, offload) for ps in by_dtype.values()]
+        self.group_of = {id(p): g for g in self.groups for p in g.params}
+        self.dtype = self.groups[0].dtype  # DeepSpeedZeroOptimizer.dtype: grads_in_partition's
+        if offload:  # temp_grad_buffer_for_gpu_offload (stage_1_and_2.py:659)
+            self.offload_buffer = _empty(tracer, max(p.numel() for p in self.full if p.requires_grad), self.dtype,
+                                         Category.COMMUNICATION, "(ZeRO offload grad buffer)")
+            tracer.assume(f"zero{stage} offload: the fp32 master, its gradient and the optimizer step are host "
+                          "memory (DeepSpeedCPUAdam)")
+        self.buckets: dict[torch.dtype, torch.Tensor] = {}
+        self.in_bucket: dict[torch.dtype, list] = collections.defaultdict(list)
+        self.elements: dict[torch.dtype, int] = collections.defaultdict(int)
+        self.grads_in_partition: torch.Tensor | None = None
+        self.partition_offset = 0
+        self.averaged: torch.Tensor | None = None  # grads_in_partition kept for the step (averaged_gradients)
+        self.micro = 0
+        tracer.assume(f"zero{stage}: DeepSpeed 0.19.8 defaults: contiguous_gradients, no overlap_comm, "
+                      f"reduce_bucket_size={_e(REDUCE_BUCKET_SIZE)} elements (the IPG bucket)")
+        tracer.assume(f"zero{stage}: rank 0's grads_in_partition (the whole parameters overlapping its partition); "
+                      "other ranks' differ by the parameters straddling their boundaries")
+        _assume_zero_common(tracer, f"zero{stage}")
+        for p in self.full:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def make_optimizer(self, make_optimizer):
+        opt = make_optimizer([g.master for g in self.groups])
+        for g in self.groups:
+            self.owner(g.master, "(ZeRO optimizer state)")
+        return self.wrap_step(opt, self._step, host=self.offload)
+
+    def on_phase(self, step: int, phase: Phase) -> None:
+        if phase is Phase.BACKWARD:
+            self.micro += 1
+        elif phase is Phase.OPTIMIZER:
+            self.micro = 0
+
+    def _setup_buckets(self) -> None:
+        if not self.buckets:  # one 5e8-element buffer per communication dtype, each backward
+            for dtype in dict.fromkeys(g.dtype for g in self.groups):
+                self.buckets[dtype] = _empty(self.tracer, REDUCE_BUCKET_SIZE, dtype, Category.COMMUNICATION,
+                                             "(ZeRO IPG bucket)")
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self.queue_end_of_backward()
+        self._setup_buckets()
+        if self.stage == 2:
+            self._add(p)
+
+    def _add(self, p: torch.Tensor) -> None:
+        """``reduce_independent_p_g_buckets_and_remove_grads``: the gradient into the bucket."""
+        n, dtype = p.numel(), self.group_of[id(p)].dtype
+        if n == 0 or p.grad is None:
+            return
+        if self.elements[dtype] + n > REDUCE_BUCKET_SIZE:
+            self._reduce(dtype)
+        if n <= REDUCE_BUCKET_SIZE:  # larger ones bypass the bucket (extra_large_param_to_reduce)
+            start = self.elements[dtype]
+            p.grad = self.buckets[dtype][start: start + n].view_as(p)  # autograd's gradient is freed
+        self.in_bucket[dtype].append(p)
+        self.elements[dtype] += n
+
+    def _reduce(self, dtype: torch.dtype) -> None:
+        """``reduce_ipg_grads``: all-reduce through a flattened copy, keep this rank's partition."""
+        params = self.in_bucket[dtype]
+        if not params:
+            return
+        _empty(self.tracer, self.elements[dtype], dtype, Category.COMMUNICATION, "(ZeRO all-reduce)")  # freed at once
+        for p in params:
+            g = self.group_of[id(p)]
+            if id(p) in g.in_partition:
+                if not self.offload:  # copy_grads_in_partition (with offload: copied to host memory)
+                    if self.grads_in_partition is None:
+                        size = sum(h.in_partition_numel for h in self.groups)
+                        self.grads_in_partition = _empty(self.tracer, size, self.dtype, Category.GRADIENT,
+                                                         "(ZeRO grads in partition)")
+                        self.partition_offset = 0
+                    start = self.partition_offset
+                    p.grad = self.grads_in_partition[start: start + p.numel()].view_as(p)
+                    self.partition_offset += p.numel()
+            elif self.stage == 2:
+                p.grad = None  # another rank's gradient
+        params.clear()
+        self.elements[dtype] = 0
+
+    def end_of_backward(self) -> None:
+        """The engine's backward epilogue: stage 2 every micro-step, stage 1 at the accumulation boundary."""
+        if self.stage == 1:
+            if self.micro < self.accumulate:
+                return
+            self._setup_buckets()
+            for g in self.groups:
+                for p in g.params:
+                    self._add(p)
+        for dtype in list(self.buckets):
+            self._reduce(dtype)
+        if self.grads_in_partition is not None:
+            if self.averaged is None:
+                self.averaged = self.grads_in_partition
+            # else: added into the first micro-step's (all_grad_tensors) and freed with the grads
+            self.grads_in_partition = None
+        self.buckets.clear()  # _release_ipg_buffers
+        for p in self.full:
+            p.grad = None  # _clear_param_grad_only
+
+    def _step(self, inner, *args, **kwargs):
+        out = None
+        for i, g in enumerate(self.groups):
+            if self.offload:
+                g.master.grad = g.host_grad
+            else:
+                flat = _empty(self.tracer, g.partition, g.dtype, Category.GRADIENT, "(ZeRO flat grad)")
+                fp32 = flat if g.dtype == torch.float32 else _empty(
+                    self.tracer, g.partition, torch.float32, Category.GRADIENT, "(ZeRO fp32 grad)")
+                del flat
+                if i == len(self.groups) - 1:
+                    self.averaged = None  # averaged_gradients = None frees grads_in_partition
+                g.master.grad = fp32
+                del fp32
+            out = inner(*args, **kwargs)
+            g.master.grad = None
+        return out  # bit16 partitions copied back and all-gathered in place: nothing allocated
+
+
+# ---- DeepSpeed ZeRO-3 -----------------------------------------------------------------------
+
+
+class _Gather:
+    """An all-gather in flight (``AllGatherCoalescedHandle``): its flat buffer lives with it."""
+
+    def __init__(self, zero: "_MetaZero3", params: list):
+        self.zero, self.params, self.done = zero, params, False
+        tracer, world = zero.tracer, zero.world
+        copies = ([_empty(tracer, zero.part[id(p)], p.dtype, Category.COMMUNICATION, "(ZeRO-3 host-to-device)")
+                   for p in params if id(p) in zero.host_partition])
+        if len(params) == 1:  # _all_gather_sequential: one padded buffer, the parameter a view of it
+            p = params[0]
+            self.buffer = _empty(tracer, zero.part[id(p)] * world, p.dtype, Category.PARAMETER,
+                                 "(ZeRO-3 gathered params)")
+        else:
+            self.buffer = _empty(tracer, sum(zero.part[id(p)] * p.element_size() for p in params) * world,
+                                 torch.uint8, Category.COMMUNICATION, "(ZeRO-3 all-gather)")
+        del copies
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        for p in self.params:
+            if len(self.params) == 1:
+                self.zero.gathered[id(p)] = self.buffer
+            else:  # torch.cat of the W slices: a full copy per parameter
+                self.zero.gathered[id(p)] = _empty(self.zero.tracer, p.numel(), p.dtype, Category.PARAMETER,
+                                                   "(ZeRO-3 gathered params)")
+
+
+class _MetaZero3(_Emulation):
+    """DeepSpeed ZeRO stage 3 on one rank, with the parameter coordinator's fetch and release."""
+
+    def __init__(self, tracer, model: torch.nn.Module, world: int, offload: Offload):
+        super().__init__(tracer, model, world)
+        self.offload_optimizer = offload is not Offload.NONE
+        self.offload_params = offload is Offload.PARAMS
+        self.ds_id = {id(p): i for i, p in enumerate(self.full)}
+        self.part = {id(p): -(-p.numel() // world) for p in self.full}
+        self.persist = {id(p) for p in self.full if p.numel() <= PARAM_PERSISTENCE_THRESHOLD}
+        self.host_partition = ({id(p) for p in self.full if id(p) not in self.persist}
+                               if self.offload_params else set())
+        tracer.assume(f"zero3: DeepSpeed 0.19.8 defaults: reduce_bucket_size={_e(REDUCE_BUCKET_SIZE)}, "
+                      f"prefetch_bucket_size={_e(PREFETCH_BUCKET_SIZE)}, param_persistence_threshold="
+                      f"{_e(PARAM_PERSISTENCE_THRESHOLD)}, max_reuse_distance={_e(MAX_REUSE_DISTANCE)} elements; "
+                      "step 1 records the module trace, so from step 2 parameters reused within max_reuse_distance "
+                      "stay gathered")
+        tracer.assume("zero3: a module's parameters are released when its last gradient is accumulated "
+                      "(DeepSpeed hooks its inputs' gradients)")
+        _assume_zero_common(tracer, "zero3")
+        if offload is Offload.PARAMS:
+            tracer.assume("zero3 offload='params': offload_param and offload_optimizer both to the CPU")
+        if self.offload_optimizer:
+            tracer.assume("zero3 offload: the fp32 master, optimizer state, gradient partitions and the step are "
+                          "host memory (DeepSpeedCPUAdam)")
+        # Parameter partitions: the trainable ones defragmented into one buffer per dtype (lp_param_buffer).
+        by_dtype: dict[torch.dtype, list] = {}
+        self.partitions: list[torch.Tensor] = []
+        for p in self.full:
+            if p.requires_grad:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            elif id(p) not in self.host_partition:
+                self.partitions.append(_empty(tracer, self.part[id(p)], p.dtype, Category.PARAMETER,
+                                              "(ZeRO-3 partitions)"))
+        self.sub_groups = []  # (dtype, elements, master): _create_fp16_sub_groups closes a group at >= 1e9
+        self.host_grads: list[torch.Tensor] = []
+        self.grad_buffers: list[torch.Tensor] = []
+        self.buckets: dict[torch.dtype, torch.Tensor] = {}
+        for dtype, params in by_dtype.items():
+            device_numel = sum(self.part[id(p)] for p in params if id(p) not in self.host_partition)
+            lp = _empty(tracer, device_numel, dtype, Category.PARAMETER, "(ZeRO-3 partitions)")
+            self.partitions.append(lp)
+            sizes, size = [], 0
+            for p in params:
+                size += self.part[id(p)]
+                if size >= SUB_GROUP_SIZE or p is params[-1]:
+                    sizes.append(size)
+                    size = 0
+            start = 0
+            for size in sizes:
+                if self.offload_optimizer:
+                    master = self.host(size, torch.float32)
+                elif dtype == torch.float32:  # already fp32 on the device: the partition itself (stage3.py:1162)
+                    master = torch.nn.Parameter(lp[start: start + size])
+                else:
+                    master = _empty(tracer, size, torch.float32, Category.OPTIMIZER, "(ZeRO fp32 master)")
+                master.requires_grad_(True)
+                if self.offload_optimizer:
+                    self.host_grads.append(self.host(size, torch.float32))
+                self.sub_groups.append((dtype, size, master))
+                start += size
+            if not self.offload_optimizer:
+                self.grad_buffers.append(_empty(tracer, sum(sizes), dtype, Category.GRADIENT,
+                                                "(ZeRO-3 grad partitions)"))
+            self.buckets[dtype] = _empty(tracer, REDUCE_BUCKET_SIZE, dtype, Category.COMMUNICATION,
+                                         "(ZeRO IPG bucket)")
+        # The coordinator.
+        self.gathered: dict[int, torch.Tensor] = {}
+        self.inflight: dict[int, _Gather] = {}
+        self.active: dict[int, set[int]] = collections.defaultdict(set)
+        self.mode = "invalid"  # ZeRoTraceMode: INVALID -> RECORD (step 1) -> COMPLETE
+        self.trace: list[torch.nn.Module] = []
+        self.param_trace: list[tuple[torch.Tensor, int]] = []
+        self.queue: collections.deque = collections.deque()
+        self.last_fetched: dict[int, int] = collections.defaultdict(lambda: int(-1e10))
+        self.release_cache: dict[tuple[int, int], set[int]] = {}
+        self.step_id = 0
+        self.n_available = 0
+        self.pre_backward_pending: dict[int, int] = collections.defaultdict(int)
+        self.backward_active: dict[int, torch.nn.Module] = {}
+        self.waiting: dict[int, set[int]] = {}
+        self.in_bucket: dict[torch.dtype, list] = collections.defaultdict(list)
+        self.elements: dict[torch.dtype, int] = collections.defaultdict(int)
+        self.modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+        self.mparams = {id(m): list(m.parameters(recurse=False)) for m in self.modules}
+        self.modules_of: dict[int, list] = collections.defaultdict(list)
+        for m in self.modules:
+            for p in self.mparams[id(m)]:
+                self.modules_of[id(p)].append(m)
+        self.handles.append(model.register_forward_pre_hook(lambda m, a: self._reset_step(), prepend=True))
+        for m in self.modules:
+            self.handles.append(m.register_forward_pre_hook(lambda mod, a: self._fetch(mod, forward=True)))
+            self.handles.append(m.register_forward_hook(lambda mod, a, o: self._post_forward(mod, o)))
+        for p in self.full:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def make_optimizer(self, make_optimizer):
+        opt = make_optimizer([master for _, _, master in self.sub_groups])
+        for _, _, master in self.sub_groups:
+            self.owner(master, "(ZeRO optimizer state)")
+        return self.wrap_step(opt, self._step, host=self.offload_optimizer)
+
+    # the parameter coordinator (partitioned_param_coordinator.py)
+    def _status(self, p) -> str:
+        return "available" if id(p) in self.gathered else "inflight" if id(p) in self.inflight else "partitioned"
+
+    def _all_gather(self, params) -> None:
+        params = sorted((p for p in params if self._status(p) == "partitioned"), key=lambda p: self.ds_id[id(p)])
+        if not params:
+            return
+        self.n_available += sum(p.numel() for p in params)
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for group in by_dtype.values():
+            handle = _Gather(self, group)
+            for p in group:
+                self.inflight[id(p)] = handle
+
+    def _release(self, p) -> None:
+        if id(p) in self.gathered and not self.active[id(p)]:
+            del self.gathered[id(p)]
+            self.n_available -= p.numel()
+
+    def _clean_inflight(self) -> None:
+        for pid, handle in list(self.inflight.items()):
+            handle.wait()
+        params = [p for p in self.full if id(p) in self.inflight]
+        self.inflight.clear()
+        for p in params:
+            self._release(p)
+
+    def _invalidate(self) -> None:
+        self.mode = "invalid"
+        self.trace, self.param_trace = [], []
+        self.last_fetched.clear()
+        self.release_cache.clear()
+        self._clean_inflight()
+
+    def _reset_step(self) -> None:
+        """``reset_step``, at the start of every forward."""
+        self._clean_inflight()
+        if self.mode == "record":
+            self.param_trace = [(p, i) for i, m in enumerate(self.trace)
+                                for p in sorted(set(self.mparams[id(m)]), key=lambda p: self.ds_id[id(p)])]
+            self.mode = "complete"
+        elif self.mode == "invalid":
+            self.mode = "record"
+        self.queue = collections.deque(self.param_trace)
+        self.last_fetched = collections.defaultdict(lambda: int(-1e10))
+        self.step_id = 0
+        self.n_available = 0
+
+    def _fetch(self, m: torch.nn.Module, forward: bool) -> None:
+        """``fetch_sub_module``: gather this module's parameters, then prefetch along the trace."""
+        if self.mode == "complete" and (len(self.trace) <= self.step_id or self.trace[self.step_id] is not m):
+            self._invalidate()
+        if self.mode == "record":
+            self.trace.append(m)
+        params = self.mparams[id(m)]
+        self._all_gather(params)
+        for p in params:
+            self.active[id(p)].add(id(m))
+            handle = self.inflight.pop(id(p), None)
+            if handle is not None:
+                handle.wait()
+        handle = None
+        if self.mode == "complete":
+            wanted = {id(p) for p in params if self.last_fetched[id(p)] < self.step_id}
+            popped: set[int] = set()
+            while self.queue and len(popped) < len(wanted):
+                p, at = self.queue.popleft()
+                self.last_fetched[id(p)] = at
+                popped.add(id(p))
+            limit = min(MAX_LIVE_PARAMETERS - self.n_available, PREFETCH_BUCKET_SIZE)
+            prefetch, numel = {}, 0
+            while self.queue and numel < limit:
+                p, at = self.queue.popleft()
+                if self._status(p) == "partitioned" and id(p) not in prefetch:
+                    prefetch[id(p)] = p
+                    numel += p.numel()
+                self.last_fetched[id(p)] = max(self.last_fetched[id(p)], at)
+            self._all_gather(prefetch.values())
+        self.step_id += 1
+
+    def _to_release(self, m: torch.nn.Module) -> set[int]:
+        """``__params_to_release``: not persistent and not used again within max_reuse_distance."""
+        key = (id(m), self.step_id)
+        if key not in self.release_cache:  # functools.lru_cache in DeepSpeed
+            params = self.mparams[id(m)]
+            out = {id(p) for p in params if id(p) not in self.persist and self.last_fetched[id(p)] <= self.step_id}
+            traversed = 0
+            for later in self.trace[self.step_id:]:
+                if traversed >= MAX_REUSE_DISTANCE:
+                    break
+                for p in self.mparams[id(later)]:
+                    out.discard(id(p))
+                    traversed += p.numel()
+            self.release_cache[key] = out
+        return self.release_cache[key]
+
+    def _release_module(self, m: torch.nn.Module) -> None:
+        """``release_sub_module``."""
+        params = self.mparams[id(m)]
+        release = self._to_release(m) if self.mode == "complete" else {id(p) for p in params}
+        for p in params:
+            self.active[id(p)].discard(id(m))
+            if id(p) in release:
+                self._release(p)
+
+    def _post_forward(self, m: torch.nn.Module, output) -> None:
+        self._release_module(m)
+        if torch.is_grad_enabled():
+            outputs = [t for t in _tensors(output) if t.requires_grad]
+            if outputs:
+                self.pre_backward_pending[id(m)] += 1
+                for t in outputs:
+                    t.register_hook(lambda grad, m=m: self._pre_backward(m))
+
+    def _pre_backward(self, m: torch.nn.Module) -> None:
+        if self.pre_backward_pending[id(m)] <= 0:
+            return
+        self.pre_backward_pending[id(m)] -= 1
+        self.queue_end_of_backward()
+        self._fetch(m, forward=False)
+        self.backward_active[id(m)] = m
+        self.waiting[id(m)] = {id(p) for p in self.mparams[id(m)] if p.requires_grad}
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """The gradient hook: into the IPG bucket; a module whose gradients are all in is released."""
+        self.queue_end_of_backward()
+        dtype, n = p.dtype, p.numel()
+        if self.elements[dtype] and self.elements[dtype] + n > REDUCE_BUCKET_SIZE:
+            self._reduce_scatter(dtype)
+        if p.grad is not None and self.elements[dtype] + n <= REDUCE_BUCKET_SIZE:
+            start = self.elements[dtype]
+            p.grad = self.buckets[dtype][start: start + n].view_as(p)  # autograd's gradient is freed
+        self.in_bucket[dtype].append(p)
+        self.elements[dtype] += n
+        for m in self.modules_of[id(p)]:  # approximates the module's post-backward hook
+            waiting = self.waiting.get(id(m))
+            if waiting is not None and id(p) in waiting:
+                waiting.discard(id(p))
+                if not waiting:
+                    del self.waiting[id(m)]
+                    self.backward_active.pop(id(m), None)
+                    self._release_module(m)
+
+    def _reduce_scatter(self, dtype: torch.dtype) -> None:
+        """``__reduce_and_partition_ipg_grads``: reduce_scatter_coalesced concatenates the W-padded chunks."""
+        params = self.in_bucket[dtype]
+        if not params:
+            return
+        if not (len(params) == 1 and params[0].numel() % self.world == 0):  # a temporary: freed at once
+            _empty(self.tracer, self.world * sum(self.part[id(p)] for p in params), dtype,
+                   Category.COMMUNICATION, "(ZeRO-3 reduce-scatter)")
+        for p in params:  # partition_grads: added into the gradient partitions, the full gradient freed
+            p.grad = None
+        params.clear()
+        self.elements[dtype] = 0
+
+    def end_of_backward(self) -> None:
+        for dtype in list(self.in_bucket):
+            self._reduce_scatter(dtype)
+        for mid, m in list(self.backward_active.items()):  # release_backward_leftovers
+            for p in self.mparams[mid]:
+                self.active[id(p)].discard(mid)
+                if id(p) not in self.persist:
+                    self._release(p)
+        self.backward_active.clear()
+        self.waiting.clear()
+
+    def _step(self, inner, *args, **kwargs):
+        self._clean_inflight()  # _partition_all_parameters: every gathered parameter goes, persistent too
+        for p in self.full:
+            self.active[id(p)].clear()
+            self._release(p)
+        out = None
+        for i, (dtype, size, master) in enumerate(self.sub_groups):
+            if self.offload_optimizer:
+                master.grad = self.host_grads[i]
+            else:
+                flat = _empty(self.tracer, size, dtype, Category.GRADIENT, "(ZeRO flat grad)")
+                fp32 = flat if dtype == torch.float32 else _empty(self.tracer, size, torch.float32,
+                                                                  Category.GRADIENT, "(ZeRO fp32 grad)")
+                del flat
+                master.grad = fp32
+                del fp32
+            out = inner(*args, **kwargs)
+            master.grad = None
+        for p in self.full:  # _post_step: _allgather_params_coalesced, one padded buffer per parameter
+            if id(p) in self.persist:
+                self.gathered[id(p)] = _empty(self.tracer, self.part[id(p)] * self.world, p.dtype,
+                                              Category.PARAMETER, "(ZeRO-3 gathered params)")
+                self.n_available += p.numel()
+        return out

@@ -1,0 +1,216 @@
+"""Turn what the user names (a Python model file, or ``hf:NAME_OR_DIR``) into a workload.
+
+A model file defines ``build_model()`` (or a module-level ``model``) and may define
+``make_batch(batch_size, max_len)``, ``compute_loss(model, batch)`` and
+``make_optimizer(params)``. memcheck runs the file's code: everything it builds is
+built under ``torch.device("meta")`` for an estimate, so no weights are allocated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from memcheck.workloads import hf
+from memcheck.trace.device_redirect import on_meta
+from memcheck.enums import Attention, Task
+from memcheck.errors import MemcheckError, ModelLoadError, UsageError, require_int
+
+
+@dataclass
+class Workload:
+    """A model, its worst-case batch, and how to train it."""
+
+    name: str
+    model: torch.nn.Module
+    batch: Any
+    loss_fn: Callable | None
+    make_optimizer: Callable | None
+    batch_size: int
+    max_len: int | None
+    target_len: int | None
+    # make(batch_size, max_len, target_len): the worst-case batch at other sizes or lengths
+    make: Callable[[int, int | None, int | None], Any] | None = None
+    max_len_limit: int | None = None  # the position limit, when the model has one
+
+    def batch_at(self, batch_size: int, max_len: int | None = None, target_len: int | None = None) -> Any:
+        """The worst-case batch with ``batch_size`` rows, padded to ``max_len`` (default: the
+        workload's own lengths); for an eval pass, the planner's search and its length profile."""
+        require_int(batch_size, "batch size")
+        max_len = self.max_len if max_len is None else max_len
+        target_len = self.target_len if target_len is None else target_len
+        if (batch_size, max_len, target_len) == (self.batch_size, self.max_len, self.target_len):
+            return self.batch
+        if self.make is None:
+            raise UsageError(f"{self.name} cannot build a batch of another size or length")
+        return self.make(batch_size, max_len, target_len)
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """'file:line' of the innermost frame inside the model file, else the file."""
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f"{path}:{exc.lineno}"
+    line = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if Path(frame.filename).resolve() == path.resolve():
+            line = frame.lineno
+    return f"{path}:{line}" if line else str(path)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _import_file(path: Path):
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such model file")
+    name = f"memcheck_model_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelLoadError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except MemcheckError:
+        raise
+    except BaseException as exc:  # SyntaxError, ImportError, anything the file raises
+        sys.modules.pop(name, None)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise ModelLoadError(
+            f"{_where(exc, path)}: loading the model file failed: {_one_line(exc)}; fix the file and retry"
+        ) from exc
+    return module
+
+
+def _call(path: Path, fn, what: str, *args):
+    try:
+        return fn(*args)
+    except MemcheckError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"{_where(exc, path)}: {what} raised {_one_line(exc)}") from exc
+
+
+def _building(device: str):
+    """Where the model's code runs while memcheck builds a model or batch on ``device``: for
+    meta, every ``.cuda()``/``.to(...)``/``device=`` lands on meta, and the GPU is never touched."""
+    return on_meta() if device == "meta" else torch.device(device)
+
+
+def _check_sizes(batch_size, max_len, target_len):
+    for flag, value in (("--batch-size", batch_size), ("--max-len", max_len), ("--target-len", target_len)):
+        if value is not None:
+            require_int(value, flag)
+
+
+def _check_target(name: str, task: Task, target_len: int | None) -> None:
+    """Only a seq2seq model's labels have a length of their own; elsewhere a target length
+    would be reported but never traced."""
+    if target_len is not None and task is not Task.SEQ2SEQ:
+        raise UsageError(f"--target-len applies to seq2seq models only; {name} is {task.value}: drop --target-len")
+
+
+def load_workload(
+    spec: str,
+    *,
+    batch_size: int = 1,
+    max_len: int | None = None,
+    target_len: int | None = None,
+    task: Task | str | None = None,
+    attn: Attention | str | None = None,
+    allow_download: bool = False,
+    device: str = "meta",
+) -> Workload:
+    """Load ``spec`` and build its model and worst-case batch on ``device`` (meta for estimates)."""
+    _check_sizes(batch_size, max_len, target_len)
+    task = Task.parse(task, what="task") if task is not None else None
+    attn = Attention.parse(attn, what="attn") if attn is not None else None
+    if spec.startswith("hf:"):
+        name = spec[3:]
+        if not name:
+            raise UsageError("hf: needs a model name or a directory holding config.json, as in hf:gpt2")
+        config = hf.load_config(name, allow_download=allow_download)
+        with _building(device):
+            model = hf.build_model(config, task, attn, device=device)
+        task = task or hf.infer_task(config, model)
+        if max_len is None and not hf.is_vision(model):
+            max_len = hf.default_max_len(model, config)
+        hf.check_lengths(model, config, max_len, target_len)
+        _check_target(type(model).__name__, task, target_len)
+
+        def make(size, length, target):
+            with _building(device):
+                return hf.make_batch(model, config, task, size, length, target, device=device)
+
+        return Workload(type(model).__name__, model, make(batch_size, max_len, target_len), None, None,
+                        batch_size, max_len, target_len, make, _limit(model, config))
+
+    path = Path(spec)
+    if path.suffix != ".py":
+        raise UsageError(
+            f"model {spec!r} is neither a Python file (*.py) nor hf:NAME_OR_DIR"
+        )
+    with _building(device):
+        module = _import_file(path)
+        if hasattr(module, "build_model"):
+            model = _call(path, module.build_model, "build_model()")
+        elif isinstance(getattr(module, "model", None), torch.nn.Module):
+            model = module.model
+        else:
+            raise ModelLoadError(
+                f"{path}: defines neither build_model() nor a module-level `model`; add one returning an nn.Module"
+            )
+        if not isinstance(model, torch.nn.Module):
+            raise ModelLoadError(f"{path}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
+        if attn is not None and hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(attn.value)
+        config = getattr(model, "config", None)
+        if hasattr(module, "make_batch"):
+            params = inspect.signature(module.make_batch).parameters
+            if max_len is None and len(params) >= 2 and "max_len" in params and params["max_len"].default is inspect.Parameter.empty:
+                raise UsageError(f"{path}: make_batch needs a length: give --max-len")
+            if config is not None:
+                hf.check_lengths(model, config, max_len, target_len)
+            if target_len is not None:  # make_batch takes no target length: it would be reported, never traced
+                raise UsageError(f"--target-len applies to transformers seq2seq models; {path}'s "
+                                 "make_batch(batch_size, max_len) builds its own labels: drop --target-len")
+
+            def make(size, length, target):
+                with _building(device):
+                    return _call(path, module.make_batch, "make_batch()", size, length)
+        elif config is not None and hasattr(model, "main_input_name"):
+            task = task or hf.infer_task(config, model)
+            if max_len is None and not hf.is_vision(model):
+                max_len = hf.default_max_len(model, config)
+            hf.check_lengths(model, config, max_len, target_len)
+            _check_target(type(model).__name__, task, target_len)
+
+            def make(size, length, target):
+                with _building(device):
+                    return hf.make_batch(model, config, task, size, length, target, device=device)
+        else:
+            raise ModelLoadError(
+                f"{path}: defines no make_batch(batch_size, max_len), and memcheck cannot infer "
+                f"inputs for {type(model).__name__}; add make_batch"
+            )
+        batch = make(batch_size, max_len, target_len)
+    loss_fn = getattr(module, "compute_loss", None)
+    make_optimizer = getattr(module, "make_optimizer", None)
+    return Workload(
+        path.stem, model, batch, loss_fn, make_optimizer, batch_size, max_len, target_len, make,
+        _limit(model, config) if config is not None else None,
+    )
+
+
+def _limit(model, config) -> int | None:
+    return None if hf.is_vision(model) else hf.position_limit(config)[0]

@@ -1,0 +1,194 @@
+"""The package's layers: imports run downward only, and no module imports itself in a cycle.
+
+The import graph is read from the source with ``ast`` (module-level and function-level
+imports; those under ``if TYPE_CHECKING:`` are for typing only and do not count), so
+the check needs nothing imported. Each top-level module or subpackage of ``memcheck``
+sits in one layer; a module may import from its own layer and the layers below it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "memcheck"
+
+# Bottom to top: the pipeline (trace -> rules -> CUDA allocator and overheads -> training
+# emulation -> engine -> reports and pictures -> front-ends), with what each part needs beneath it.
+LAYERS = (
+    ("errors", "units", "enums"),  # the vocabulary: exceptions, byte units, the choices
+    ("cuda",),  # the GPU table, the caching-allocator simulation, CUDA context and workspaces
+    ("rules",),  # the op-rule registry and the rules per device
+    ("trace",),  # the TorchDispatchMode tracer and the device redirect
+    ("training",),  # the traced loop, optimizers, checkpointing, one module per strategy family
+    ("job",),  # one value for every setting of a job, and its spellings
+    ("workloads",),  # model files and hf: configs, with their worst-case batches
+    ("report",),  # frozen results, their text and JSON, the timeline
+    ("engine",),  # estimate, compare, plan, preflight
+    ("pictures", "measure"),  # memory_viz snapshots and plots; real runs to check against
+    ("config_gate", "integrations"),  # front-ends: configs for `memcheck check`, trainer callbacks
+    ("cli", "__main__", "__init__"),  # the command line and the public face
+)
+
+
+def layer_of(module: str, layers=LAYERS) -> int:
+    """The layer index of ``memcheck.X...`` (by X), or of the package itself (``__init__``)."""
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    for rank, names in enumerate(layers):
+        if top in names:
+            return rank
+    raise AssertionError(f"{module} is in no layer; add {top!r} to tests/test_layers.py LAYERS")
+
+
+def module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _typing_only(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST):
+    """Every import node of ``tree``, except those inside ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _typing_only(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """``{module: the memcheck modules it imports}`` for every module under ``root``."""
+    files = {module_name(p, root): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        deps: set[str] = set()
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                if node.level:
+                    base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_pkg else 0)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module
+                # `from pkg import sub` imports the submodule sub when there is one
+                targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in files else target for a in node.names]
+            deps.update(t for t in targets if t in files and t != name)
+        graph[name] = deps
+    return graph
+
+
+def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    return sorted(f"{a} (layer {layer_of(a, layers)}) imports {b} (layer {layer_of(b, layers)})"
+                  for a, deps in graph.items() for b in deps if layer_of(b, layers) > layer_of(a, layers))
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of two or more modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_module_is_in_a_layer():
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_imports_run_downward_only():
+    assert upward_imports(import_graph()) == []
+
+
+def test_no_module_imports_itself_through_a_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_package_has_at_most_twelve_modules_at_its_top_level():
+    top = [p.name for p in PACKAGE.glob("*.py")]
+    assert len(top) <= 12, top
+
+
+@pytest.fixture
+def fake_package(tmp_path):
+    """A copy-free stand-in: a tiny package laid out like memcheck, to break on purpose."""
+    root = tmp_path / "memcheck"
+    (root / "rules").mkdir(parents=True)
+    (root / "engine").mkdir()
+    (root / "__init__.py").write_text("from memcheck.engine.estimate import estimate\n")
+    (root / "errors.py").write_text("")
+    (root / "rules" / "__init__.py").write_text("")
+    (root / "rules" / "registry.py").write_text("from memcheck.errors import x\n")
+    (root / "engine" / "__init__.py").write_text("")
+    (root / "engine" / "estimate.py").write_text("from memcheck.rules.registry import r\n")
+    return root
+
+
+def test_the_check_passes_a_clean_package(fake_package):
+    graph = import_graph(fake_package)
+    assert graph["memcheck.engine.estimate"] == {"memcheck.rules.registry"}
+    assert upward_imports(graph) == [] and cycles(graph) == []
+
+
+def test_an_upward_import_added_on_purpose_fails_the_check(fake_package):
+    # a rule reaching up into the engine, inside a function: still an import
+    (fake_package / "rules" / "registry.py").write_text("def f():\n    from memcheck.engine import estimate\n")
+    graph = import_graph(fake_package)
+    assert upward_imports(graph) == [
+        "memcheck.rules.registry (layer 2) imports memcheck.engine.estimate (layer 8)"]
+    # and, since the engine imports the registry, a cycle as well
+    assert cycles(graph) == [["memcheck.engine.estimate", "memcheck.rules.registry"]]
+
+
+def test_an_import_cycle_added_on_purpose_fails_the_check(fake_package):
+    (fake_package / "rules" / "other.py").write_text("from memcheck.rules import registry\n")
+    (fake_package / "rules" / "registry.py").write_text("import memcheck.rules.other\n")
+    assert cycles(import_graph(fake_package)) == [["memcheck.rules.other", "memcheck.rules.registry"]]
+
+
+def test_typing_only_imports_do_not_count(fake_package):
+    (fake_package / "rules" / "registry.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from memcheck.engine.estimate import E\n")
+    assert upward_imports(import_graph(fake_package)) == []

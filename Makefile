@@ -1,7 +1,7 @@
 # The torch pin takes the local CPU wheel; an unpinned torch would pull GBs of CUDA packages.
 PYTHON ?= python3
 
-.PHONY: install test example speed
+.PHONY: install test test-fast example speed
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -9,6 +9,10 @@ install:
 
 test: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q
+
+# The edit-test loop: everything but the tests marked slow (CI runs `make test`, all of them).
+test-fast: install
+	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -m "not slow"
 
 example: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m memcheck examples/gpt2_small.py --max-len 1024

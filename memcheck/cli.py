@@ -9,6 +9,7 @@ Exit codes:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -47,6 +48,53 @@ def _fail(exc: BaseException, debug: bool, code: int) -> None:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     click.echo(f"memcheck: error: {first}", err=True)
     sys.exit(code)
+
+
+def _internal(exc: BaseException) -> str:
+    return f"internal error ({type(exc).__name__}: {exc}); rerun with --debug and report it"
+
+
+@contextlib.contextmanager
+def _reported(progress, debug: bool, locate=None):
+    """Every command's errors: the progress line erased, then one line on stderr and the exit
+    code (a MemcheckError's own; 3 for anything else, which is a bug in memcheck).
+    ``locate(exc, message)``, when given, returns the error to report with where it
+    happened named (``memcheck check``: the config file and job)."""
+    from memcheck.errors import MemcheckError
+
+    try:
+        yield
+        _clear(progress)
+    except MemcheckError as exc:
+        _clear(progress)
+        _fail(locate(exc, str(exc)) if locate else exc, debug, exc.exit_code)
+    except Exception as exc:  # a bug in memcheck: say so, briefly
+        _clear(progress)
+        _fail(locate(exc, _internal(exc)) if locate else RuntimeError(_internal(exc)), debug, EXIT_INTERNAL)
+
+
+def _load(model: str, job, optimizer: str | None, allow_download: bool, **load):
+    """Run the model file (or read the hf: config) for ``job``; return the workload and the job
+    completed from it: its lengths (an hf: model's position limit by default) and the file's
+    ``make_optimizer`` unless --optimizer was given."""
+    from memcheck.workloads.source import load_workload
+
+    work = load_workload(model, batch_size=job.batch_size or 1, max_len=job.max_len, target_len=job.target_len,
+                         task=job.task, attn=job.attn, allow_download=allow_download, **load)
+    return work, job.replace(batch_size=work.batch_size, max_len=work.max_len, target_len=work.target_len,
+                             optimizer=optimizer or work.make_optimizer or "adamw")
+
+
+def _job(**flags):
+    """The ``Job`` the flags describe (a bad one named as its flag), checked before the model
+    file runs: a bad flag is reported as itself, never hidden behind the model's errors."""
+    from memcheck.errors import UsageError
+    from memcheck.job import Job, SettingError
+
+    try:
+        return Job(**flags)
+    except SettingError as exc:
+        raise UsageError(exc.worded("flag")) from None
 
 
 def _quiet_transformers() -> None:
@@ -146,58 +194,39 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
     memcheck runs the file's code (on the meta device).
     """
     progress = _begin(as_json, allow_download)
-    from memcheck.errors import MemcheckError, UsageError, require_int
     from memcheck.engine.compare import compare as run_compare
     from memcheck.engine.estimate import estimate as run_estimate
-    from memcheck.workloads.source import load_workload
-    from memcheck.report.text import render_json
+    from memcheck.errors import UsageError
     from memcheck.pictures import check_pictures, write_pictures
+    from memcheck.report.text import render_json
     from memcheck.units import parse_size
 
-    try:
+    with _reported(progress, debug):
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         if top < 0:
             raise UsageError(f"--top must be 0 or more, got {top}")
         if compare and (snapshot_path or plot_path):
             raise UsageError("--snapshot and --plot draw one estimate; they cannot be used with --compare")
+        if compare and (strategy != "single" or bucket_view or bucket_cap_mb is not None or offload != "none"):
+            raise UsageError("--compare lists every strategy with its defaults; drop --strategy and its settings")
         check_pictures(snapshot_path, plot_path)  # before anything is traced
-        _check_settings(device, precision, strategy, gpus, gpu, optimizer, steps, accumulate, bucket_view,
-                        bucket_cap_mb, offload)
+        job = _job(device=device, gpu=gpu, budget_bytes=budget, batch_size=batch_size, max_len=max_len,
+                   target_len=target_len, precision=precision, optimizer=optimizer or "adamw", steps=steps,
+                   accumulate=accumulate, checkpointing=checkpointing, use_reentrant=reentrant,
+                   strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
+                   bucket_cap_mb=bucket_cap_mb, offload=offload, eval_batch_size=eval_batch_size,
+                   eval_accumulate_predictions=eval_accumulate_predictions, task=task, attn=attn)
         if progress is not None:
             progress(f"loading {model}")
-        work = load_workload(
-            model, batch_size=batch_size, max_len=max_len, target_len=target_len,
-            task=task, attn=attn, allow_download=allow_download,
-        )
-        eval_batch = None
-        if eval_batch_size is not None:
-            eval_batch = work.batch_at(require_int(eval_batch_size, "--eval-batch-size"))
-        kwargs = dict(
-            device=device, precision=precision,
-            optimizer=optimizer or work.make_optimizer or "adamw", loss_fn=work.loss_fn,
-            steps=steps, budget_bytes=budget, batch_size=work.batch_size, max_len=work.max_len,
-            target_len=work.target_len, model_name=work.name, top_modules=top, gpu=gpu,
-            accumulate=accumulate, checkpointing=checkpointing, use_reentrant=reentrant,
-            eval_batch=eval_batch, eval_accumulate_predictions=eval_accumulate_predictions, progress=progress,
-        )
+        work, job = _load(model, job, optimizer, allow_download)
+        eval_batch = work.batch_at(job.eval_batch_size) if job.eval_batch_size is not None else None
+        runtime = dict(loss_fn=work.loss_fn, eval_batch=eval_batch, model_name=work.name, top_modules=top,
+                       progress=progress)
         if compare:
-            if strategy != "single" or bucket_view or bucket_cap_mb is not None or offload != "none":
-                raise UsageError("--compare lists every strategy with its defaults; drop --strategy and its settings")
-            result = run_compare(work.model, work.batch, gpus=1 if gpus is None else gpus, **kwargs)
+            result = run_compare(work.model, work.batch, job, gpus=1 if gpus is None else gpus, **runtime)
         else:
-            result = run_estimate(
-                work.model, work.batch, strategy=strategy, gpus=gpus, bucket_view=bucket_view,
-                bucket_cap_mb=bucket_cap_mb, offload=offload, timeline=bool(snapshot_path or plot_path), **kwargs,
-            )
+            result = run_estimate(work.model, work.batch, job, timeline=bool(snapshot_path or plot_path), **runtime)
             write_pictures(result, snapshot_path, plot_path)
-        _clear(progress)
-    except MemcheckError as exc:
-        _clear(progress)
-        _fail(exc, debug, exc.exit_code)
-    except Exception as exc:  # a bug in memcheck: say so, briefly
-        _clear(progress)
-        _fail(RuntimeError(f"internal error ({type(exc).__name__}: {exc}); rerun with --debug and report it"),
-              debug, EXIT_INTERNAL)
     click.echo(render_json(result) if as_json else str(result))
     sys.exit(EXIT_DOES_NOT_FIT if result.fits is False else EXIT_FITS)
 
@@ -235,14 +264,14 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
     memory, 2 bad input, 3 internal error.
     """
     progress = _begin(as_json, allow_download)
-    from memcheck.errors import MemcheckError, UsageError, require_int
-    from memcheck.workloads.source import load_workload
+    from memcheck.engine.estimate import estimate as run_estimate
     from memcheck.engine.plan import plan as run_plan
-    from memcheck.report.text import render_json
+    from memcheck.errors import UsageError, require_int
     from memcheck.pictures import check_pictures, write_pictures
+    from memcheck.report.text import render_json
     from memcheck.units import parse_size
 
-    try:
+    with _reported(progress, debug):
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         require_int(measure_steps, "--measure-steps", minimum=2,
                     message=f"--measure-steps must be an integer of at least 2, got {measure_steps!r}")
@@ -255,41 +284,26 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
                 if not torch.cuda.is_available():
                     raise UsageError("--measure on the cuda target needs a CUDA GPU, and torch sees none here")
         check_pictures(snapshot_path, plot_path)  # before anything is traced
-        _check_settings(device, None if precision_options else precision, strategy, gpus, gpu, optimizer, steps, 1,
-                        bucket_view, bucket_cap_mb, offload)  # the plan checks --precision-options itself
-        work = load_workload(model, batch_size=1, max_len=max_len, target_len=target_len, task=task, attn=attn,
-                             allow_download=allow_download)
-        result = run_plan(
-            work.model, work.make, gpu=gpu, budget_bytes=budget, global_batch=global_batch, gpus=gpus,
-            strategy=strategy, margin=margin, precision_options=precision_options or precision,
-            checkpointing_options=checkpointing_options, max_len=work.max_len, target_len=work.target_len,
-            max_len_limit=work.max_len_limit, device=device, model_name=work.name, progress=progress,
-            optimizer=optimizer or work.make_optimizer or "adamw", loss_fn=work.loss_fn, steps=steps,
-            use_reentrant=reentrant, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload,
-        )
+        job = _job(device=device, gpu=gpu, budget_bytes=budget, max_len=max_len, target_len=target_len,
+                   precision="fp32" if precision_options else precision,  # the plan checks --precision-options
+                   optimizer=optimizer or "adamw", steps=steps, use_reentrant=reentrant, strategy=strategy,
+                   gpus=gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload, margin=margin,
+                   global_batch=global_batch, task=task, attn=attn)
+        work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)
+        result = run_plan(work.model, work.make, job, precision_options=precision_options or precision,
+                          checkpointing_options=checkpointing_options, max_len_limit=work.max_len_limit,
+                          loss_fn=work.loss_fn, model_name=work.name, progress=progress)
         _clear(progress)
         if measure and result.recommended is not None:
             from dataclasses import replace
 
-            result = replace(result, verification=_measure_plan(model, result, work, device, measure_steps,
-                                                                allow_download, optimizer, reentrant, task, attn))
-        if (snapshot_path or plot_path) and result.recommended is not None:
-            # A plan keeps no timeline: the recommendation is traced once more, with one, at the
-            # settings the plan traced it at (memcheck.engine.plan._Search.estimate_at), and must agree.
-            from memcheck.engine.estimate import estimate as run_estimate
-
-            rec, multi = result.recommended, result.strategy != "single"
-            rows = rec.micro_batch_size * (result.gpus if result.strategy in ("dp", "dp-balanced") else 1)
-            traced = run_estimate(
-                work.model, work.batch_at(rows),
-                device=device, precision=rec.precision, gpu=result.gpu, budget_bytes=result.capacity_bytes,
-                strategy=result.strategy, gpus=result.gpus if multi else None, accumulate=rec.accumulation_steps,
-                checkpointing=list(result.checkpointed_modules) if rec.checkpointing == "half" else rec.checkpointing,
-                batch_size=rec.micro_batch_size, max_len=work.max_len, target_len=work.target_len,
-                model_name=work.name, top_modules=0, optimizer=optimizer or work.make_optimizer or "adamw",
-                loss_fn=work.loss_fn, steps=steps, use_reentrant=reentrant, bucket_view=bucket_view,
-                bucket_cap_mb=bucket_cap_mb, offload=offload, progress=progress, timeline=True,
-            )
+            result = replace(result, verification=_measure_plan(model, result, work, measure_steps, allow_download))
+        if (snapshot_path or plot_path) and result.job is not None:
+            # A plan keeps no timeline: its recommended job is traced once more, with one, and must agree.
+            rows = result.recommended.micro_batch_size * (result.gpus if result.strategy in ("dp", "dp-balanced")
+                                                          else 1)
+            traced = run_estimate(work.model, work.batch_at(rows), result.job, loss_fn=work.loss_fn,
+                                  model_name=work.name, top_modules=0, progress=progress, timeline=True)
             _clear(progress)
             if (traced.peak_bytes, traced.total_bytes) != (result.estimate.peak_bytes, result.estimate.total_bytes):
                 raise RuntimeError("the recommendation traced again for --snapshot/--plot differs from the plan's")
@@ -297,40 +311,10 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
         elif snapshot_path or plot_path:
             click.echo("memcheck: note: nothing fits, so --snapshot/--plot have no recommendation to draw; "
                        "nothing written", err=True)
-    except MemcheckError as exc:
-        _clear(progress)
-        _fail(exc, debug, exc.exit_code)
-    except Exception as exc:  # a bug in memcheck: say so, briefly
-        _clear(progress)
-        _fail(RuntimeError(f"internal error ({type(exc).__name__}: {exc}); rerun with --debug and report it"),
-              debug, EXIT_INTERNAL)
     click.echo(render_json(result) if as_json else str(result))
     failed = result.verification is not None and (
         result.verification.out_of_memory or result.verification.measured_bytes > result.capacity_bytes)
     sys.exit(EXIT_DOES_NOT_FIT if not result.fits or failed else EXIT_FITS)
-
-
-def _check_settings(device, precision, strategy, gpus, gpu, optimizer, steps, accumulate, bucket_view,
-                    bucket_cap_mb, offload) -> None:
-    """Check the settings that need no model with the library's own parsers, before the model
-    file runs: a bad flag is reported as itself, never hidden behind the model's errors."""
-    from memcheck.enums import Device, Precision
-    from memcheck.errors import require_int
-    from memcheck.engine.estimate import target_gpu
-    from memcheck.training.optimizers import resolve_optimizer
-    from memcheck.training.strategies import StrategyConfig
-
-    target = Device.parse(device)
-    if precision is not None:
-        Precision.parse(precision)
-    StrategyConfig.parse(strategy, None if strategy == "single" else gpus, bucket_view=bucket_view,  # --compare's
-                         bucket_cap_mb=bucket_cap_mb, offload=offload)  # --gpus goes with single: checked there
-    target_gpu(gpu, target)
-    if optimizer is not None:
-        resolve_optimizer(optimizer, target)
-    require_int(steps, "--steps", minimum=2, message=(
-        f"steps must be an integer of at least 2 (step 1 has no optimizer state), got {steps!r}"))
-    require_int(accumulate, "--accumulate")
 
 
 def _begin(as_json: bool, allow_download: bool):
@@ -354,31 +338,26 @@ def _clear(progress) -> None:
         click.echo("\r\033[K", err=True, nl=False)
 
 
-def _measure_plan(spec, result, work, device, steps, allow_download, optimizer, reentrant, task, attn):
-    """Build the model for real on the CPU, set it up as recommended, and run it (memcheck.measure.local.verify)."""
-    from memcheck.training.checkpointing import apply_checkpointing
+def _measure_plan(spec, result, work, steps, allow_download):
+    """Build the model for real on the CPU, set it up as the plan's job says, and run it
+    (memcheck.measure.local.verify)."""
     from memcheck.measure.local import verify
-    from memcheck.workloads.source import load_workload
+    from memcheck.training.checkpointing import apply_checkpointing
+    from memcheck.training.loop import default_loss
     from memcheck.training.optimizers import resolve_optimizer
+    from memcheck.workloads.source import load_workload
 
-    rec = result.recommended
-    load = dict(batch_size=rec.micro_batch_size, max_len=work.max_len, target_len=work.target_len, task=task,
-                attn=attn, allow_download=allow_download, device="cpu")
+    job, rec = result.job, result.recommended
 
     def build():  # inside the measured region, so the weights are measured too
-        real = load_workload(spec, **load)
-        if rec.checkpointing != "none":
-            apply_checkpointing(real.model, "full" if rec.checkpointing == "full"
-                                else list(result.checkpointed_modules), use_reentrant=reentrant)
+        real = load_workload(spec, batch_size=job.batch_size, max_len=job.max_len, target_len=job.target_len,
+                             task=job.task, attn=job.attn, allow_download=allow_download, device="cpu")
+        apply_checkpointing(real.model, job.checkpointing, use_reentrant=job.use_reentrant)
         return real.model, real.batch
 
-    from memcheck.enums import Device
-    from memcheck.training.loop import default_loss
-
-    _, make_optimizer = resolve_optimizer(optimizer or work.make_optimizer or "adamw", Device.parse(device))
-
-    return verify(build, make_optimizer, device=device, predicted_bytes=rec.predicted_device_total_bytes,
-                  loss_fn=work.loss_fn or default_loss, precision=rec.precision, accumulate=rec.accumulation_steps,
+    _, make_optimizer = resolve_optimizer(job.optimizer, job.device)
+    return verify(build, make_optimizer, device=job.device.value, predicted_bytes=rec.predicted_device_total_bytes,
+                  loss_fn=work.loss_fn or default_loss, precision=job.precision.value, accumulate=job.accumulate,
                   steps=steps)
 
 
@@ -400,45 +379,36 @@ def check_configs(files, as_json, allow_download, debug):
     config keys), 2 a config or model error, 3 internal error.
     """
     progress = _begin(as_json, allow_download)
-    from memcheck.errors import MemcheckError, UsageError
+    from memcheck.errors import UsageError
     from memcheck.config_gate import in_config_words, load_configs
     from memcheck.workloads.source import load_workload
     from memcheck.engine.preflight import check as run_check
     from memcheck.report.text import render_config_check
 
-    job, results = None, []
-    try:
+    results, where = [], [None]  # where[0]: the job being loaded or traced, for error messages
+    with _reported(progress, debug, locate=lambda exc, message: _in_job(exc, where[0], message)):
         jobs, skipped = load_configs(files)
         for path in skipped:
             click.echo(f"memcheck: note: {path} has no [tool.memcheck] table; skipped", err=True)
         workloads = []
-        for job in jobs:  # every model is loaded (its code run) before the first trace
+        for config in jobs:  # every model is loaded (its code run) before the first trace
+            where[0] = config
             if progress is not None:
-                progress(f"{job.label}: loading the model")
+                progress(f"{config.label}: loading the model")
+            job = config.job
             try:
-                workloads.append(load_workload(job.model, batch_size=job.micro_batch, max_len=job.max_len,
+                workloads.append(load_workload(config.model, batch_size=job.batch_size or 1, max_len=job.max_len,
                                                target_len=job.target_len, task=job.task, attn=job.attn,
                                                allow_download=allow_download))
             except UsageError as exc:  # its message names CLI flags; the config's keys are what to fix
                 raise UsageError(in_config_words(str(exc))) from exc
-            job.check_modules(workloads[-1].model)
-        for job, work in zip(jobs, workloads):
-            where = job.label
-            results.append((job, run_check(
-                work.model, work.make, max_len=work.max_len, target_len=work.target_len, model_name=work.name,
-                optimizer=job.optimizer or work.make_optimizer or "adamw", loss_fn=work.loss_fn,
-                progress=None if progress is None else (lambda line, where=where: progress(f"{where}: {line}")),
-                **job.check_kwargs(),
+            config.check_modules(workloads[-1].model)
+        for config, work in zip(jobs, workloads):
+            where[0], label = config, config.label
+            results.append((config, run_check(
+                work.model, work.make, config.check_job(work), model_name=work.name, loss_fn=work.loss_fn,
+                progress=None if progress is None else (lambda line, label=label: progress(f"{label}: {line}")),
             )))
-        job = None
-        _clear(progress)
-    except MemcheckError as exc:
-        _clear(progress)
-        _fail(_in_job(exc, job, str(exc)), debug, exc.exit_code)
-    except Exception as exc:  # a bug in memcheck: say so, briefly
-        _clear(progress)
-        _fail(_in_job(exc, job, f"internal error ({type(exc).__name__}: {exc}); rerun with --debug and report it"),
-              debug, EXIT_INTERNAL)
     if results or as_json:
         click.echo(render_config_check(results, skipped, as_json=as_json))
     sys.exit(EXIT_DOES_NOT_FIT if any(not v.fits for _, v in results) else EXIT_FITS)

@@ -32,41 +32,18 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
-from memcheck.enums import Attention, Device, Offload, Precision, Strategy, Task
-from memcheck.errors import UsageError, closest, require_int, require_margin, require_positive_number
+from memcheck.enums import Device
+from memcheck.errors import UsageError, closest
+from memcheck.job import SPELLINGS, Job, SettingError, check_setting
 
-# The keys of a job, in the order the docs list them.
-JOB_KEYS = (
-    "model", "max_len", "target_len", "micro_batch", "accumulation", "precision", "checkpointing", "optimizer",
-    "strategy", "gpus", "gpu", "gpu_memory", "device", "margin", "task", "attn", "eval_batch",
-    "eval_accumulate_predictions", "reentrant", "offload", "bucket_view", "bucket_cap_mb",
-)
+# The keys of a job: the model, then the job's settings as configs spell them (memcheck.job.SPELLINGS).
+_FIELD = {s.config: s.field for s in SPELLINGS if s.config}
+JOB_KEYS = ("model", *_FIELD)
 JOBS = "jobs"  # the table of named jobs
 SUFFIXES = (".toml", ".json", ".yaml", ".yml")
 PYPROJECT = "pyproject.toml"
-
-
-def _positive(key):
-    return lambda v: require_int(v, key, message=f"{key} must be a positive integer, got {v!r}")
-
-
-def _choice(cls, key):
-    def check(v):
-        if not isinstance(v, str):
-            raise UsageError(f"{key} must be a string, one of: {', '.join(m.value for m in cls)}; got {v!r}")
-        return cls.parse(v, what=key)
-    return check
-
-
-def _flag(key):
-    def check(v):
-        if not isinstance(v, bool):
-            raise UsageError(f"{key} must be true or false, got {v!r}")
-        return v
-    return check
 
 
 def _model(v):
@@ -76,95 +53,30 @@ def _model(v):
 
 
 def _checkpointing(v):
-    if isinstance(v, str):
-        if v.strip().lower() in ("none", "full"):
-            return v.strip().lower()
+    """A config spells modules as a list: a string is 'none' or 'full' (a typo is not a module name)."""
+    if isinstance(v, str) and v.strip().lower() not in ("none", "full"):
         hint = closest(v.strip().lower(), ("none", "full"))
         raise UsageError(f"checkpointing {v!r} is neither 'none' nor 'full'{hint}; "
                          "name modules as a list, such as [\"transformer.h.0\", \"transformer.h.2\"]")
-    if isinstance(v, (list, tuple)) and v and all(isinstance(n, str) and n.strip() for n in v):
-        return tuple(n.strip() for n in v)
-    raise UsageError(f"checkpointing must be 'none', 'full' or a non-empty list of module names or patterns; got {v!r}")
-
-
-def _optimizer(v):
-    from memcheck.training.optimizers import OPTIMIZERS
-
-    if v is None:
-        return None
-    if not isinstance(v, str) or v.strip().lower() not in OPTIMIZERS:
-        raise UsageError(f"unknown optimizer {v!r}{closest(str(v).strip().lower(), OPTIMIZERS)}; "
-                         f"allowed: {', '.join(OPTIMIZERS)}")
-    return v.strip().lower()
-
-
-def _gpu(v):
-    from memcheck.cuda.gpus import resolve_gpu
-
-    if v is None:
-        return None
-    if not isinstance(v, str):
-        raise UsageError(f"gpu must be a string: a GPU name such as 'A100-80GB' or a size such as '24GiB'; got {v!r}")
-    try:
-        resolve_gpu(v)  # a name or a size: never the local GPU, which only None asks for
-    except UsageError as exc:
-        raise UsageError(f"gpu: {exc}") from None
+    if isinstance(v, (list, tuple)) and not (v and all(isinstance(n, str) and n.strip() for n in v)):
+        raise UsageError(f"checkpointing must be 'none', 'full' or a non-empty list of module names or patterns; "
+                         f"got {v!r}")
     return v
 
 
-def _gpu_memory(v):
-    from memcheck.units import parse_size
-
-    if v is None or isinstance(v, int) and not isinstance(v, bool) and v > 0:
-        return v
-    if not isinstance(v, (str, int)) or isinstance(v, bool):
-        raise UsageError(f"gpu_memory must be a size such as '24GiB' or a byte count; got {v!r}")
-    return parse_size(v, what="gpu_memory")
-
-
-def _margin(v):
-    return None if v is None else float(require_margin(v))
-
-
-def _eval_keep(v):
-    return require_int(v, "eval_accumulate_predictions", minimum=0,
-                       message=f"eval_accumulate_predictions must be an integer of 0 or more, got {v!r}")
-
-
-def _bucket_cap(v):
-    return None if v is None else require_positive_number(v, "bucket_cap_mb")
-
-
-def _optional(check):
-    return lambda v: None if v is None else check(v)
-
-
-# key -> the function that checks a value and returns it normalised (idempotent)
-_CHECKS = {
-    "model": _model,
-    "max_len": _optional(_positive("max_len")),
-    "target_len": _optional(_positive("target_len")),
-    "micro_batch": _positive("micro_batch"),
-    "accumulation": _positive("accumulation"),
-    "precision": _choice(Precision, "precision"),
-    "checkpointing": _checkpointing,
-    "optimizer": _optimizer,
-    "strategy": _choice(Strategy, "strategy"),
-    "gpus": _optional(_positive("gpus")),
-    "gpu": _gpu,
-    "gpu_memory": _gpu_memory,
-    "device": _choice(Device, "device"),
-    "margin": _margin,
-    "task": _optional(_choice(Task, "task")),
-    "attn": _optional(_choice(Attention, "attn")),
-    "eval_batch": _optional(_positive("eval_batch")),
-    "eval_accumulate_predictions": _eval_keep,
-    "reentrant": _flag("reentrant"),
-    "offload": _choice(Offload, "offload"),
-    "bucket_view": _flag("bucket_view"),
-    "bucket_cap_mb": _bucket_cap,
-}
-assert tuple(_CHECKS) == JOB_KEYS
+def check_key(key: str, value):
+    """One config key's value, checked and normalised by the job's own checks (named as the key)."""
+    if key == "model":
+        return _model(value)
+    if key == "checkpointing":
+        _checkpointing(value)
+    if key == "gpu" and value is not None and not isinstance(value, str):
+        raise UsageError(f"gpu must be a string: a GPU name such as 'A100-80GB' or a size such as '24GiB'; "
+                         f"got {value!r}")
+    try:
+        return check_setting(_FIELD[key], value)
+    except SettingError as exc:
+        raise UsageError(exc.worded("config")) from None
 
 
 def _label(file: str, where: str) -> str:
@@ -183,66 +95,38 @@ def in_config_words(message: str) -> str:
     return _FLAG.sub(lambda m: _FLAG_KEYS[m.group(0)], message)
 
 
-@dataclass(frozen=True)
 class JobConfig:
-    """One job of a config file: a model and the settings ``memcheck.check`` judges it at.
+    """One job of a config file: a model and the ``Job`` that ``memcheck.check`` judges it at.
 
     ``model`` is what ``load_workload`` takes: a model file's absolute path (the loader
     resolves it against the config file and refuses one outside the config's
-    repository) or ``hf:NAME_OR_DIR``. Values are checked and normalised here
-    (strings to enums, module lists to tuples); a job needs a capacity, ``gpu`` or
-    ``gpu_memory``. Only ``None`` means the local GPU to ``memcheck.check``; a job
-    never does: on the cuda target ``gpu_memory`` alone is an unnamed GPU of that size,
-    so a config gets the same answer on every machine.
+    repository) or ``hf:NAME_OR_DIR``. The settings are config keys
+    (``memcheck.job.SPELLINGS``), checked by the job's own checks and named in messages
+    as the config spells them; a job needs a capacity, ``gpu`` or ``gpu_memory``. Only
+    ``None`` means the local GPU to ``memcheck.check``; a job never does: on the cuda
+    target ``gpu_memory`` alone is an unnamed GPU of that size, so a config gets the
+    same answer on every machine.
     """
 
-    file: str  # the config file, as it was named
-    where: str  # the job's table in the file: "jobs.NAME", "tool.memcheck", ... or "" (the top level)
-    model: str
-    max_len: int | None = None
-    target_len: int | None = None
-    micro_batch: int = 1
-    accumulation: int = 1
-    precision: Precision | str = Precision.FP32
-    checkpointing: str | tuple[str, ...] = "none"
-    optimizer: str | None = None  # None: the model file's make_optimizer, else adamw
-    strategy: Strategy | str = Strategy.SINGLE
-    gpus: int | None = None
-    gpu: str | None = None
-    gpu_memory: int | str | None = None  # bytes once checked
-    device: Device | str = Device.CUDA
-    margin: float | None = None  # None: memcheck.engine.plan.DEFAULT_MARGIN
-    task: Task | str | None = None
-    attn: Attention | str | None = None
-    eval_batch: int | None = None
-    eval_accumulate_predictions: int = 0
-    reentrant: bool = False
-    offload: Offload | str = Offload.NONE
-    bucket_view: bool = False
-    bucket_cap_mb: float | None = None
-    name: str | None = None  # the job's name under jobs; None for a file's single job
-
-    def __post_init__(self):
-        for key in JOB_KEYS:
-            try:
-                object.__setattr__(self, key, _CHECKS[key](getattr(self, key)))
-            except UsageError as exc:
-                raise UsageError(f"{self.label}: {exc}") from None
-        if self.gpu is None and self.gpu_memory is None:
-            raise UsageError(f"{self.label}: no capacity to judge the job against; add gpu = \"A100-80GB\" "
-                             "(a GPU name or a size such as \"24GiB\") or gpu_memory = \"24GiB\"")
-        if self.device is Device.CPU and self.gpu is not None:
-            raise UsageError(f"{self.label}: gpu = {self.gpu!r} applies to device = \"cuda\" only; "
-                             "give the CPU's budget as gpu_memory")
-        if self.eval_accumulate_predictions and self.eval_batch is None:
-            raise UsageError(f"{self.label}: eval_accumulate_predictions needs eval_batch (the evaluation batch size)")
-        from memcheck.training.strategies import StrategyConfig
-
+    def __init__(self, *, file: str, where: str, model: str, name: str | None = None, **settings):
+        self.file, self.where, self.name = file, where, name  # where: "jobs.NAME", "tool.memcheck" or ""
         try:
-            StrategyConfig.parse(self.strategy, self.gpus, bucket_view=self.bucket_view,
-                                 bucket_cap_mb=self.bucket_cap_mb, offload=self.offload)
+            self.model = _model(model)
+            checked = {key: check_key(key, value) for key, value in settings.items() if key in _FIELD}
+            unknown = sorted(set(settings) - set(_FIELD))
+            if unknown:
+                raise UsageError(f"unknown key {unknown[0]!r}{closest(unknown[0], JOB_KEYS)}; "
+                                 f"allowed: {', '.join(JOB_KEYS)}")
+            self.optimizer = checked.get("optimizer")  # None: the model file's make_optimizer, else adamw
+            self.job = Job.from_settings(checked, vocabulary="config")
         except UsageError as exc:
             raise UsageError(f"{self.label}: {exc}") from None
+        job = self.job
+        if job.gpu is None and job.budget_bytes is None:
+            raise UsageError(f"{self.label}: no capacity to judge the job against; add gpu = \"A100-80GB\" "
+                             "(a GPU name or a size such as \"24GiB\") or gpu_memory = \"24GiB\"")
+        if job.eval_accumulate_predictions and job.eval_batch_size is None:
+            raise UsageError(f"{self.label}: eval_accumulate_predictions needs eval_batch (the evaluation batch size)")
 
     @property
     def label(self) -> str:
@@ -252,30 +136,26 @@ class JobConfig:
     def check_modules(self, model) -> None:
         """Raise UsageError, naming the job, when a pattern of ``checkpointing`` matches no
         module of ``model`` (run on the loaded model, before anything is traced)."""
-        if isinstance(self.checkpointing, str):
+        if isinstance(self.job.checkpointing, str):
             return
         names = [n for n, _ in model.named_modules() if n]
-        for pattern in self.checkpointing:
+        for pattern in self.job.checkpointing:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 raise UsageError(f"{self.label}: checkpointing: no module of {type(model).__name__} is named "
                                  f"{pattern!r}{closest(pattern, names)} (names look like {', '.join(names[:3])}, ...)")
 
-    def check_kwargs(self) -> dict:
-        """The job's settings as ``memcheck.check`` keyword arguments (the model and
-        batch, ``max_len``, ``optimizer`` and ``loss_fn`` come from the workload)."""
+    def check_job(self, work) -> Job:
+        """The job ``memcheck.check`` judges, completed from the loaded workload ``work``: its
+        lengths, the model file's ``make_optimizer`` unless the config names one, and, on the
+        cuda target without a GPU named, an unnamed GPU of ``gpu_memory``."""
         from memcheck.cuda.gpus import sized_gpu
 
-        gpu = self.gpu
-        if gpu is None and self.device is Device.CUDA:
-            gpu = sized_gpu(self.gpu_memory)
-        return dict(
-            batch_size=self.micro_batch, device=self.device, gpu=gpu, budget_bytes=self.gpu_memory,
-            margin=self.margin, precision=self.precision, accumulate=self.accumulation,
-            checkpointing=self.checkpointing if isinstance(self.checkpointing, str) else list(self.checkpointing),
-            strategy=self.strategy, gpus=self.gpus, eval_batch_size=self.eval_batch,
-            eval_accumulate_predictions=self.eval_accumulate_predictions, use_reentrant=self.reentrant,
-            bucket_view=self.bucket_view, bucket_cap_mb=self.bucket_cap_mb, offload=self.offload.value,
-        )
+        job = self.job
+        gpu = job.gpu
+        if gpu is None and job.device is Device.CUDA:
+            gpu = sized_gpu(job.budget_bytes)
+        return job.replace(gpu=gpu, max_len=work.max_len, target_len=work.target_len,
+                           optimizer=self.optimizer or work.make_optimizer or "adamw")
 
 
 def load_configs(paths) -> tuple[list[JobConfig], list[str]]:
@@ -353,7 +233,7 @@ def _settings(table: dict, file: str, where: str, *, top: bool, path: Path) -> d
             raise UsageError(f"{_label(file, where)}: unknown key {key!r}{closest(key, allowed)}{hint}; "
                              f"allowed: {', '.join(allowed)}")
         try:
-            value = resolve_model(_model(value), path) if key == "model" else _CHECKS[key](value)
+            value = resolve_model(_model(value), path) if key == "model" else check_key(key, value)
         except UsageError as exc:
             raise UsageError(f"{_label(file, where)}: {exc}") from None
         out[key] = value

@@ -126,6 +126,7 @@ def test_a_config_that_fits_exits_0_with_one_line_per_job(repo):
         assert re.fullmatch(rf"ok    \S+memcheck\.toml \[jobs\.{job}\]: peak [\d.]+ MiB of the 972\.8 MiB limit", line)
 
 
+@pytest.mark.slow
 def test_multiple_files_exit_1_when_any_job_does_not_fit(two_files):
     assert two_files.exit_code == 1, two_files.output
     lines = two_files.stdout.splitlines()
@@ -346,6 +347,7 @@ def test_check_has_help_with_its_exit_codes():
     assert "check" in CliRunner().invoke(main, ["--help"]).output
 
 
+@pytest.mark.slow
 def test_progress_goes_to_a_terminal_only_and_stdout_stays_clean(repo):
     (repo / "memcheck.toml").write_text(SMALL_JOB)
     stdout, stderr, code = run_cli(["check", str(repo / "memcheck.toml")], tty=True)

@@ -127,7 +127,7 @@ def test_strategy_json_lists_every_gpu():
     result = run(TWO_BRANCH, "-b", "8", "--strategy", "dp", "--gpus", "2", "--gpu", "A100-80GB", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["strategy"] == "dp x2" and data["gpus"] == 2
+    assert data["strategy_label"] == "dp x2" and data["job"]["gpus"] == 2
     assert [d["index"] for d in data["per_device"]] == [0, 1]
     for d in data["per_device"]:
         assert set(d) >= {"index", "peak_bytes", "reserved_bytes", "device_total_bytes", "breakdown_at_peak"}
@@ -163,7 +163,7 @@ def test_eval_and_checkpointing_flags_reach_the_report():
                  "--eval-batch-size", "8", "--eval-accumulate-predictions", "4", "--accumulate", "4", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["accumulate"] == 4 and data["checkpointing"]
+    assert data["job"]["accumulation_steps"] == 4 and data["checkpointed_modules"]
     assert data["eval_peak_bytes"] > 0 and data["peak_in"] in ("train", "eval")
 
 

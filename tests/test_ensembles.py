@@ -86,6 +86,7 @@ def test_vmap_and_loop_estimates_differ_in_the_direction_the_measurements_differ
     assert (estimated_gap > 0) == (measured_gap > 0), f"estimated {estimated_gap:+} B, measured {measured_gap:+} B"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("form", FORMS)
 def test_the_command_line_traces_the_form_that_ENSEMBLE_FORM_names(form, device):

@@ -322,6 +322,7 @@ def check_invariants(est: memcheck.Estimate) -> None:
 # ---- properties ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @_settings(50)
 @given(spec=model_specs(), data=st.data())
 def test_estimate_returns_an_estimate_or_a_memcheck_error(spec, data):
@@ -332,6 +333,7 @@ def test_estimate_returns_an_estimate_or_a_memcheck_error(spec, data):
     run(spec, spec.build(), batch_size, length, flags, timeline=timeline)
 
 
+@pytest.mark.slow
 @_settings(15)
 @given(spec=model_specs(), data=st.data())
 def test_peak_never_falls_as_the_batch_grows(spec, data):
@@ -351,6 +353,7 @@ def test_peak_never_falls_as_the_batch_grows(spec, data):
     assert large.peak_bytes >= small.peak_bytes, (small.breakdown_at_peak, large.breakdown_at_peak)
 
 
+@pytest.mark.slow
 @_settings(15)
 @given(spec=model_specs(), data=st.data())
 def test_peak_never_falls_as_the_sequence_grows(spec, data):
@@ -366,6 +369,7 @@ def test_peak_never_falls_as_the_sequence_grows(spec, data):
     assert long.peak_bytes >= short.peak_bytes, (short.breakdown_at_peak, long.breakdown_at_peak)
 
 
+@pytest.mark.slow
 @_settings(10)
 @given(spec=model_specs(), data=st.data())
 def test_ddp_keeps_every_single_gpu_parameter_and_adds_its_buckets(spec, data):
@@ -400,6 +404,7 @@ def _rounding(nbytes: int) -> int:
 LARGE = 1.5e9  # parameters; see test_sharded_per_device_peak_is_at_most_single
 
 
+@pytest.mark.slow
 @_settings(10)
 @given(spec=hf_specs(hidden=(8192,), heads=(32, 64), vocab=(32000, 64000), layers=(2, 3)), data=st.data())
 def test_sharded_per_device_peak_is_at_most_single(spec, data):

@@ -383,7 +383,7 @@ def test_cli_plan_draws_its_recommendation(model_file):
     plan = json.loads(result.stdout)
     snap = pickle.loads((out / "s.pickle").read_bytes())
     assert replay(snap) == plan["estimate"]["peak_bytes"]
-    assert plan["estimate"]["batch"]["batch_size"] == plan["plan"]["micro_batch_size"]
+    assert plan["estimate"]["batch"]["micro_batch_size"] == plan["plan"]["micro_batch_size"]
 
 
 def test_cli_plan_with_nothing_fitting_writes_nothing_and_says_so(model_file):

@@ -174,6 +174,7 @@ def test_checkpointing_recomputation_is_counted_as_on_a_real_step():
     assert est.work.flops_per_micro_step == counter.get_total_flops()
 
 
+@pytest.mark.slow
 def test_nothing_fits_says_what_would():
     with torch.device("meta"):
         model = GPT2LMHeadModel(GPT2Config())

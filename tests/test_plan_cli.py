@@ -120,6 +120,7 @@ def test_plan_help_lists_every_flag():
 # ---- the table ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_table_names_the_recommendation_flags_and_training_arguments(table):
     out = table.stdout
     # 1 GiB minus 5%: 1024 MiB * 0.05 = 51.2 MiB held back, 1024 - 51.2 = 972.8 MiB the limit
@@ -157,6 +158,7 @@ def test_table_lists_the_alternatives_the_length_profile_traces_and_padding(tabl
     assert PADDING_NOTE in out
 
 
+@pytest.mark.slow
 def test_json_and_table_are_the_same_plan(table, as_json):
     data = json.loads(as_json.stdout)["plan"]
     rec = RECOMMENDED.search(table.stdout)
@@ -185,11 +187,11 @@ def test_json_has_the_plan_and_the_recommendations_own_estimate(as_json):
         if alt["fits"]:
             assert alt["predicted_device_total_bytes"] <= p["limit_bytes"]
     # the estimate is the recommended configuration's own trace
-    assert est["batch"]["batch_size"] == p["micro_batch_size"]
-    assert est["accumulate"] == p["accumulation_steps"]
+    assert est["batch"]["micro_batch_size"] == p["micro_batch_size"]
+    assert est["job"]["accumulation_steps"] == p["accumulation_steps"]
     assert est["device_total_bytes"] == p["predicted_device_total_bytes"]
-    assert est["precision"] == p["precision"]
-    assert bool(est["checkpointing"]) == (p["checkpointing"] != "none")
+    assert est["job"]["precision"] == p["precision"]
+    assert bool(est["checkpointed_modules"]) == (p["checkpointing"] != "none")
     assert est["batch"]["max_len"] == 32
     # the length profile: 8, 16, 24, 32 tokens, memory growing with the length
     lengths = [pt["length"] for pt in p["length_profile"]]
@@ -211,6 +213,7 @@ def test_the_recommended_flags_given_to_memcheck_reproduce_the_prediction(small,
 # ---- --global-batch ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_global_batch_is_micro_times_accumulation_times_gpus(small):
     # An 8 MiB CPU budget holds a few samples of 32 tokens: a block saves about 34*s*h + 5*a*s**2
     # 16-bit values per sample (Korthikanti et al. 2022), 34*32*64 + 5*2*32**2 = 79872, so 160 KB in
@@ -225,9 +228,9 @@ def test_global_batch_is_micro_times_accumulation_times_gpus(small):
     assert p["accumulation_steps"] > 1  # the micro-batch 24 (= 48 / 2) does not fit in 8 MiB
     assert 24 % p["micro_batch_size"] == 0
     assert p["effective_global_batch"] == p["global_batch"] == 48 and p["gpus"] == 2
-    assert est["batch"]["batch_size"] == p["micro_batch_size"]
-    assert est["accumulate"] == p["accumulation_steps"]
-    assert est["strategy"] == "ddp x2" and est["gpus"] == 2
+    assert est["batch"]["micro_batch_size"] == p["micro_batch_size"]
+    assert est["job"]["accumulation_steps"] == p["accumulation_steps"]
+    assert est["strategy_label"] == "ddp x2" and est["job"]["gpus"] == 2
     # on the CPU target the limit is on the peak: int(8 MiB * 0.95) = 7969177 B
     assert p["limit_bytes"] == int(8 * MiB * 0.95) == 7969177
     assert est["peak_bytes"] == p["predicted_device_total_bytes"] <= 7969177
@@ -254,6 +257,7 @@ def nothing_fits_json(wide):
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_nothing_fits_exits_1_and_says_what_would(wide, nothing_fits_json):
     result = plan(wide, *NOTHING_FITS)
     assert result.exit_code == 1, result.output

@@ -50,6 +50,7 @@ NO_GPU_ENVS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", list(NO_GPU_ENVS.values()), ids=list(NO_GPU_ENVS))
 def test_without_a_gpu_it_exits_2_with_one_line(env):
     if "PATH" in env and shutil.which("nvidia-smi", path=env["PATH"]):

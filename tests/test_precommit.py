@@ -107,6 +107,7 @@ def _try_repo(project, *files):
     return done, time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_the_hook_passes_a_config_that_fits_and_skips_a_pyproject_without_the_table(project):
     done, seconds = _try_repo(project, "memcheck.toml", "pyproject.toml")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -116,6 +117,7 @@ def test_the_hook_passes_a_config_that_fits_and_skips_a_pyproject_without_the_ta
     assert seconds < 120, seconds
 
 
+@pytest.mark.slow
 def test_the_hook_fails_a_config_over_budget_and_prints_the_fix(project):
     done, _ = _try_repo(project, "big.memcheck.json")
     assert done.returncode == 1, done.stdout + done.stderr

@@ -71,6 +71,7 @@ def test_a_job_under_the_limit_passes_and_returns_the_estimate(measured_16x2):
     assert abs(est.peak_bytes - measured_16x2) <= TOLERANCE * measured_16x2
 
 
+@pytest.mark.slow
 def test_a_job_over_the_limit_is_refused_and_its_fix_fits_for_real(measured_16x2):
     budget = int(0.6 * measured_16x2)  # the real run needs 1/0.6 = 1.67x this budget
     with pytest.raises(memcheck.WillNotFit) as caught:

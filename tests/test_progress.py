@@ -29,6 +29,7 @@ ESTIMATE = ["--max-len", "32", "--device", "cpu", "--gpu-memory", "1GiB"]
 PLAN = ["plan", "--max-len", "32", "--device", "cpu", "--gpu-memory", "64MiB", "--checkpointing-options", "none"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [ESTIMATE, PLAN], ids=["estimate", "plan"])
 def test_a_terminal_sees_progress_that_is_erased_before_the_result(model_file, args):
     args = [args[0], model_file, *args[1:]] if args[0] == "plan" else [model_file, *args]
@@ -39,6 +40,7 @@ def test_a_terminal_sees_progress_that_is_erased_before_the_result(model_file, a
     assert "\r" not in stdout and "\033[" not in stdout  # the result itself is clean
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [ESTIMATE, PLAN], ids=["estimate", "plan"])
 @pytest.mark.parametrize("tty, extra", [(True, ["--json"]), (False, [])], ids=["json-on-a-terminal", "piped"])
 def test_no_progress_with_json_or_when_piped(model_file, args, tty, extra):

@@ -83,6 +83,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss is in KiB on Linux only")
 def test_a_llama_70b_shaped_config_traces_in_under_2_gib_of_host_ram():
     assert LLAMA_70B_PARAMS == 70_553_706_496
@@ -170,6 +171,7 @@ def fsdp_plan():
     return memcheck.plan(_wide(), _batch, gpu="H100-80GB", checkpointing_options=("full",))
 
 
+@pytest.mark.slow
 def test_too_large_for_every_gpu_gets_the_fewest_fsdp_gpus_not_an_error(fsdp_plan):
     p, fit = fsdp_plan, fsdp_plan.sharded
     assert not p.fits and p.recommended is None
@@ -210,6 +212,7 @@ def zero3_plan():
     return memcheck.plan(_wide(), _batch, gpu="H100-80GB", strategy="zero3", gpus=2, checkpointing_options=("full",))
 
 
+@pytest.mark.slow
 def test_zero3_count_is_the_fewest_whose_partitions_fit_with_the_margin(zero3_plan):
     p, fit = zero3_plan, zero3_plan.sharded
     assert not p.fits and fit.strategy == "zero3"  # a DeepSpeed user is answered in DeepSpeed's terms
@@ -289,6 +292,7 @@ def make_batch(batch_size, max_len):
 """
 
 
+@pytest.mark.slow
 def test_plan_cli_exits_1_and_names_the_gpu_count_in_the_table_and_the_json(tmp_path, fsdp_plan):
     path = tmp_path / "wide.py"
     path.write_text(WIDE_FILE)

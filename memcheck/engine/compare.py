@@ -8,12 +8,16 @@ import torch
 
 from memcheck.errors import UsageError, require_int
 from memcheck.engine.estimate import estimate
+from memcheck.job import Job, as_job
 from memcheck.report.results import Comparison
 from memcheck.training.strategies import applicable
 
 
-def compare(model: torch.nn.Module, batch: Any, *, gpus: int = 1, **kwargs) -> Comparison:
-    """Estimate ``model`` under each strategy for ``gpus`` GPUs; ``kwargs`` go to ``estimate``.
+def compare(model: torch.nn.Module, batch: Any, job: Job | None = None, *, gpus: int = 1, loss_fn=None,
+            eval_batch: Any = None, model_name: str | None = None, top_modules: int = 8, progress=None,
+            **settings) -> Comparison:
+    """Estimate ``model`` under each strategy for ``gpus`` GPUs: ``job`` (or its settings as
+    keywords, as in ``estimate``) with each strategy at its defaults.
 
     ``batch`` is one GPU's micro-batch. DataParallel scatters one batch over the
     GPUs, so its rows trace ``gpus`` micro-batches stacked: every strategy then
@@ -21,12 +25,16 @@ def compare(model: torch.nn.Module, batch: Any, *, gpus: int = 1, **kwargs) -> C
     """
     require_int(gpus, "gpus")
     for key in ("strategy", "gpus", "bucket_view", "bucket_cap_mb", "offload"):
-        if key in kwargs:
+        if key in settings:
             raise UsageError(f"compare() sets {key} itself for each row; do not pass it")
+    job = as_job(job, settings, caller="compare()")
     rows = []
     for config in applicable(gpus):
         row_batch = _stacked(batch, gpus) if config.strategy.value.startswith("dp") else batch
-        rows.append(estimate(model, row_batch, strategy=config.strategy, gpus=config.gpus, **kwargs))
+        row = job.replace(strategy=config.strategy, gpus=config.gpus, bucket_view=False, bucket_cap_mb=None,
+                          offload="none")
+        rows.append(estimate(model, row_batch, row, loss_fn=loss_fn, eval_batch=eval_batch, model_name=model_name,
+                             top_modules=top_modules, progress=progress))
     return Comparison(gpus=gpus, rows=tuple(rows))
 
 

@@ -6,25 +6,27 @@ import copy
 import dataclasses
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from memcheck.cuda.allocator import AllocatorConfig, simulate
-from memcheck.rules.autocast import MetaAutocast, MetaGradScaler
-from memcheck.cuda.overhead import context_bytes, workspace_allocations
-from memcheck.rules import extensions
-from memcheck.training.checkpointing import apply_checkpointing
-from memcheck.trace.device_redirect import redirect_cuda
-from memcheck.enums import Category, Device, Offload, Phase, Precision, Strategy
-from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, UsageError, model_frame, require_int
 from memcheck.cuda.gpus import GpuSpec, local_library_versions, resolve_gpu
-from memcheck.training.optimizers import resolve_optimizer
+from memcheck.cuda.overhead import context_bytes, workspace_allocations
+from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Phase, Precision
+from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, UsageError, model_frame, require_int
+from memcheck.job import Job, as_job
 from memcheck.report.results import BatchInfo, Breakdown, DeviceMemory, Estimate, InputSpec, ModuleMemory, Work
-from memcheck.training.strategies import StrategyConfig, train
-from memcheck.trace.tracer import ALLOC, FREE, RECAT, MemoryTracer, TraceLog
+from memcheck.rules import extensions
+from memcheck.rules.autocast import MetaAutocast, MetaGradScaler
+from memcheck.trace.device_redirect import redirect_cuda
+from memcheck.trace.tracer import MemoryTracer, TraceLog
+from memcheck.training.checkpointing import apply_checkpointing
 from memcheck.training.loop import LossFn, default_loss, run_eval, to_precision
+from memcheck.training.optimizers import resolve_optimizer
+from memcheck.training.strategies import train
 
 _STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER, Category.COMMUNICATION)
 
@@ -120,33 +122,17 @@ def _translate(exc: Exception, model_name: str) -> MemcheckError:
 def estimate(
     model: torch.nn.Module,
     batch: Any,
+    job: Job | None = None,
     *,
-    device: str | Device = Device.CUDA,
-    optimizer: Any = "adamw",
     loss_fn: LossFn | None = None,
-    precision: str | Precision = Precision.FP32,
-    steps: int = 2,
-    budget_bytes: int | None = None,
-    batch_size: int | None = None,
-    max_len: int | None = None,
-    target_len: int | None = None,
+    eval_batch: Any = None,
     model_name: str | None = None,
     top_modules: int = 8,
-    gpu: str | GpuSpec | None = None,
-    strategy: str | Strategy = Strategy.SINGLE,
-    gpus: int | None = None,
-    accumulate: int = 1,
-    checkpointing: str | list[str] | None = "none",
-    use_reentrant: bool = False,
-    bucket_view: bool = False,
-    bucket_cap_mb: float | None = None,
-    offload: str | Offload | None = None,
-    eval_batch: Any = None,
-    eval_accumulate_predictions: int = 0,
     progress: Callable[[str], None] | None = None,
     timeline: bool = False,
+    **settings,
 ) -> Estimate:
-    """Trace ``steps`` training steps of ``model`` on ``batch`` and return the steady-state peak.
+    """Trace ``job.steps`` training steps of ``model`` on ``batch`` and return the steady-state peak.
 
     Nothing is allocated for real: the model and batch are traced as meta tensors
     (a meta twin is made of a real model, without copying its weights; the
@@ -155,45 +141,40 @@ def estimate(
     Args:
         model: the model, on the meta device or any other.
         batch: what ``loss_fn`` takes: a dict for ``model(**batch)``, a tensor or a tuple.
-        device: the target, ``"cpu"`` or ``"cuda"``.
-        optimizer: a name from ``memcheck.training.optimizers.OPTIMIZERS`` (``adamw``, ``adamw-fused``,
-            ``adafactor``, ``adamw-8bit``, ``sgd-momentum``, ...), a function
-            ``params -> Optimizer`` or an Optimizer whose class and settings are reused.
+        job: every setting of the job (``memcheck.Job``); or give them as keywords
+            (``settings``), or both (the keywords change the job). The settings that
+            matter here: ``device`` (``cuda`` or ``cpu``), ``gpu`` (a name such as
+            ``"H100-80GB"``, a size such as ``"24GiB"`` or a GpuSpec; by default the local
+            GPU, if any), ``budget_bytes`` (by default the GPU's capacity), ``precision``
+            (``fp32``; pure ``bf16``/``fp16``; ``amp-bf16``/``amp-fp16`` under torch.autocast,
+            fp16 with a GradScaler), ``optimizer`` (a name from
+            ``memcheck.training.optimizers.OPTIMIZERS``, a function ``params -> Optimizer`` or
+            an Optimizer whose class and settings are reused), ``steps`` (at least 2),
+            ``accumulate``, ``checkpointing`` (``none``, ``full`` or module names) with
+            ``use_reentrant``, ``strategy`` over ``gpus`` (``batch`` is one GPU's
+            micro-batch, except under ``dp``/``dp-balanced``, where it is the batch
+            DataParallel scatters), ``bucket_view``/``bucket_cap_mb`` (ddp), ``offload``
+            (fsdp / zero), ``eval_accumulate_predictions``; ``batch_size``, ``max_len`` and
+            ``target_len`` label the report. See ``memcheck.job.SPELLINGS``.
         loss_fn: ``loss_fn(model, batch) -> scalar``; default ``model(**batch).loss`` for
             dicts, otherwise the output summed.
-        precision: ``fp32``; pure ``bf16``/``fp16`` weights; or ``amp-bf16``/``amp-fp16``, fp32
-            weights under ``torch.autocast`` (amp-fp16 with a GradScaler).
-        steps: training steps to trace (at least 2: the first has no optimizer state).
-        budget_bytes: if given, ``Estimate.fits`` compares it with the device total on CUDA
-            (the peak on CPU); by default the named GPU's capacity.
-        gpu: the CUDA target: a name from ``memcheck.cuda.gpus.GPUS`` (``"H100-80GB"``), a size
-            (``"24GiB"``) or a ``GpuSpec``; by default the local GPU, if any. Its compute
-            capability picks attention kernels and cuBLAS workspace sizes.
-        strategy: ``single`` (default), ``dp``, ``dp-balanced``, ``ddp``, ``fsdp``, ``zero1``,
-            ``zero2``, ``zero3`` (see ``memcheck.training.strategies``), over ``gpus`` GPUs (default 2
-            for a multi-GPU strategy). ``batch`` is one GPU's micro-batch, except under
-            ``dp``/``dp-balanced``, where it is the batch DataParallel scatters.
-        accumulate: gradient accumulation steps; the peak is the steady-state micro-step's.
-        checkpointing: ``none``, ``full`` (every repeated block) or module names/patterns;
-            ``use_reentrant`` picks torch.utils.checkpoint's implementation.
-        bucket_view, bucket_cap_mb: ddp's ``gradient_as_bucket_view`` and ``bucket_cap_mb``.
-        offload: ``optimizer`` or ``params`` to CPU memory, under fsdp / zero.
         eval_batch: a batch for an evaluation pass after training (no autograd, same
-            precision); ``eval_accumulate_predictions`` N keeps N eval batches' predictions
-            on the device. The peak is the larger of training's and evaluation's.
+            precision); the peak is the larger of training's and evaluation's.
+        model_name: the name the report uses (default: the model's class).
+        top_modules: how many modules the report lists.
         progress: called with a short line as the trace enters each phase (the CLI's
             stderr progress on a terminal).
         timeline: also keep the busiest GPU's memory event by event as ``Estimate.timeline``
             (a ``memcheck.report.timeline.Timeline``), for ``write_snapshot`` and ``plot_timeline``.
 
     Returns:
-        An ``Estimate``; ``str()`` is the table, ``to_dict()`` the JSON.
+        An ``Estimate``; ``str()`` is the table, ``to_dict()`` the JSON, ``.job`` the job traced.
 
     Example:
         >>> with torch.device("meta"):
         ...     model = GPT2LMHeadModel(GPT2Config())
         ...     ids = torch.zeros(8, 1024, dtype=torch.long)
-        >>> est = memcheck.estimate(model, {"input_ids": ids, "labels": ids}, device="cpu")
+        >>> est = memcheck.estimate(model, {"input_ids": ids, "labels": ids}, memcheck.Job(device="cpu"))
         >>> est.peak_bytes
 
     Known limitations:
@@ -203,37 +184,52 @@ def estimate(
         workspace is an allowance. Python functions that handle ``__torch_function__``
         hide the ops inside them from the autocast emulation (see memcheck.rules.autocast).
     """
-    device = Device.parse(device)
-    precision = Precision.parse(precision)
-    config = StrategyConfig.parse(strategy, gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb,
-                                  offload=offload)
-    target = target_gpu(gpu, device)
-    require_int(steps, "steps", minimum=2, message=(
-        f"steps must be an integer of at least 2 (step 1 has no optimizer state), got {steps!r}"))
-    require_int(accumulate, "accumulate")
-    require_int(eval_accumulate_predictions, "eval_accumulate_predictions", minimum=0, message=(
-        f"eval_accumulate_predictions must be 0 or a positive integer, got {eval_accumulate_predictions!r}"))
-    if eval_accumulate_predictions and eval_batch is None:
+    job = as_job(job, settings, caller="estimate()")
+    target = _validate(model, job, eval_batch, top_modules)
+    name = model_name or type(model).__name__
+    run = _set_up(model, batch, eval_batch, job, target, name, progress)
+    gpu_map = _trace(run, job, target, loss_fn or default_loss, name)
+    devices = _summarise(run, gpu_map, job, target, name, top_modules)
+    return _result(run, gpu_map, devices, job, target, name, timeline)
+
+
+def _validate(model, job: Job, eval_batch, top_modules) -> GpuSpec | None:
+    """What the job alone cannot check (the call's other arguments); returns the CUDA target."""
+    target = target_gpu(job.gpu, job.device)
+    if job.eval_accumulate_predictions and eval_batch is None:
         raise UsageError("eval_accumulate_predictions needs an eval batch (eval_batch= / --eval-batch-size)")
-    if budget_bytes is not None:
-        require_int(budget_bytes, "budget_bytes")
     require_int(top_modules, "top_modules", minimum=0,
                 message=f"top_modules must be an integer of 0 or more, got {top_modules!r}")
-    for key, value in (("batch_size", batch_size), ("max_len", max_len), ("target_len", target_len)):
-        if value is not None:  # the report's labels: a wrong one would be printed as if it were traced
-            require_int(value, key)
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if budget_bytes is None and target is not None and target.capacity_bytes:
-        budget_bytes = target.capacity_bytes
-    name = model_name or type(model).__name__
-    opt_label, make_optimizer = resolve_optimizer(optimizer, device)
-    loss_fn = loss_fn or default_loss
+    return target
 
+
+@dataclass
+class _Run:
+    """What one estimate traces: the meta twin, its batches, the tracer and the optimizer."""
+
+    twin: torch.nn.Module
+    wrapped: tuple[str, ...]  # the modules wrapped in torch.utils.checkpoint
+    batch: Any
+    eval_batch: Any
+    info: BatchInfo
+    tracer: MemoryTracer
+    arch: tuple[int, int]
+    optimizer_label: str
+    make_optimizer: Callable
+    autocast: Any = None
+    scaler: Any = None
+
+
+def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: str, progress) -> _Run:
+    """The meta twin (checkpointed, cast), the meta batches, the optimizer and the tracer."""
+    device, precision = job.device, job.precision
+    opt_label, make_optimizer = resolve_optimizer(job.optimizer, device)
     if not any(p.requires_grad for p in model.parameters()):
         raise UsageError(f"{name} has no trainable parameters (none with requires_grad=True); nothing to train")
     twin = meta_twin(model)
-    wrapped = apply_checkpointing(twin, checkpointing, use_reentrant=use_reentrant)
+    wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
     dtype = precision.weights_dtype
 
     def prepare(b):
@@ -243,69 +239,91 @@ def estimate(
     ebatch = prepare(eval_batch) if eval_batch is not None else None
     if dtype is not None:
         twin = twin.to(dtype)
-    info = describe_batch(mbatch, batch_size, max_len, target_len)
+    info = describe_batch(mbatch, job.batch_size, job.max_len, job.target_len)
 
     arch = target.arch if target is not None else DEFAULT_ARCH
     tracer = MemoryTracer(device, arch=arch)
     if progress is not None:
         tracer.on_phase = lambda step, phase: progress(
-            f"tracing {name}: " + ("evaluation" if phase is Phase.EVAL else f"step {step + 1} of {steps}, {phase.value}"))
+            f"tracing {name}: " + ("evaluation" if phase is Phase.EVAL
+                                   else f"step {step + 1} of {job.steps}, {phase.value}"))
     for key, value in local_library_versions().items():  # the CUDA/cuDNN this torch would use
         setattr(tracer, key, value)
     if device is Device.CUDA and target is None:
         tracer.assume(
             f"no GPU named (gpu=/--gpu): kernels chosen as on sm{arch[0]}{arch[1]} and a generic CUDA context"
         )
-    autocast = scaler = None
+    run = _Run(twin, wrapped, mbatch, ebatch, info, tracer, arch, opt_label, make_optimizer)
     if precision.autocast_dtype is not None:
         tracer.autocast = MetaAutocast(device, precision.autocast_dtype)
-        autocast = tracer.autocast.region
+        run.autocast = tracer.autocast.region
         if precision is Precision.AMP_FP16:
-            scaler = MetaGradScaler()
+            run.scaler = MetaGradScaler()
             tracer.assume("amp-fp16: a GradScaler scales the loss; no overflow, so every step is taken")
-    if accumulate > 2:
-        tracer.assume(
-            f"accumulate={accumulate}: 2 micro-steps per step traced; micro-steps 3 to {accumulate} repeat the second"
-        )
+    if job.accumulate > 2:
+        tracer.assume(f"accumulate={job.accumulate}: 2 micro-steps per step traced; "
+                      f"micro-steps 3 to {job.accumulate} repeat the second")
+    return run
+
+
+def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: str) -> list[int]:
+    """Run the traced steps under the job's strategy; for each real GPU, the traced GPU it matches."""
+    tracer, steps = run.tracer, job.steps
+
     def evaluate(module):
         tracer.set_phase(steps, Phase.EVAL)  # the eval batch arrives with the evaluation, not in training
-        tracer.watch(batch=ebatch)
-        run_eval(module, ebatch, loss_fn, tracer.set_phase, step=steps, autocast=autocast,
-                 keep_batches=eval_accumulate_predictions)
+        tracer.watch(batch=run.eval_batch)
+        run_eval(module, run.eval_batch, loss_fn, tracer.set_phase, step=steps, autocast=run.autocast,
+                 keep_batches=job.eval_accumulate_predictions)
+
     try:
         with redirect_cuda(target), tracer:  # the model's .cuda() and torch.cuda.* never reach the GPU
-            gpu_map = train(config, tracer, twin, mbatch, loss_fn, make_optimizer, steps, autocast=autocast,
-                            scaler=scaler, accumulate=min(accumulate, 2),
-                            evaluate=evaluate if ebatch is not None else None)
+            return train(job.strategy_config, tracer, run.twin, run.batch, loss_fn, run.make_optimizer, steps,
+                         autocast=run.autocast, scaler=run.scaler, accumulate=min(job.accumulate, 2),
+                         evaluate=evaluate if run.eval_batch is not None else None)
     except MemcheckError:
         raise
     except Exception as exc:  # the model's own code failed under the trace
         raise _translate(exc, name) from exc
+
+
+def _summarise(run: _Run, gpu_map: list[int], job: Job, target: GpuSpec | None, name: str,
+               top_modules: int) -> list[DeviceMemory]:
+    """Each real GPU's memory; ranks that look alike are summarised once."""
     traced_summaries: dict[int, DeviceMemory] = {}
     devices = []
-    for index, traced in enumerate(gpu_map):  # ranks that look alike are summarised once
+    for index, traced in enumerate(gpu_map):
         if traced not in traced_summaries:
             traced_summaries[traced] = _device_summary(
-                tracer.log, traced, index, device, arch, target, root=type(twin).__name__, name=name,
-                top_modules=top_modules,
+                run.tracer.log, traced, index, job.device, run.arch, target, root=type(run.twin).__name__,
+                name=name, top_modules=top_modules,
             )
         devices.append(dataclasses.replace(traced_summaries[traced], index=index))
-    if device is Device.CUDA:
-        tracer.assume("CUDA context size is an estimate per GPU model, not yet measured on this GPU")
+    if job.device is Device.CUDA:
+        run.tracer.assume("CUDA context size is an estimate per GPU model, not yet measured on this GPU")
+    return devices
+
+
+def _result(run: _Run, gpu_map: list[int], devices: list[DeviceMemory], job: Job, target: GpuSpec | None,
+            name: str, timeline: bool) -> Estimate:
+    """The busiest GPU's figures (and every GPU's, under a multi-GPU strategy) as an Estimate."""
     busiest = max(devices, key=lambda d: (d.total_bytes, -d.index))
+    budget = job.budget_bytes
+    if budget is None and target is not None and target.capacity_bytes:
+        budget = target.capacity_bytes
     return Estimate(
-        model=name, device=device, precision=precision, optimizer=opt_label, steps=steps, batch=info,
+        model=name, job=job, optimizer=run.optimizer_label, batch=run.info,
         peak_bytes=busiest.peak_bytes, breakdown_at_peak=busiest.breakdown_at_peak,
         peak_phase=busiest.peak_phase, peak_module=busiest.peak_module, peak_step=busiest.peak_step,
-        modules=busiest.modules, assumptions=tuple(tracer.log.assumptions), budget_bytes=budget_bytes,
+        modules=busiest.modules, assumptions=tuple(run.tracer.log.assumptions), budget_bytes=budget,
         reserved_bytes=busiest.reserved_bytes, fragmentation_bytes=busiest.fragmentation_bytes,
         context_bytes=busiest.context_bytes, device_total_bytes=busiest.device_total_bytes, gpu=target,
-        strategy=config.label, gpus=config.gpus, accumulate=accumulate, checkpointing=wrapped,
-        train_peak_bytes=busiest.train_peak_bytes, eval_peak_bytes=busiest.eval_peak_bytes,
-        busiest_gpu=busiest.index, per_device=tuple(devices) if config.strategy.multi_gpu else (),
-        work=_work(tracer.log, step=steps - 1, micro_steps=min(accumulate, 2)),
-        timeline=_timeline(tracer.log, gpu_map[busiest.index], busiest, device, arch, root=type(twin).__name__)
-        if timeline else None,
+        checkpointing=run.wrapped, train_peak_bytes=busiest.train_peak_bytes,
+        eval_peak_bytes=busiest.eval_peak_bytes, busiest_gpu=busiest.index,
+        per_device=tuple(devices) if job.strategy.multi_gpu else (),
+        work=_work(run.tracer.log, step=job.steps - 1, micro_steps=min(job.accumulate, 2)),
+        timeline=_timeline(run.tracer.log, gpu_map[busiest.index], busiest, job.device, run.arch,
+                           root=type(run.twin).__name__) if timeline else None,
     )
 
 

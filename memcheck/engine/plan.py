@@ -61,18 +61,14 @@ import torch
 
 from memcheck.training.checkpointing import FULL, HALF, NONE, half_of, repeated_blocks
 from memcheck.enums import Device, Precision, Strategy
-from memcheck.errors import UsageError, closest, require_int, require_margin
+from memcheck.errors import UsageError, closest, require_int
 from memcheck.engine.estimate import estimate, target_gpu
+from memcheck.job import DEFAULT_MARGIN, Job, as_job
 from memcheck.cuda.gpus import GPUS, GpuSpec
 from memcheck.report.results import Estimate, LengthPoint, Plan, PlanOption, ShardedFit, Work
 from memcheck.training.strategies import StrategyConfig
 from memcheck.units import format_bytes
 
-# Where the default margin comes from: issue 3's accuracy target for the CUDA
-# target's device total (|error| <= 5%), because no GPU measurement has been
-# committed yet (benchmarks/results/). On the CPU target the fp32 zoo is within
-# 0.21% of the profiler's measured peak (README, "Accuracy, measured").
-DEFAULT_MARGIN = 0.05
 TRACES_PER_OPTION = 5
 MAX_MICRO_BATCH = 65536  # the search's ceiling without a global batch
 MAX_GPUS = 65536  # the sharded GPU count's ceiling when nothing fits on one GPU
@@ -84,8 +80,6 @@ FP32_FLOPS_PER_SECOND = 19.5e12  # A100 datasheet, FP32 (non-tensor-core)
 LOW_PRECISION_FLOPS_PER_SECOND = 312e12  # A100 datasheet, BF16/FP16 tensor cores, dense
 SECONDS_PER_KERNEL = 10e-6  # eager PyTorch's per-op overhead, order of magnitude
 LENGTH_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
-_ESTIMATE_KWARGS = frozenset({"optimizer", "loss_fn", "steps", "use_reentrant", "bucket_view", "bucket_cap_mb",
-                              "offload"})
 LENGTH_STEP = 8  # the longest fitting length is searched in multiples of 8 (pad_to_multiple_of=8)
 
 
@@ -108,23 +102,16 @@ def step_cost(work: Work, accumulation: int) -> float:
 def plan(
     model: torch.nn.Module,
     make_batch: Callable[..., Any],
+    job: Job | None = None,
     *,
-    gpu: str | GpuSpec | None = None,
-    budget_bytes: int | None = None,
-    global_batch: int | None = None,
-    gpus: int | None = None,
-    strategy: str | Strategy = Strategy.SINGLE,
-    margin: float | None = None,
-    precision_options=("fp32",),
+    precision_options=None,
     checkpointing_options=CHECKPOINTING_OPTIONS,
-    max_len: int | None = None,
-    target_len: int | None = None,
     max_len_limit: int | None = None,
-    device: str | Device = Device.CUDA,
+    loss_fn=None,
     model_name: str | None = None,
     progress: Callable[[str], None] | None = None,
     length_profile: bool = True,
-    **estimate_kwargs,
+    **settings,
 ) -> Plan:
     """Find the configuration that fits ``gpu`` and reaches ``global_batch`` fastest.
 
@@ -133,66 +120,55 @@ def plan(
         make_batch: ``make_batch(batch_size)`` or ``make_batch(batch_size, max_len)``
             returning the worst-case batch (every sequence padded to the length); with
             a length parameter the plan includes a sequence-length profile.
-        gpu: the target GPU (a name, a size such as ``"24GiB"``, or a GpuSpec); its
-            capacity is the budget unless ``budget_bytes`` is given (needed on ``device="cpu"``).
-        global_batch: samples per optimizer step over all GPUs; without it the
-            micro-batch is maximised.
-        gpus, strategy: as in ``estimate``; the micro-batch is per GPU (under
-            ``dp`` the traced batch is the micro-batch times ``gpus``).
-        margin: the fraction of the capacity held back (default ``DEFAULT_MARGIN``).
-        precision_options: precisions the user accepts (``fp32``, ``amp-bf16``, ...).
+        job: the job to plan (``memcheck.Job``), or its settings as keywords (``settings``,
+            as in ``estimate``). The plan reads: ``gpu`` (its capacity is the budget unless
+            ``budget_bytes`` is given, which ``device="cpu"`` needs), ``global_batch``
+            (samples per optimizer step over all GPUs; without it the micro-batch is
+            maximised), ``strategy`` and ``gpus`` (the micro-batch is per GPU; under ``dp``
+            the traced batch is the micro-batch times ``gpus``), ``margin`` (the fraction
+            of the capacity held back, default ``DEFAULT_MARGIN``), ``max_len`` and
+            ``target_len`` (the traced lengths), and passes the rest (optimizer, steps,
+            use_reentrant, buckets, offload) to every trace.
+        precision_options: precisions the user accepts (``fp32``, ``amp-bf16``, ...);
+            default: the job's precision.
         checkpointing_options: among ``none``, ``half``, ``full``.
-        max_len, target_len: the traced lengths (for the length profile).
         max_len_limit: the model's position limit; the longest fitting length is
             searched up to it.
+        loss_fn, model_name: as in ``estimate``.
         progress: called with a short line before each trace (the CLI's stderr progress).
         length_profile: trace the length profile (needs a ``make_batch`` that takes a length).
-        estimate_kwargs: ``optimizer``, ``loss_fn``, ``steps``, ``use_reentrant``,
-            ``bucket_view``, ``bucket_cap_mb``, ``offload`` as in ``estimate``.
 
     Returns:
         A ``Plan``: ``recommended`` (None when nothing fits, with ``suggestion``
-        saying what would), ``alternatives``, ``length_profile``, ``traces``.
+        saying what would), ``job`` (the recommended job, exactly as traced: re-trace it
+        with ``estimate(model, batch, plan.job)``), ``alternatives``, ``length_profile``,
+        ``traces``.
 
     Example:
         >>> p = memcheck.plan(model, lambda b, n: make(b, n), gpu="RTX-4090", global_batch=64,
         ...                   max_len=1024, precision_options=("fp32", "amp-bf16"))
         >>> p.recommended.micro_batch_size, p.recommended.accumulation_steps
     """
-    unknown = sorted(set(estimate_kwargs) - _ESTIMATE_KWARGS)
-    if unknown:
-        raise UsageError(f"plan() got unknown argument(s) {', '.join(unknown)}; it passes on to estimate() "
-                         f"only {', '.join(sorted(_ESTIMATE_KWARGS))}")
-    device = Device.parse(device)
-    config = StrategyConfig.parse(strategy, gpus, bucket_view=estimate_kwargs.get("bucket_view", False),
-                                  bucket_cap_mb=estimate_kwargs.get("bucket_cap_mb"),
-                                  offload=estimate_kwargs.get("offload"))
-    strategy, gpus = config.strategy, config.gpus
-    if global_batch is not None:
-        require_int(global_batch, "global batch")
-        if global_batch % gpus:
-            below, above = global_batch // gpus * gpus, (global_batch // gpus + 1) * gpus
-            raise UsageError(
-                f"global batch {global_batch} is not divisible by {gpus} GPUs; every GPU takes the same share: "
-                + (f"use a multiple of {gpus}, such as {below} or {above}" if below
-                   else f"use {above} or another multiple of {gpus}")
-            )
+    job = as_job(job, settings, caller="plan()")
+    device, config, global_batch = job.device, job.strategy_config, job.global_batch
+    strategy, gpus, max_len, target_len = config.strategy, config.gpus, job.max_len, job.target_len
+    if precision_options is None:
+        precision_options = (job.precision,)
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(make_batch) or isinstance(make_batch, torch.Tensor):
         raise UsageError("make_batch must be a function make_batch(batch_size[, max_len]) returning the worst-case "
                          f"batch, got {type(make_batch).__name__}")
-    for key, value in (("max_len", max_len), ("target_len", target_len), ("max_len_limit", max_len_limit)):
-        if value is not None:
-            require_int(value, key)
-    margin = DEFAULT_MARGIN if margin is None else require_margin(margin)
-    target = target_gpu(gpu, device)
+    if max_len_limit is not None:
+        require_int(max_len_limit, "max_len_limit")
+    margin = job.effective_margin
+    target = target_gpu(job.gpu, device)
+    budget_bytes = job.budget_bytes
     if budget_bytes is None:
         if target is None:
             raise UsageError("a plan needs a capacity: name the GPU (--gpu H100-80GB or --gpu 24GiB) "
                              "or give --gpu-memory")
         budget_bytes = target.capacity_bytes
-    require_int(budget_bytes, "budget_bytes")
     precisions = _unique(Precision.parse(p, what="precision")
                          for p in _as_list(precision_options, "precision_options"))
     checkpoints = _unique(_parse_option(c) for c in _as_list(checkpointing_options, "checkpointing_options"))
@@ -206,9 +182,8 @@ def plan(
 
     limit = int(budget_bytes * (1 - margin))
     search = _Search(
-        model, make_batch, arity, device=device, gpu=target, budget=budget_bytes, strategy=strategy,
-        gpus=gpus, global_batch=global_batch, max_len=max_len, target_len=target_len, blocks=blocks,
-        name=name, progress=progress, kwargs=estimate_kwargs,
+        model, make_batch, arity, job, gpu=target, budget=budget_bytes, blocks=blocks, name=name,
+        progress=progress, loss_fn=loss_fn,
     )
     cap = global_batch // gpus if global_batch is not None else MAX_MICRO_BATCH
     options: list[PlanOption] = []
@@ -242,6 +217,8 @@ def plan(
         recommended=recommended, alternatives=alternatives, length_profile=profile,
         longest_fitting_length=longest, max_len=max_len, traces=search.traces, estimate=chosen_estimate,
         suggestion=suggestion, sharded=sharded, blocks=tuple(blocks), position_limit=max_len_limit,
+        job=None if chosen_estimate is None else chosen_estimate.job.replace(global_batch=global_batch,
+                                                                             margin=job.margin),
     )
 
 
@@ -255,14 +232,14 @@ def _dominated(best: PlanOption, checkpointing: str, precision: Precision, cap: 
 class _Search:
     """Traces the job at chosen points and remembers every trace."""
 
-    def __init__(self, model, make_batch, arity, *, device, gpu, budget, strategy, gpus, global_batch,
-                 max_len, target_len, blocks, name, progress, kwargs):
+    def __init__(self, model, make_batch, arity, job: Job, *, gpu, budget, blocks, name, progress, loss_fn):
         self.model, self.make_batch, self.arity = model, make_batch, arity
         self.takes_length = arity >= 2  # make_batch(batch_size, max_len[, target_len])
-        self.device, self.gpu, self.budget = device, gpu, budget
-        self.strategy, self.gpus, self.global_batch = strategy, gpus, global_batch
-        self.max_len, self.target_len, self.blocks = max_len, target_len, blocks
-        self.name, self.progress, self.kwargs = name, progress, kwargs
+        config = job.strategy_config
+        self.job, self.device, self.gpu, self.budget = job, job.device, gpu, budget
+        self.strategy, self.gpus, self.global_batch = config.strategy, config.gpus, job.global_batch
+        self.max_len, self.target_len, self.blocks = job.max_len, job.target_len, blocks
+        self.name, self.progress, self.loss_fn = name, progress, loss_fn
         self.traces = 0
         self._cache: dict[tuple, Estimate] = {}
 
@@ -296,12 +273,12 @@ class _Search:
         else:
             batch = self.make_batch(rows)
         spec = {NONE: NONE, FULL: FULL, HALF: list(half_of(self.blocks))}[checkpointing]
-        est = estimate(
-            self.model, batch, device=self.device, precision=precision, gpu=gpu if self.device is Device.CUDA
-            else None, budget_bytes=self.budget, strategy=strategy, gpus=gpus if strategy.multi_gpu else None,
-            accumulate=accumulate, checkpointing=spec, batch_size=micro, max_len=length or self.max_len,
-            target_len=self.target_len, model_name=self.name, top_modules=0, **self.kwargs,
-        )
+        traced = self.job.replace(
+            precision=precision, gpu=gpu if self.device is Device.CUDA else None, budget_bytes=self.budget,
+            strategy=strategy, gpus=gpus if strategy.multi_gpu else None, accumulate=accumulate,
+            checkpointing=spec, batch_size=micro, max_len=length or self.max_len, global_batch=None,
+            eval_batch_size=None, eval_accumulate_predictions=0)
+        est = estimate(self.model, batch, traced, loss_fn=self.loss_fn, model_name=self.name, top_modules=0)
         self.traces += 1
         self._cache[key] = est
         return est

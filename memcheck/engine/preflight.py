@@ -21,40 +21,24 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from memcheck.trace.device_redirect import on_meta
 from memcheck.enums import Device, Strategy
-from memcheck.errors import UsageError, WillNotFit, require_int, require_margin
+from memcheck.errors import UsageError, WillNotFit, require_int
 from memcheck.engine.estimate import estimate, target_gpu
-from memcheck.engine.plan import CHECKPOINTING_OPTIONS, DEFAULT_MARGIN, _arity, plan
+from memcheck.engine.plan import CHECKPOINTING_OPTIONS, _arity, plan
+from memcheck.job import Job, as_job
 from memcheck.report.results import EvalFix, Estimate, Verdict
 from memcheck.report.text import will_not_fit_message
-from memcheck.training.strategies import StrategyConfig
-
-# Passed through to estimate() and, for the fix, to plan().
-_SHARED = ("optimizer", "loss_fn", "steps", "use_reentrant", "bucket_view", "bucket_cap_mb", "offload")
-
 
 def check(
     model: torch.nn.Module,
     batch: Any,
+    job: Job | None = None,
     *,
-    batch_size: int | None = None,
-    max_len: int | None = None,
-    target_len: int | None = None,
-    device: str | Device = Device.CUDA,
-    gpu=None,
-    budget_bytes: int | None = None,
-    margin: float | None = None,
-    precision="fp32",
-    accumulate: int = 1,
-    checkpointing="none",
-    strategy="single",
-    gpus: int | None = None,
     eval_batch: Any = None,
-    eval_batch_size: int | None = None,
-    eval_accumulate_predictions: int = 0,
     fix: bool = True,
+    loss_fn=None,
     model_name: str | None = None,
     progress: Callable[[str], None] | None = None,
-    **kwargs,
+    **settings,
 ) -> Verdict:
     """Trace the job and judge it against ``capacity * (1 - margin)``; never raises for a misfit.
 
@@ -64,35 +48,29 @@ def check(
         batch: the worst-case batch (every sequence padded to the longest length the job
             will see), or a factory ``make_batch(batch_size[, max_len[, target_len]])``
             that builds one; a factory needs ``batch_size``.
-        batch_size, max_len, target_len: the factory's arguments (and the report's labels).
-        device, gpu, budget_bytes: the target, as in ``estimate``; the capacity is
-            ``budget_bytes`` or the GPU's (the local GPU by default).
-        margin: the fraction of the capacity held back (default ``plan.DEFAULT_MARGIN``).
-        precision, accumulate, checkpointing, strategy, gpus: the job's settings, as in ``estimate``.
-        eval_batch: the evaluation pass's batch (or, with a factory, ``eval_batch_size``).
-        eval_accumulate_predictions: evaluation batches whose predictions stay on the device.
+        job: the job (``memcheck.Job``), or its settings as keywords (``settings``, as in
+            ``estimate``): ``batch_size``, ``max_len`` and ``target_len`` are the factory's
+            arguments (and the report's labels); the capacity is ``budget_bytes`` or the
+            GPU's (the local GPU by default); ``margin`` is the fraction of it held back
+            (default ``memcheck.job.DEFAULT_MARGIN``); ``eval_batch_size`` builds the
+            evaluation batch with a factory.
+        eval_batch: the evaluation pass's batch.
         fix: look for a fix when the job does not fit (more traces; a few seconds each).
-        kwargs: ``optimizer``, ``loss_fn``, ``steps``, ``use_reentrant``, ``bucket_view``,
-            ``bucket_cap_mb``, ``offload``, as in ``estimate``.
+        loss_fn, model_name: as in ``estimate``.
 
     Returns:
         A ``Verdict``: ``fits``, the ``estimate``, ``limit_bytes`` and, for a job that does
         not fit, ``fix`` (a ``Plan``) or ``eval_fix``.
     """
-    unknown = sorted(set(kwargs) - set(_SHARED))
-    if unknown:
-        raise UsageError(f"unknown argument(s) {', '.join(unknown)}; check() passes on only "
-                         f"{', '.join(_SHARED)} to estimate()")
-    device = Device.parse(device)
-    margin = DEFAULT_MARGIN if margin is None else require_margin(margin)
-    target = target_gpu(gpu, device)
-    capacity = budget_bytes if budget_bytes is not None else (target.capacity_bytes if target else None)
+    job = as_job(job, settings, caller="check()")
+    device, config, margin = job.device, job.strategy_config, job.effective_margin
+    batch_size, max_len, target_len = job.batch_size, job.max_len, job.target_len
+    eval_batch_size = job.eval_batch_size
+    target = target_gpu(job.gpu, device)
+    capacity = job.budget_bytes if job.budget_bytes is not None else (target.capacity_bytes if target else None)
     if capacity is None:
         raise UsageError("a pre-flight check needs a capacity: name the GPU (gpu='H100-80GB' or gpu='24GiB') "
                          "or give budget_bytes" + ("" if device is Device.CPU else "; no local GPU was found"))
-    require_int(capacity, "budget_bytes")
-    config = StrategyConfig.parse(strategy, gpus, bucket_view=kwargs.get("bucket_view", False),
-                                  bucket_cap_mb=kwargs.get("bucket_cap_mb"), offload=kwargs.get("offload"))
 
     make = batch if callable(batch) and not isinstance(batch, torch.Tensor) else None
     if make is not None:
@@ -111,14 +89,10 @@ def check(
         if eval_batch is None and eval_batch_size is not None:
             eval_batch = make(require_int(eval_batch_size, "eval_batch_size"))
     name = model_name or type(model).__name__
-    settings = dict(device=device, gpu=target if device is Device.CUDA else None, strategy=config.strategy,
-                    gpus=config.gpus if config.strategy.multi_gpu else None, precision=precision,
-                    max_len=max_len, target_len=target_len, model_name=name, **kwargs)
+    job = job.replace(gpu=target if device is Device.CUDA else None, budget_bytes=capacity, batch_size=batch_size)
     if progress is not None:
         progress(f"tracing {name} at micro-batch {batch_size}")
-    est = estimate(model, batch, batch_size=batch_size, budget_bytes=capacity, accumulate=accumulate,
-                   checkpointing=checkpointing, eval_batch=eval_batch,
-                   eval_accumulate_predictions=eval_accumulate_predictions, **settings)
+    est = estimate(model, batch, job, eval_batch=eval_batch, loss_fn=loss_fn, model_name=name)
     limit = int(capacity * (1 - margin))
     verdict = Verdict(estimate=est, capacity_bytes=capacity, margin=margin, limit_bytes=limit)
     if est.total_bytes <= limit or not fix:
@@ -126,14 +100,10 @@ def check(
     train_total = _train_total(est)
     if est.peak_in == "eval" and train_total <= limit:
         return Verdict(estimate=est, capacity_bytes=capacity, margin=margin, limit_bytes=limit,
-                       eval_fix=_eval_fix(model, batch, eval_batch, limit, capacity, accumulate, checkpointing,
-                                          eval_accumulate_predictions, settings, progress))
-    global_batch = batch_size * accumulate * config.gpus
-    found = plan(model, make, gpu=settings["gpu"], budget_bytes=capacity, global_batch=global_batch,
-                 gpus=config.gpus, strategy=config.strategy, margin=margin, precision_options=(precision,),
-                 checkpointing_options=CHECKPOINTING_OPTIONS, max_len=max_len, target_len=target_len,
-                 device=device, model_name=name, progress=progress, length_profile=False,
-                 **{k: v for k, v in kwargs.items()})
+                       eval_fix=_eval_fix(model, batch, eval_batch, limit, job, loss_fn, name, progress))
+    found = plan(model, make, job.replace(global_batch=batch_size * job.accumulate * config.gpus, margin=margin),
+                 checkpointing_options=CHECKPOINTING_OPTIONS, loss_fn=loss_fn, model_name=name, progress=progress,
+                 length_profile=False)
     return Verdict(estimate=est, capacity_bytes=capacity, margin=margin, limit_bytes=limit, fix=found)
 
 
@@ -204,19 +174,18 @@ def _train_total(est: Estimate) -> int:
     return est.device_total_bytes - est.peak_bytes + est.train_peak_bytes
 
 
-def _eval_fix(model, batch, eval_batch, limit, capacity, accumulate, checkpointing, keep, settings,
-              progress) -> EvalFix | None:
+def _eval_fix(model, batch, eval_batch, limit, job: Job, loss_fn, name, progress) -> EvalFix | None:
     """Training fits and evaluation does not: first keep one batch of predictions on the
     device at most, then halve the evaluation batch until the evaluation pass fits (each
     traced). None when not even an evaluation batch of 1 fits."""
     make = resizer(eval_batch)
+    keep = job.eval_accumulate_predictions
 
     def total(size: int, keep_batches: int) -> int:
         if progress is not None:
             progress(f"tracing the evaluation pass at batch {size}")
-        return estimate(model, batch, budget_bytes=capacity, accumulate=accumulate, checkpointing=checkpointing,
-                        eval_batch=make(size), eval_accumulate_predictions=keep_batches, top_modules=0,
-                        **settings).total_bytes
+        return estimate(model, batch, job.replace(eval_batch_size=size, eval_accumulate_predictions=keep_batches),
+                        eval_batch=make(size), loss_fn=loss_fn, model_name=name, top_modules=0).total_bytes
 
     size = leading_size(eval_batch)
     keep_after = min(keep, 1)

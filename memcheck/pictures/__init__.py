@@ -4,7 +4,7 @@ Both read an estimate's ``Timeline`` (``memcheck.report.timeline``)."""
 
 from __future__ import annotations
 
-from memcheck.engine.plan import DEFAULT_MARGIN
+from memcheck.job import DEFAULT_MARGIN
 from memcheck.pictures.plot import check_plot_path, plot_timeline
 from memcheck.pictures.snapshot import check_snapshot_path, write_snapshot
 

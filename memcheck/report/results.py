@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from memcheck.training.checkpointing import half_of
 from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.cuda.gpus import GpuSpec
+from memcheck.job import SCHEMA_VERSION, Job
 
 if TYPE_CHECKING:
     from memcheck.report.timeline import Timeline
@@ -126,13 +127,16 @@ class DeviceMemory:
 
 @dataclass(frozen=True)
 class Estimate:
-    """What one training step needs at its steady-state peak, on the target device."""
+    """What one training step needs at its steady-state peak, on the target device.
+
+    ``job`` is the job traced (every setting); the fields below are what tracing it found,
+    and what it resolved: the GPU, the budget, the optimizer implementation, the modules
+    checkpointing wrapped.
+    """
 
     model: str
-    device: Device
-    precision: Precision
-    optimizer: str
-    steps: int
+    job: Job
+    optimizer: str  # the optimizer implementation traced ("AdamW (foreach)", ...)
     batch: BatchInfo
     peak_bytes: int
     breakdown_at_peak: Breakdown
@@ -141,17 +145,14 @@ class Estimate:
     peak_step: int  # 1-based
     modules: tuple[ModuleMemory, ...]
     assumptions: tuple[str, ...]
-    budget_bytes: int | None = None
+    budget_bytes: int | None = None  # the job's budget, else the GPU's capacity; None: no budget
     # CUDA target only (None on CPU):
     reserved_bytes: int | None = None  # max_memory_reserved: the caching allocator's segments
     fragmentation_bytes: int | None = None  # reserved minus the allocated peak: cached but unusable
     context_bytes: int | None = None  # CUDA context and libraries outside the allocator
     device_total_bytes: int | None = None  # reserved + context: what nvidia-smi shows as used
-    gpu: GpuSpec | None = None
-    # Strategy (figures above are the busiest GPU's):
-    strategy: str = "single"
-    gpus: int = 1
-    accumulate: int = 1
+    gpu: GpuSpec | None = None  # the CUDA target, resolved (the local GPU when the job names none)
+    # Figures above are the busiest GPU's under a multi-GPU strategy:
     checkpointing: tuple[str, ...] = ()  # the modules wrapped in torch.utils.checkpoint
     train_peak_bytes: int | None = None
     eval_peak_bytes: int | None = None  # None when no evaluation pass was traced
@@ -160,6 +161,31 @@ class Estimate:
     work: Work | None = None  # the busiest GPU's compute per micro-step, for the planner
     # estimate(timeline=True): the busiest GPU's memory event by event (--snapshot, --plot); not in to_dict
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def device(self) -> Device:
+        return self.job.device
+
+    @property
+    def precision(self) -> Precision:
+        return self.job.precision
+
+    @property
+    def steps(self) -> int:
+        return self.job.steps
+
+    @property
+    def accumulate(self) -> int:
+        return self.job.accumulate
+
+    @property
+    def strategy(self) -> str:
+        """The strategy as the report names it: ``single``, ``ddp x4, bucket view``, ..."""
+        return self.job.strategy_config.label
+
+    @property
+    def gpus(self) -> int:
+        return self.job.strategy_config.gpus
 
     @property
     def peak_in(self) -> str:
@@ -181,19 +207,24 @@ class Estimate:
         return self.total_bytes <= self.budget_bytes
 
     def to_dict(self) -> dict:
-        """The JSON object ``memcheck --json`` prints."""
+        """The JSON object ``memcheck --json`` prints (README, "JSON")."""
         return {
+            "schema_version": SCHEMA_VERSION,
             "model": self.model,
-            "peak_bytes": self.peak_bytes,
-            "reserved_bytes": self.reserved_bytes,
-            "fragmentation_bytes": self.fragmentation_bytes,
-            "context_bytes": self.context_bytes,
-            "device_total_bytes": self.device_total_bytes,
+            "job": {**self.job.to_dict(), "gpus": self.gpus},
+            "optimizer_implementation": self.optimizer,
             "gpu": None if self.gpu is None else {
                 "name": self.gpu.name,
                 "capacity_bytes": self.gpu.capacity_bytes,
                 "arch": f"sm{self.gpu.arch[0]}{self.gpu.arch[1]}",
             },
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "peak_bytes": self.peak_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "fragmentation_bytes": self.fragmentation_bytes,
+            "context_bytes": self.context_bytes,
+            "device_total_bytes": self.device_total_bytes,
             "breakdown_at_peak": self.breakdown_at_peak.to_dict(),
             "peak_phase": self.peak_phase.value,
             "peak_in": self.peak_in,
@@ -202,25 +233,17 @@ class Estimate:
             "peak_module": self.peak_module,
             "peak_step": self.peak_step,
             "batch": {
-                "batch_size": self.batch.batch_size,
+                "micro_batch_size": self.batch.batch_size,
                 "max_len": self.batch.max_len,
                 "target_len": self.batch.target_len,
                 "input_shapes": {i.name: list(i.shape) for i in self.batch.inputs},
                 "input_dtypes": {i.name: i.dtype for i in self.batch.inputs},
             },
-            "strategy": self.strategy,
-            "gpus": self.gpus,
+            "strategy_label": self.strategy,
             "busiest_gpu": self.busiest_gpu,
             "per_device": [d.to_dict() for d in self.per_device],
-            "accumulate": self.accumulate,
-            "checkpointing": list(self.checkpointing),
+            "checkpointed_modules": list(self.checkpointing),
             "work": None if self.work is None else asdict(self.work),
-            "device": self.device.value,
-            "precision": self.precision.value,
-            "optimizer": self.optimizer,
-            "steps": self.steps,
-            "budget_bytes": self.budget_bytes,
-            "fits": self.fits,
             "modules": [
                 {"name": m.name, "state_bytes": m.state_bytes, "activation_bytes": m.activation_bytes}
                 for m in self.modules
@@ -332,6 +355,7 @@ class Plan:
     blocks: tuple[str, ...] = ()  # the repeated blocks "full" checkpoints ("half": every second)
     position_limit: int | None = None  # the longest length the model's position embeddings take
     verification: "Verification | None" = None  # --measure: the recommendation run for real
+    job: Job | None = None  # the recommended job, exactly as traced (estimate(model, batch, plan.job))
 
     @property
     def fits(self) -> bool:
@@ -372,7 +396,9 @@ class Plan:
             "longest_fitting_length": self.longest_fitting_length,
             "verification": None if self.verification is None else self.verification.to_dict(),
         }
-        return {"plan": plan, "estimate": None if self.estimate is None else self.estimate.to_dict()}
+        return {"schema_version": SCHEMA_VERSION, "plan": plan,
+                "job": None if self.job is None else {**self.job.to_dict(), "gpus": self.gpus},
+                "estimate": None if self.estimate is None else self.estimate.to_dict()}
 
     @property
     def checkpointed_modules(self) -> tuple[str, ...]:

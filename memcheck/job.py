@@ -1,0 +1,386 @@
+"""One value for every setting of a training job: ``Job``, validated once, and its spellings.
+
+Every front-end builds a ``Job``: the CLI from its flags, ``memcheck check`` from config
+keys, the Python API from keyword arguments, the trainer callbacks from the trainer's
+arguments, and ``plan()`` hands back the ``Job`` it recommends. ``SPELLINGS`` is the one
+table of how each field is written in each of those places (and in the JSON), with the
+names Hugging Face's ``TrainingArguments`` and Lightning's ``Trainer`` use for the same
+thing, accepted as aliases where they mean exactly the same value.
+
+Example:
+    >>> job = Job(batch_size=8, max_len=1024, precision="amp-bf16", gpu="A100-80GB")
+    >>> job.precision
+    <Precision.AMP_BF16: 'amp-bf16'>
+    >>> Job.from_settings({"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4}).accumulate
+    4
+    >>> memcheck.estimate(model, batch, job)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from memcheck.cuda.gpus import GpuSpec, resolve_gpu
+from memcheck.enums import Attention, Device, Offload, Precision, Strategy, Task
+from memcheck.errors import UsageError, closest
+from memcheck.training.checkpointing import parse_checkpointing
+from memcheck.training.optimizers import OPTIMIZERS
+from memcheck.training.strategies import StrategyConfig
+from memcheck.units import parse_size
+
+# The fraction of the capacity a plan, a check and the callbacks hold back by default:
+# issue 3's accuracy target for the CUDA target's device total (|error| <= 5%), because no
+# GPU measurement has been committed yet (benchmarks/results/). On the CPU target the fp32
+# zoo is within 0.21% of the profiler's measured peak (README, "Accuracy, measured").
+DEFAULT_MARGIN = 0.05
+# The JSON's version: 2 since the settings moved into one "job" object (issue 15).
+SCHEMA_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How one ``Job`` field is written in each place a user writes it."""
+
+    field: str  # the Job field and the Python keyword of estimate(), plan(), check(), preflight()
+    flag: str | None  # the CLI flag (None: not a flag)
+    config: str | None  # the key in a memcheck config (None: not a config key)
+    json: str  # the key in the JSON's "job" object
+    aliases: tuple[str, ...] = ()  # HF TrainingArguments / Lightning names for exactly this value
+
+    def name(self, vocabulary: str) -> str:
+        """This field's name in ``vocabulary``: "python", "flag", "config" or "json"."""
+        if vocabulary == "python":
+            return self.field
+        return getattr(self, vocabulary) or self.field
+
+
+# One row a field, in the order the docs list them.
+SPELLINGS: tuple[Spelling, ...] = (
+    Spelling("device", "--device", "device", "device"),
+    Spelling("gpu", "--gpu", "gpu", "gpu"),
+    Spelling("budget_bytes", "--gpu-memory", "gpu_memory", "budget_bytes"),
+    Spelling("batch_size", "--batch-size", "micro_batch", "micro_batch_size",
+             aliases=("per_device_train_batch_size",)),  # HF TrainingArguments
+    Spelling("max_len", "--max-len", "max_len", "max_len", aliases=("max_seq_length",)),  # TRL's SFTConfig
+    Spelling("target_len", "--target-len", "target_len", "target_len"),
+    Spelling("precision", "--precision", "precision", "precision"),
+    Spelling("optimizer", "--optimizer", "optimizer", "optimizer"),
+    Spelling("steps", "--steps", None, "steps"),
+    Spelling("accumulate", "--accumulate", "accumulation", "accumulation_steps",
+             aliases=("gradient_accumulation_steps", "accumulate_grad_batches")),  # HF, Lightning
+    Spelling("checkpointing", "--checkpointing", "checkpointing", "checkpointing"),
+    Spelling("use_reentrant", "--reentrant", "reentrant", "use_reentrant"),
+    Spelling("strategy", "--strategy", "strategy", "strategy"),
+    Spelling("gpus", "--gpus", "gpus", "gpus"),
+    Spelling("bucket_view", "--bucket-view", "bucket_view", "bucket_view",
+             aliases=("gradient_as_bucket_view",)),  # DistributedDataParallel's keyword
+    Spelling("bucket_cap_mb", "--bucket-cap-mb", "bucket_cap_mb", "bucket_cap_mb"),
+    Spelling("offload", "--offload", "offload", "offload"),
+    Spelling("eval_batch_size", "--eval-batch-size", "eval_batch", "eval_batch_size",
+             aliases=("per_device_eval_batch_size",)),  # HF TrainingArguments
+    Spelling("eval_accumulate_predictions", "--eval-accumulate-predictions", "eval_accumulate_predictions",
+             "eval_accumulate_predictions"),
+    Spelling("margin", "--margin", "margin", "margin"),
+    Spelling("global_batch", "--global-batch", "global_batch", "global_batch"),
+    Spelling("task", "--task", "task", "task"),
+    Spelling("attn", "--attn", "attn", "attn", aliases=("attn_implementation",)),  # transformers
+)
+SPELLING = {s.field: s for s in SPELLINGS}
+
+
+class SettingError(UsageError):
+    """A job setting is invalid; the message names it in the words of whoever wrote it."""
+
+    def __init__(self, field: str, template: str):
+        self.field, self.template = field, template  # the template names the field as {name}
+        super().__init__(template.format(name=field))
+
+    def worded(self, vocabulary: str) -> str:
+        """The message with the field named as ``vocabulary`` ("python", "flag", "config") spells it."""
+        return self.template.format(name=SPELLING[self.field].name(vocabulary))
+
+
+def _esc(text: str) -> str:
+    """``text`` safe inside a message template."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def _int(field: str, value, *, minimum: int = 1, optional: bool = True, text: str | None = None):
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SettingError(field, (text or "{name} must be a positive integer") + f", got {_esc(repr(value))}")
+    return value
+
+
+def _flag(field: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise SettingError(field, f"{{name}} must be true or false, got {_esc(repr(value))}")
+    return value
+
+
+def _choice(field: str, cls, value, *, optional: bool = False):
+    if value is None and optional:
+        return None
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, str):
+        allowed = ", ".join(m.value for m in cls)
+        raise SettingError(field, f"{{name}} must be a string, one of: {allowed}; got {_esc(repr(value))}")
+    try:
+        return cls.parse(value, what=field)
+    except UsageError as exc:  # "unknown precision 'bf61' (did you mean ...); allowed: ..."
+        raise SettingError(field, _esc(str(exc))) from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """Every setting of one training job, checked once here; ``SPELLINGS`` names each field
+    in the CLI, configs, the Python API and the JSON.
+
+    Values are normalised (strings to enums, module lists to tuples, sizes to bytes); the
+    settings that need the model or the machine (the local GPU, module names, the
+    model's position limit) are resolved when the job is traced.
+    """
+
+    device: Device = Device.CUDA
+    """The target: ``cuda`` (default) or ``cpu``. Tracing always runs on the meta device."""
+    gpu: str | GpuSpec | None = None
+    """The CUDA target: a name (``H100-80GB``), a size (``24GiB``) or a GpuSpec; None: the local GPU, if any."""
+    budget_bytes: int | None = None
+    """A memory budget in bytes (or a size such as ``"24GiB"``); by default the GPU's capacity."""
+    batch_size: int | None = None
+    """The micro-batch per GPU and step (the batch's own first dimension when None)."""
+    max_len: int | None = None
+    """Every sequence padded to this length: the worst case."""
+    target_len: int | None = None
+    """The label length of seq2seq models."""
+    precision: Precision = Precision.FP32
+    """``fp32``; ``amp-bf16``/``amp-fp16`` (torch.autocast); pure ``bf16``/``fp16`` weights."""
+    optimizer: Any = "adamw"
+    """A name from ``memcheck.training.optimizers.OPTIMIZERS``, a factory ``params -> Optimizer`` or an Optimizer."""
+    steps: int = 2
+    """Training steps to trace; the peak is taken from step 2 on (step 1 has no optimizer state)."""
+    accumulate: int = 1
+    """Gradient accumulation steps; the peak is the steady-state micro-step's."""
+    checkpointing: str | tuple[str, ...] = "none"
+    """``none``, ``full`` (every repeated block) or module names/patterns."""
+    use_reentrant: bool = False
+    """torch.utils.checkpoint's implementation."""
+    strategy: Strategy = Strategy.SINGLE
+    """``single``, ``dp``, ``dp-balanced``, ``ddp``, ``fsdp``, ``zero1``, ``zero2``, ``zero3``."""
+    gpus: int | None = None
+    """GPUs of a multi-GPU strategy (None: 2 for those, 1 for single)."""
+    bucket_view: bool = False
+    """ddp: ``gradient_as_bucket_view``."""
+    bucket_cap_mb: float | None = None
+    """ddp: ``bucket_cap_mb`` (None: DDP's default, 25)."""
+    offload: Offload = Offload.NONE
+    """fsdp / zero: ``optimizer`` or ``params`` moved to CPU memory."""
+    eval_batch_size: int | None = None
+    """Also trace an evaluation pass at this batch size."""
+    eval_accumulate_predictions: int = 0
+    """Evaluation batches whose predictions stay on the device."""
+    margin: float | None = None
+    """The fraction of the capacity held back by plan and check (None: ``DEFAULT_MARGIN``)."""
+    global_batch: int | None = None
+    """plan: samples per optimizer step over all GPUs."""
+    task: Task | None = None
+    """transformers models: what the model is trained for (decides the worst-case batch)."""
+    attn: Attention | None = None
+    """transformers models: the attention implementation."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _CHECKS[f.name](getattr(self, f.name)))
+        if self.device is Device.CPU and self.gpu is not None:
+            raise SettingError("gpu", f"gpu={self.gpu!r} applies to the cuda target only; the target is cpu "
+                                      "(give the budget as --gpu-memory)")
+        config = self.strategy_config  # strategy, gpus, buckets and offload, checked together
+        if self.global_batch is not None and self.global_batch % config.gpus:
+            gpus, g = config.gpus, self.global_batch
+            below, above = g // gpus * gpus, (g // gpus + 1) * gpus
+            raise SettingError("global_batch", (
+                f"global batch {g} is not divisible by {gpus} GPUs; every GPU takes the same share: "
+                + (f"use a multiple of {gpus}, such as {below} or {above}" if below
+                   else f"use {above} or another multiple of {gpus}")))
+
+    @property
+    def strategy_config(self) -> StrategyConfig:
+        """The strategy with its GPUs (resolved: 2 for a multi-GPU strategy by default) and settings."""
+        try:
+            return StrategyConfig.parse(self.strategy, self.gpus, bucket_view=self.bucket_view,
+                                        bucket_cap_mb=self.bucket_cap_mb, offload=self.offload)
+        except UsageError as exc:
+            raise SettingError("strategy", _esc(str(exc))) from None
+
+    @property
+    def effective_margin(self) -> float:
+        return DEFAULT_MARGIN if self.margin is None else self.margin
+
+    def replace(self, **changes) -> "Job":
+        """A copy with ``changes`` (Python keywords), validated again."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any], *, vocabulary: str = "python", base: "Job | None" = None,
+                      ) -> "Job":
+        """A job from ``settings`` spelled in ``vocabulary`` ("python", "config" or "json"),
+        the HF/Lightning aliases accepted too; unset fields come from ``base``.
+
+        Raises:
+            UsageError: for an unknown name (with the closest one) or a bad value, named
+                in ``vocabulary``'s words.
+        """
+        names = {s.name(vocabulary): s.field for s in SPELLINGS if vocabulary == "python" or s.name(vocabulary)}
+        names.update({alias: s.field for s in SPELLINGS for alias in s.aliases})
+        changes: dict[str, Any] = {}
+        for key, value in settings.items():
+            field = names.get(key)
+            if field is None:
+                raise UsageError(f"unknown setting {key!r}{closest(key, list(names))}; "
+                                 f"allowed: {', '.join(s.name(vocabulary) for s in SPELLINGS if s.name(vocabulary))}")
+            if field in changes:
+                raise UsageError(f"{key!r} sets {SPELLING[field].name(vocabulary)!r}, which is already set")
+            changes[field] = value
+        try:
+            return dataclasses.replace(base, **changes) if base is not None else cls(**changes)
+        except SettingError as exc:
+            raise UsageError(exc.worded(vocabulary)) from None
+
+    def to_dict(self) -> dict:
+        """The job as the JSON's ``"job"`` object, keyed by ``Spelling.json``."""
+        out = {}
+        for s in SPELLINGS:
+            value = getattr(self, s.field)
+            if s.field == "optimizer" and not isinstance(value, str):
+                value = getattr(value, "__name__", type(value).__name__)
+            elif s.field == "gpu" and isinstance(value, GpuSpec):
+                value = value.name
+            elif isinstance(value, tuple):
+                value = list(value)
+            elif hasattr(value, "value"):  # an enum
+                value = value.value
+            out[s.json] = value
+        return out
+
+
+def _gpu(value):
+    if value is None or isinstance(value, GpuSpec):
+        return value
+    if not isinstance(value, str):
+        raise SettingError("gpu", "{name} must be a name such as 'H100-80GB', a size such as '24GiB', or a GpuSpec; "
+                                  f"got {_esc(repr(value))}")
+    try:
+        resolve_gpu(value)  # a name or a size: never the local GPU, which only None asks for
+    except UsageError as exc:
+        raise SettingError("gpu", "{name}: " + _esc(str(exc))) from None
+    return value
+
+
+def _budget(value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise SettingError("budget_bytes", "{name} must be a size such as '24GiB' or a byte count; "
+                                           f"got {_esc(repr(value))}")
+    if isinstance(value, int):
+        return _int("budget_bytes", value)
+    return parse_size(value, what="gpu_memory")
+
+
+def _optimizer(value):
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key not in OPTIMIZERS:
+            raise SettingError("optimizer", _esc(f"unknown optimizer {value!r}{closest(key, OPTIMIZERS)}; "
+                                                 f"allowed: {', '.join(OPTIMIZERS)}"))
+        return key
+    if value is None:
+        return "adamw"
+    return value  # a factory or an Optimizer: memcheck.training.optimizers.resolve_optimizer checks it
+
+
+def _checkpointing(value):
+    try:
+        return parse_checkpointing(value)
+    except UsageError as exc:
+        raise SettingError("checkpointing", _esc(str(exc))) from None
+
+
+def _margin(value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise SettingError("margin", f"{{name}} must be a fraction in [0, 1), such as 0.05; got {_esc(repr(value))}")
+    return float(value)
+
+
+def _bucket_cap(value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise SettingError("bucket_cap_mb", f"{{name}} must be a positive number, got {_esc(repr(value))}")
+    return value
+
+
+# field -> the function that checks a value and returns it normalised (idempotent)
+_CHECKS = {
+    "device": lambda v: _choice("device", Device, v),
+    "gpu": _gpu,
+    "budget_bytes": _budget,
+    "batch_size": lambda v: _int("batch_size", v),
+    "max_len": lambda v: _int("max_len", v),
+    "target_len": lambda v: _int("target_len", v),
+    "precision": lambda v: _choice("precision", Precision, v),
+    "optimizer": _optimizer,
+    "steps": lambda v: _int("steps", v, minimum=2, optional=False,
+                            text="{name} must be an integer of at least 2 (step 1 has no optimizer state)"),
+    "accumulate": lambda v: _int("accumulate", v, optional=False),
+    "checkpointing": _checkpointing,
+    "use_reentrant": lambda v: _flag("use_reentrant", v),
+    "strategy": lambda v: _choice("strategy", Strategy, v),
+    "gpus": lambda v: _int("gpus", v),
+    "bucket_view": lambda v: _flag("bucket_view", v),
+    "bucket_cap_mb": _bucket_cap,
+    "offload": lambda v: _choice("offload", Offload, "none" if v is None else v),
+    "eval_batch_size": lambda v: _int("eval_batch_size", v),
+    "eval_accumulate_predictions": lambda v: _int("eval_accumulate_predictions", v, minimum=0, optional=False,
+                                                  text="{name} must be an integer of 0 or more"),
+    "margin": _margin,
+    "global_batch": lambda v: _int("global_batch", v),
+    "task": lambda v: _choice("task", Task, v, optional=True),
+    "attn": lambda v: _choice("attn", Attention, v, optional=True),
+}
+assert tuple(_CHECKS) == tuple(s.field for s in SPELLINGS) == tuple(f.name for f in dataclasses.fields(Job))
+
+
+def as_job(job: "Job | None", settings: Mapping[str, Any], *, caller: str) -> Job:
+    """The keyword facade of ``estimate()``, ``plan()``, ``check()`` and ``preflight()``: their
+    settings as Python keywords (or HF/Lightning aliases), over ``job`` when one is given.
+
+    Raises:
+        UsageError: naming an argument ``caller`` does not take, or a bad value.
+    """
+    if job is not None and not isinstance(job, Job):
+        raise UsageError(f"{caller} takes a memcheck.Job as its third argument, got {type(job).__name__}")
+    known = {s.field for s in SPELLINGS} | {a for s in SPELLINGS for a in s.aliases}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise UsageError(f"{caller} got unknown argument(s) {', '.join(unknown)}; its settings are "
+                         f"{', '.join(s.field for s in SPELLINGS)} (see memcheck.job.SPELLINGS)")
+    if job is not None and not settings:
+        return job
+    return Job.from_settings(settings, base=job)
+
+
+def check_setting(field: str, value):
+    """One field's value checked and normalised, as ``Job`` does, without the checks between
+    fields (a config checks each key where it is written, then the whole job).
+
+    Raises:
+        SettingError: naming the field.
+    """
+    return _CHECKS[field](value)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from memcheck.enums import Device
@@ -58,7 +59,8 @@ def _checkpointing(v):
         hint = closest(v.strip().lower(), ("none", "full"))
         raise UsageError(f"checkpointing {v!r} is neither 'none' nor 'full'{hint}; "
                          "name modules as a list, such as [\"transformer.h.0\", \"transformer.h.2\"]")
-    if isinstance(v, (list, tuple)) and not (v and all(isinstance(n, str) and n.strip() for n in v)):
+    if not isinstance(v, str) and not (isinstance(v, (list, tuple)) and v
+                                       and all(isinstance(n, str) and n.strip() for n in v)):
         raise UsageError(f"checkpointing must be 'none', 'full' or a non-empty list of module names or patterns; "
                          f"got {v!r}")
     return v
@@ -95,38 +97,54 @@ def in_config_words(message: str) -> str:
     return _FLAG.sub(lambda m: _FLAG_KEYS[m.group(0)], message)
 
 
+@dataclass(frozen=True)
 class JobConfig:
     """One job of a config file: a model and the ``Job`` that ``memcheck.check`` judges it at.
 
     ``model`` is what ``load_workload`` takes: a model file's absolute path (the loader
     resolves it against the config file and refuses one outside the config's
-    repository) or ``hf:NAME_OR_DIR``. The settings are config keys
-    (``memcheck.job.SPELLINGS``), checked by the job's own checks and named in messages
-    as the config spells them; a job needs a capacity, ``gpu`` or ``gpu_memory``. Only
+    repository) or ``hf:NAME_OR_DIR``. ``JobConfig.parse`` checks the settings, given as
+    config keys (``memcheck.job.SPELLINGS``), with the job's own checks, naming each
+    as the config spells it; a job needs a capacity, ``gpu`` or ``gpu_memory``. Only
     ``None`` means the local GPU to ``memcheck.check``; a job never does: on the cuda
     target ``gpu_memory`` alone is an unnamed GPU of that size, so a config gets the
     same answer on every machine.
     """
 
-    def __init__(self, *, file: str, where: str, model: str, name: str | None = None, **settings):
-        self.file, self.where, self.name = file, where, name  # where: "jobs.NAME", "tool.memcheck" or ""
+    file: str  # the config file, as it was named
+    where: str  # the job's table in the file: "jobs.NAME", "tool.memcheck", ... or "" (the top level)
+    model: str
+    job: Job
+    optimizer: str | None = None  # as the config names it; None: the model file's make_optimizer, else adamw
+    name: str | None = None  # the job's name under jobs; None for a file's single job
+
+    @classmethod
+    def parse(cls, *, file: str, where: str, model: str, name: str | None = None, **settings) -> "JobConfig":
+        """The job of a config table whose ``settings`` are config keys.
+
+        Raises:
+            UsageError: naming the file, the job and the key.
+        """
+        label = _label(file, where)
         try:
-            self.model = _model(model)
-            checked = {key: check_key(key, value) for key, value in settings.items() if key in _FIELD}
+            model = _model(model)
             unknown = sorted(set(settings) - set(_FIELD))
             if unknown:
                 raise UsageError(f"unknown key {unknown[0]!r}{closest(unknown[0], JOB_KEYS)}; "
                                  f"allowed: {', '.join(JOB_KEYS)}")
-            self.optimizer = checked.get("optimizer")  # None: the model file's make_optimizer, else adamw
-            self.job = Job.from_settings(checked, vocabulary="config")
+            checked = {key: check_key(key, value) for key, value in settings.items()}
+            if checked.get("gpu") is not None and checked.get("device") is Device.CPU:
+                raise UsageError(f"gpu = {checked['gpu']!r} applies to device = \"cuda\" only; "
+                                 "give the CPU's budget as gpu_memory")
+            job = Job.from_settings(checked, vocabulary="config")
         except UsageError as exc:
-            raise UsageError(f"{self.label}: {exc}") from None
-        job = self.job
+            raise UsageError(f"{label}: {exc}") from None
         if job.gpu is None and job.budget_bytes is None:
-            raise UsageError(f"{self.label}: no capacity to judge the job against; add gpu = \"A100-80GB\" "
+            raise UsageError(f"{label}: no capacity to judge the job against; add gpu = \"A100-80GB\" "
                              "(a GPU name or a size such as \"24GiB\") or gpu_memory = \"24GiB\"")
         if job.eval_accumulate_predictions and job.eval_batch_size is None:
-            raise UsageError(f"{self.label}: eval_accumulate_predictions needs eval_batch (the evaluation batch size)")
+            raise UsageError(f"{label}: eval_accumulate_predictions needs eval_batch (the evaluation batch size)")
+        return cls(file=file, where=where, model=model, job=job, optimizer=checked.get("optimizer"), name=name)
 
     @property
     def label(self) -> str:
@@ -244,7 +262,7 @@ def _job(settings: dict, file: str, where: str, name: str | None) -> JobConfig:
     if "model" not in settings:
         raise UsageError(f"{_label(file, where)}: no model; add model = \"path/to/model.py\" (relative to the "
                          "config file) or model = \"hf:NAME_OR_DIR\"")
-    return JobConfig(file=file, where=where, name=name, **settings)
+    return JobConfig.parse(file=file, where=where, name=name, **settings)
 
 
 def project_root(config: Path) -> Path:

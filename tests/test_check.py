@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from types import SimpleNamespace
 import os
 import re
 import sys
@@ -310,27 +311,31 @@ def test_top_level_keys_are_defaults_each_job_overrides(repo):
         '[jobs.a]\nmicro_batch = 8\n[jobs.b]\nprecision = "fp32"\ncheckpointing = ["transformer.h.0"]\n'
         'strategy = "fsdp"\ngpus = 4\noffload = "params"\n')
     a, b = load_config(repo / "memcheck.toml")
-    assert (a.name, a.where, a.micro_batch, a.precision) == ("a", "jobs.a", 8, Precision.AMP_BF16)
-    assert (b.name, b.micro_batch, b.precision, b.checkpointing) == ("b", 1, Precision.FP32, ("transformer.h.0",))
-    assert b.strategy is Strategy.FSDP and b.gpus == 4 and a.max_len == b.max_len == 64
-    assert a.model == str(repo / "model.py") and a.device is Device.CUDA
+    assert (a.name, a.where, a.job.batch_size, a.job.precision) == ("a", "jobs.a", 8, Precision.AMP_BF16)
+    assert (b.name, b.job.batch_size, b.job.precision, b.job.checkpointing) == (
+        "b", None, Precision.FP32, ("transformer.h.0",))  # no micro_batch: the model's make_batch default (1)
+    assert b.job.strategy is Strategy.FSDP and b.job.gpus == 4 and a.job.max_len == b.job.max_len == 64
+    assert a.model == str(repo / "model.py") and a.job.device is Device.CUDA
     with pytest.raises(FrozenInstanceError):
-        a.micro_batch = 2
+        a.job.batch_size = 2
+    with pytest.raises(FrozenInstanceError):
+        a.job = b.job
 
 
 def test_gpu_memory_alone_on_cuda_is_a_gpu_of_that_size_never_the_local_one(repo):
     (repo / "memcheck.json").write_text(json.dumps({"model": "model.py", "gpu_memory": "24GiB"}))
     (job,) = load_config(repo / "memcheck.json")
-    kwargs = job.check_kwargs()
-    assert isinstance(kwargs["gpu"], GpuSpec) and kwargs["gpu"].capacity_bytes == 24 * GiB
-    assert kwargs["budget_bytes"] == 24 * GiB and job.name is None and job.label.endswith("memcheck.json")
+    work = SimpleNamespace(max_len=None, target_len=None, make_optimizer=None)  # what check_job reads of a workload
+    checked = job.check_job(work)
+    assert isinstance(checked.gpu, GpuSpec) and checked.gpu.capacity_bytes == 24 * GiB
+    assert checked.budget_bytes == 24 * GiB and job.name is None and job.label.endswith("memcheck.json")
 
 
 def test_a_job_config_checks_itself(repo):
     with pytest.raises(UsageError, match=r"x\.toml \[jobs\.a\]: unknown precision 'fp33'"):
-        JobConfig(file="x.toml", where="jobs.a", model="hf:gpt2", gpu="T4", precision="fp33")
+        JobConfig.parse(file="x.toml", where="jobs.a", model="hf:gpt2", gpu="T4", precision="fp33")
     with pytest.raises(UsageError, match="eval_accumulate_predictions needs eval_batch"):
-        JobConfig(file="x.toml", where="", model="hf:gpt2", gpu="T4", eval_accumulate_predictions=2)
+        JobConfig.parse(file="x.toml", where="", model="hf:gpt2", gpu="T4", eval_accumulate_predictions=2)
 
 
 def test_files_named_twice_are_read_once(repo):

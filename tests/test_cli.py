@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from memcheck.cli import main
+from memcheck.job import SPELLINGS
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 TWO_BRANCH = str(EXAMPLES / "two_branch.py")
@@ -27,9 +28,15 @@ def test_json_has_the_documented_keys():
     result = run(TWO_BRANCH, "-b", "8", "--device", "cpu", "--json", "--gpu-memory", "1GiB")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    for key in ("peak_bytes", "breakdown_at_peak", "peak_phase", "peak_module", "batch", "device",
-                "precision", "optimizer", "budget_bytes", "fits"):
+    for key in ("schema_version", "model", "job", "optimizer_implementation", "gpu", "budget_bytes", "fits",
+                "peak_bytes", "reserved_bytes", "fragmentation_bytes", "context_bytes", "device_total_bytes",
+                "breakdown_at_peak", "peak_phase", "peak_in", "train_peak_bytes", "eval_peak_bytes", "peak_module",
+                "peak_step", "batch", "strategy_label", "busiest_gpu", "per_device", "checkpointed_modules", "work",
+                "modules", "assumptions"):  # the README's table, row by row
         assert key in data
+    assert data["schema_version"] == 2
+    assert set(data["job"]) == {s.json for s in SPELLINGS}  # one key per setting, as the README's table
+    assert (data["job"]["device"], data["job"]["micro_batch_size"], data["job"]["optimizer"]) == ("cpu", 8, "make_optimizer")  # the file's own factory
     assert set(data["breakdown_at_peak"]) >= {"params", "buffers", "grads", "optimizer", "activations",
                                                "temporaries", "other"}
     assert sum(data["breakdown_at_peak"].values()) == data["peak_bytes"]

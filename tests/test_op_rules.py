@@ -8,7 +8,7 @@ from torch import nn
 
 import memcheck
 from memcheck.measure.local import measure_cpu
-from memcheck.rules.registry import SDP_FLASH, SDP_MATH, cpu_sdpa_backend
+from memcheck.rules.sdpa import SDP_FLASH, SDP_MATH, cpu_sdpa_backend
 
 
 class Attention(nn.Module):

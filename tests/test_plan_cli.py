@@ -311,7 +311,7 @@ def test_what_would_fit_is_what_memcheck_estimates(wide, nothing_fits_json):
     (["--gpu", "1GiB", "--precision-options", "fp33"], "did you mean 'fp32'"),
     (["--gpu", "1GiB", "--checkpointing-options", "bogus"], "'bogus'"),
     (["--gpu", "T4", "--device", "cpu"], "cuda target only"),
-    (["--gpu", "1GiB", "--global-batch", "0"], "global batch must be a positive integer, got 0"),
+    (["--gpu", "1GiB", "--global-batch", "0"], "--global-batch must be a positive integer, got 0"),
     (["--gpu", "1GiB", "--measure", "--measure-steps", "1"], "--measure-steps"),
     (["--gpu", "1GiB", "--strategy", "fsdpp"], "unknown strategy 'fsdpp'"),
 ])

@@ -48,7 +48,7 @@ allocator's limit; the plan's context estimate (``GpuSpec.context_bytes``) inclu
 it. Both contexts, at the start and after training, are in the JSON.
 
 **The margin is part of the ratio.** The plan recommends a micro-batch whose
-predicted device total stays under CAP x (1 - ``memcheck.engine.plan.DEFAULT_MARGIN``);
+predicted device total stays under CAP x (1 - ``memcheck.job.DEFAULT_MARGIN``);
 the search fills the whole card. With memory affine in the micro-batch, fixed part F
 (weights, gradients, optimizer state, context), an exact prediction alone gives a
 ratio near ((1 - margin) x CAP - F) / (CAP - F): 0.94 for F = 2 GiB on 24 GiB with a
@@ -453,7 +453,7 @@ def main(argv=None) -> int:
         return 0
 
     from memcheck.cuda.gpus import local_gpu
-    from memcheck.engine.plan import DEFAULT_MARGIN
+    from memcheck.job import DEFAULT_MARGIN
 
     local = local_gpu()
     if local is None:

@@ -13,7 +13,8 @@ import memcheck
 from memcheck.cli import main
 from memcheck.enums import Device
 from memcheck.errors import TraceError, UnsupportedOpError
-from memcheck.measure.local import cpu_memory_events, measure_cpu, running_peak
+from memcheck.measure.local import measure_cpu
+from memcheck.rules.probe import cpu_memory_events, running_peak
 from memcheck.trace.tracer import ALLOC, FREE, MemoryTracer
 
 TOLERANCE = 0.02  # as tests/test_op_rules.py

@@ -63,7 +63,7 @@ def test_fused_adamw_step_allocates_nothing_on_a_real_cpu_run_and_in_the_trace()
     # step's peak over the state is 12 B. The traced step must add no temporaries either.
     from torch.profiler import ProfilerActivity, profile
 
-    from memcheck.measure.local import cpu_memory_events, running_peak
+    from memcheck.rules.probe import cpu_memory_events, running_peak
 
     torch.manual_seed(0)
     model = nn.Linear(256, 256)

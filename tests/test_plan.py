@@ -22,7 +22,8 @@ from transformers.utils import logging
 import memcheck
 from memcheck.errors import UsageError
 from memcheck.measure.local import measure_cpu
-from memcheck.engine.plan import DEFAULT_MARGIN, TRACES_PER_OPTION, _quadratic_root, plan
+from memcheck.engine.plan import TRACES_PER_OPTION, _quadratic_root, plan
+from memcheck.job import DEFAULT_MARGIN
 from memcheck.units import MiB
 
 logging.set_verbosity_error()
@@ -188,8 +189,8 @@ def test_nothing_fits_says_what_would():
     p = plan(model, make, gpu="2GiB", max_len=1024, checkpointing_options=("none", "full"))
     assert not p.fits and p.recommended is None
     assert [o.fits for o in p.alternatives] == [False, False]
-    assert "one T4" in p.suggestion  # the smallest GPU in the table (15,102 MiB)
-    assert "fsdp over" in p.suggestion
+    assert "one T4" in str(p.suggestion)  # the smallest GPU in the table (15,102 MiB)
+    assert "fsdp over" in str(p.suggestion)
 
 
 def test_quadratic_root_solves_a_known_parabola():

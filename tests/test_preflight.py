@@ -22,7 +22,8 @@ from transformers.utils import logging
 
 import memcheck
 from memcheck.errors import UsageError
-from memcheck.measure.local import cpu_memory_events, measure_cpu
+from memcheck.measure.local import measure_cpu
+from memcheck.rules.probe import cpu_memory_events
 from memcheck.engine.preflight import resizer
 from memcheck.report.text import fix_line
 from memcheck.units import MiB

@@ -37,7 +37,8 @@ from torch import nn
 import memcheck
 from memcheck.cli import main
 from memcheck.cuda.gpus import GPUS
-from memcheck.engine.plan import DEFAULT_MARGIN, MAX_GPUS
+from memcheck.engine.plan import MAX_GPUS
+from memcheck.job import DEFAULT_MARGIN
 from memcheck.training.strategies.sharded import REDUCE_BUCKET_SIZE
 from memcheck.units import GiB, MiB
 
@@ -191,8 +192,8 @@ def test_too_large_for_every_gpu_gets_the_fewest_fsdp_gpus_not_an_error(fsdp_pla
     # what the trace adds to the shards (the gathered block, its gradients, the reduce-scatter
     # buffer and the allocator's cached segments) is why N can be above the floor
     assert n - floor <= 4, (n, floor)
-    assert f"fsdp over {n} GPUs of this size holds micro-batch 1, fp32, checkpointing full" in p.suggestion
-    assert f"({n - 1} GPUs: " in p.suggestion and "no single GPU in `memcheck gpus` holds it" in p.suggestion
+    assert f"fsdp over {n} GPUs of this size holds micro-batch 1, fp32, checkpointing full" in str(p.suggestion)
+    assert f"({n - 1} GPUs: " in str(p.suggestion) and "no single GPU in `memcheck gpus` holds it" in str(p.suggestion)
 
 
 def test_the_fsdp_count_holds_the_shards_the_hand_arithmetic_gives(fsdp_plan):
@@ -235,7 +236,7 @@ def test_zero3_count_is_the_fewest_whose_partitions_fit_with_the_margin(zero3_pl
     # each granted up to 1 MiB above its request
     assert 8 * _zero3_partition(n) <= b.optimizer <= 8 * _zero3_partition(n) + 2 * 2 * DEPTH * MiB
     assert b.communication >= REDUCE_BUCKET_SIZE * 4
-    assert f"zero3 over {n} GPUs of this size holds" in p.suggestion
+    assert f"zero3 over {n} GPUs of this size holds" in str(p.suggestion)
 
 
 def test_sharding_cannot_help_when_what_does_not_shard_fills_the_gpu():
@@ -251,8 +252,8 @@ def test_sharding_cannot_help_when_what_does_not_shard_fills_the_gpu():
     traced = dict(p.sharded.traced)
     assert MAX_GPUS in traced  # the line through the traced counts says so, and a trace at the ceiling confirms it
     assert all(total > p.limit_bytes for total in traced.values())
-    assert f"zero3 would not hold micro-batch 1, fp32, checkpointing full even over {MAX_GPUS} GPUs" in p.suggestion
-    assert "what does not shard" in p.suggestion
+    assert f"zero3 would not hold micro-batch 1, fp32, checkpointing full even over {MAX_GPUS} GPUs" in str(p.suggestion)
+    assert "what does not shard" in str(p.suggestion)
 
 
 # ---- the command line ---------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.checkpoint import checkpoint
 
 import memcheck
-from memcheck.measure.local import cpu_memory_events, measure_cpu
+from memcheck.measure.local import measure_cpu
+from memcheck.rules.probe import cpu_memory_events
 from zoo import ZOO, estimate_zoo, measure_zoo
 
 TOLERANCE = 0.02

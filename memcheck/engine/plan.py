@@ -63,11 +63,9 @@ from memcheck.training.checkpointing import FULL, HALF, NONE, half_of, repeated_
 from memcheck.enums import Device, Precision, Strategy
 from memcheck.errors import UsageError, closest, require_int
 from memcheck.engine.estimate import estimate, target_gpu
-from memcheck.job import DEFAULT_MARGIN, Job, as_job
+from memcheck.job import Job, as_job
 from memcheck.cuda.gpus import GPUS, GpuSpec
-from memcheck.report.results import Estimate, LengthPoint, Plan, PlanOption, ShardedFit, Work
-from memcheck.training.strategies import StrategyConfig
-from memcheck.units import format_bytes
+from memcheck.report.results import Estimate, LargerGpu, LengthPoint, Plan, PlanOption, ShardedFit, Suggestion, Work
 
 TRACES_PER_OPTION = 5
 MAX_MICRO_BATCH = 65536  # the search's ceiling without a global batch
@@ -151,7 +149,7 @@ def plan(
     """
     job = as_job(job, settings, caller="plan()")
     device, config, global_batch = job.device, job.strategy_config, job.global_batch
-    strategy, gpus, max_len, target_len = config.strategy, config.gpus, job.max_len, job.target_len
+    strategy, gpus, max_len = config.strategy, config.gpus, job.max_len
     if precision_options is None:
         precision_options = (job.precision,)
     if not isinstance(model, torch.nn.Module):
@@ -210,7 +208,8 @@ def plan(
         if length_profile and search.takes_length and max_len:
             profile, longest = search.length_profile(recommended, limit, max_len_limit)
     else:
-        suggestion, sharded = search.what_would_fit(precisions, checkpoints, margin)
+        suggestion = search.what_would_fit(precisions, checkpoints, margin)
+        sharded = suggestion.sharded
     return Plan(
         model=name, device=device, gpu=target, capacity_bytes=budget_bytes, margin=margin,
         limit_bytes=limit, strategy=strategy.value, gpus=gpus, global_batch=global_batch,
@@ -394,40 +393,34 @@ class _Search:
                 break  # confirmed from both sides
         return lo
 
-    def what_would_fit(self, precisions, checkpoints, margin: float) -> tuple[str, ShardedFit | None]:
+    def what_would_fit(self, precisions, checkpoints, margin: float) -> Suggestion:
         """When nothing fits at micro-batch 1: the smallest GPU in the table that holds the
         most frugal option, and how many GPUs of this size a sharded strategy needs. Each
         answer is confirmed by its own trace."""
         precision = min(precisions, key=lambda p: 0 if p.weights_dtype is not None else
                         1 if p.autocast_dtype is not None else 2)
         checkpointing = FULL if FULL in checkpoints else checkpoints[-1]
-        how = f"micro-batch 1, {precision.value}, checkpointing {checkpointing}"
-        parts = []
-        sharded = None
+        larger = sharded = None
         if self.device is Device.CUDA:
             base = self.estimate_at(1, precision, checkpointing, self.accumulation(1))
-            larger = [g for g in sorted(GPUS.values(), key=lambda g: g.capacity_bytes)
-                      if g.capacity_bytes > self.budget]
-            for spec in larger:  # predicted from the trace on this GPU, then traced on that one
+            candidates = [g for g in sorted(GPUS.values(), key=lambda g: g.capacity_bytes)
+                          if g.capacity_bytes > self.budget]
+            for spec in candidates:  # predicted from the trace on this GPU, then traced on that one
                 if base.reserved_bytes + spec.context_bytes > spec.capacity_bytes * (1 - margin):
                     continue
                 est = self.estimate_at(1, precision, checkpointing, self.accumulation(1), gpu=spec)
                 if est.total_bytes <= spec.capacity_bytes * (1 - margin):
-                    which = (f"{self.strategy.value} over {self.gpus} {spec.name}s" if self.strategy.multi_gpu
-                             else f"one {spec.name}")  # the job as asked, on larger GPUs
-                    parts.append(f"{which} ({format_bytes(spec.capacity_bytes)}) holds {how}: "
-                                 f"{format_bytes(est.total_bytes)}" + (" per GPU" if self.strategy.multi_gpu else ""))
+                    larger = LargerGpu(spec.name, spec.capacity_bytes, est.total_bytes)  # the job as asked
                     break
-            else:
-                parts.append("no single GPU in `memcheck gpus` holds it")
-            sharded, sentence = self._sharded_count(base, precision, checkpointing, margin, how)
-            parts.append(sentence)
-        return "; ".join(parts), sharded
+            sharded = self._sharded_count(base, precision, checkpointing, margin)
+        return Suggestion(precision=precision.value, checkpointing=checkpointing, searched=self.device is Device.CUDA,
+                          strategy=self.strategy.value, gpus=self.gpus, larger_gpu=larger, sharded=sharded,
+                          global_batch=self.global_batch)
 
-    def _sharded_count(self, base: Estimate, precision: Precision, checkpointing: str, margin: float,
-                       how: str) -> tuple[ShardedFit, str]:
+    def _sharded_count(self, base: Estimate, precision: Precision, checkpointing: str,
+                       margin: float) -> ShardedFit:
         """The fewest GPUs of this size that hold one rank of fsdp (zero3 when a DeepSpeed stage
-        was asked for) at micro-batch 1, in at most SHARDED_TRACES traces, and its sentence.
+        was asked for) at micro-batch 1, in at most SHARDED_TRACES traces.
 
         A rank holds close to ``R + S / N``: S is the state that shards (weights, gradients,
         optimizer state and the optimizer step's temporaries), R the rest (activations, the
@@ -485,28 +478,13 @@ class _Search:
                 guess = MAX_GPUS
             if hi is not None and (slow or hi - lo > 2 and guess is not None and not lo + 1 < guess < hi - 1):
                 guess = (lo + hi) // 2  # the secant hugs an end of the bracket, or is slow (a flat stretch): halve it
-        fit = ShardedFit(
+        return ShardedFit(
             strategy=sharded.value, gpus=hi, device_total_bytes=None if hi is None else seen[hi],
             precision=precision.value, checkpointing=checkpointing,
             fewer_do_not_fit=hi is not None and hi == lo + 1, traced=tuple(sorted(seen.items())),
+            limit_bytes=limit, most_not_fitting=lo, unsharded_bytes=max(0, int(rest)),
+            stopped_after_traces=SHARDED_TRACES if hi is None and max(seen) < MAX_GPUS else 0,
         )
-        name = sharded.value
-        if hi is None:
-            most = max(seen)
-            if most < MAX_GPUS:
-                return fit, (f"{name} over {most} GPUs of this size still does not hold {how}: "
-                             f"{format_bytes(seen[most])} per GPU (the search stopped after {SHARDED_TRACES} traces)")
-            return fit, (f"{name} would not hold {how} even over {MAX_GPUS} GPUs of this size: "
-                         f"{format_bytes(seen[most])} per GPU, and what does not shard (about "
-                         f"{format_bytes(max(0, int(rest)))}) already fills the {format_bytes(limit)} limit")
-        text = f"{name} over {hi} GPUs of this size holds {how}: {format_bytes(seen[hi])} per GPU"
-        if hi - 1 in seen:
-            text += f" ({hi - 1} GPUs: {format_bytes(seen[hi - 1])}, over the {format_bytes(limit)} limit)"
-        elif not fit.fewer_do_not_fit:
-            text += f" (fewer not ruled out: {lo} GPUs do not fit, the counts between were not traced)"
-        if self.global_batch is not None and hi > self.global_batch:
-            text += f"; that is more GPUs than the global batch of {self.global_batch} has samples"
-        return fit, text
 
 
 def _gpus_for(state: float, rest: float, limit: int) -> int | None:

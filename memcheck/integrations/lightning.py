@@ -39,6 +39,7 @@ except ImportError:
 import torch
 
 from memcheck.errors import TraceError, UsageError, require_int
+from memcheck.job import Job
 from memcheck.engine.estimate import meta_twin
 from memcheck.integrations._common import CallbackSettings, act_on, first_batch, target, zero_strategy
 from memcheck.engine.preflight import check, leading_size, resizer
@@ -115,16 +116,17 @@ class MemcheckCallback(pl.Callback):
                              "memcheck traces the optimizer step itself and cannot follow a manual one")
         strategy, gpus, extra = _strategy(trainer)
         batch, batch_size = self._train_batch(trainer)
-        settings = dict(
+        job = Job(  # the Trainer's own settings, in memcheck's words
             batch_size=batch_size, accumulate=trainer.accumulate_grad_batches, precision=_precision(trainer),
-            strategy=strategy, gpus=gpus, optimizer=_optimizer(trainer, pl_module),
-            loss_fn=_StepLoss(trainer), margin=self.settings.margin, fix=self.settings.fix,
-            model_name=type(pl_module).__name__, **target(trainer.strategy.root_device, self.settings), **extra,
+            strategy=strategy, gpus=gpus, optimizer=_optimizer(trainer, pl_module), margin=self.settings.margin,
+            **target(trainer.strategy.root_device, self.settings), **extra,
         )
+        eval_batch = None
         if self.settings.check_eval and _validates(trainer, pl_module):
             rows = self.eval_batch_size or _loader_batch_size(trainer.fit_loop.epoch_loop.val_loop) or batch_size
-            settings["eval_batch"] = self.make_batch(rows) if self.make_batch is not None else resizer(batch)(rows)
-        verdict = check(pl_module, batch, **settings)
+            eval_batch = self.make_batch(rows) if self.make_batch is not None else resizer(batch)(rows)
+        verdict = check(pl_module, batch, job, eval_batch=eval_batch, loss_fn=_StepLoss(trainer),
+                        fix=self.settings.fix, model_name=type(pl_module).__name__)
         self.verdict = verdict  # kept for a caller that catches WillNotFit too
         act_on(verdict, "lightning", logger, announce=trainer.is_global_zero)
 

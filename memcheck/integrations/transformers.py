@@ -32,6 +32,7 @@ from transformers import TrainerCallback
 from memcheck.workloads import hf
 from memcheck.enums import Task
 from memcheck.errors import UsageError, require_int
+from memcheck.job import Job
 from memcheck.engine.estimate import meta_twin
 from memcheck.integrations._common import CallbackSettings, act_on, first_batch, target, zero_strategy
 from memcheck.engine.preflight import check
@@ -132,14 +133,15 @@ class MemcheckCallback(TrainerCallback):
         checkpointing, use_reentrant = _checkpointing(args, twin)
         strategy, gpus, extra = _strategy(args)
         batch_size = require_int(args.per_device_train_batch_size, "per_device_train_batch_size")
-        settings = dict(
+        job = Job(  # the Trainer's own arguments, in memcheck's words
             batch_size=batch_size, accumulate=args.gradient_accumulation_steps, precision=_precision(args, model),
             checkpointing=checkpointing, use_reentrant=use_reentrant, strategy=strategy, gpus=gpus,
-            optimizer=_optimizer(args, optimizer), margin=self.settings.margin, fix=self.settings.fix,
-            model_name=type(model).__name__, **target(args.device, self.settings), **extra,
+            optimizer=_optimizer(args, optimizer), margin=self.settings.margin,
+            **target(args.device, self.settings), **extra,
         )
         config = getattr(model, "config", None)
         task = _task(config, model)
+        eval_batch = None
         if task is not None:
             length = self._max_length(processing_class or tokenizer, config)
             target_len = self.target_length or length
@@ -148,7 +150,7 @@ class MemcheckCallback(TrainerCallback):
             def batch(n, length=length, target=target_len):  # meta tensors: the worst case costs nothing
                 return hf.make_batch(twin, config, task, n, length, target)
 
-            settings.update(max_len=length, target_len=target_len)
+            job = job.replace(max_len=length, target_len=target_len)
         else:
             if train_dataloader is None:
                 raise UsageError(f"{type(model).__name__} has no transformers config to build the worst-case "
@@ -156,18 +158,19 @@ class MemcheckCallback(TrainerCallback):
             logger.warning("memcheck: %s has no transformers config; checking the first training batch, which "
                            "is not necessarily the worst case", type(model).__name__)
             batch = first_batch(train_dataloader)
-            settings.pop("batch_size")
+            job = job.replace(batch_size=None)
         if self.settings.check_eval and _evaluates(args, trainer):
             eval_rows = require_int(args.per_device_eval_batch_size, "per_device_eval_batch_size")
             eval_rows *= gpus if strategy == "dp" else 1  # DataParallel scatters the whole batch
             keep = _kept_eval_batches(args, trainer, eval_dataloader)
             if callable(batch):
-                settings.update(eval_batch_size=eval_rows, eval_accumulate_predictions=keep)
+                job = job.replace(eval_batch_size=eval_rows, eval_accumulate_predictions=keep)
             else:
                 from memcheck.engine.preflight import resizer
 
-                settings.update(eval_batch=resizer(batch)(eval_rows), eval_accumulate_predictions=keep)
-        verdict = check(twin, batch, **settings)
+                eval_batch = resizer(batch)(eval_rows)
+                job = job.replace(eval_accumulate_predictions=keep)
+        verdict = check(twin, batch, job, eval_batch=eval_batch, fix=self.settings.fix, model_name=type(model).__name__)
         self.verdict = verdict  # kept for a caller that catches WillNotFit too
         act_on(verdict, "trainer", logger, announce=state.is_world_process_zero)
         return control

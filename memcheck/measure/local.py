@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from memcheck.enums import Precision
 from memcheck.errors import UsageError
 from memcheck.report.results import Verification
-from memcheck.rules.probe import cpu_memory_events, running_peak
+from memcheck.rules.probe import cpu_memory_events
 from memcheck.training.loop import LossFn, default_loss, run_steps, to_precision
 
 STEP_MARK = "memcheck.step"

@@ -64,7 +64,7 @@ def plot_timeline(estimate, path, *, margin: float = DEFAULT_MARGIN, what: str =
     Args:
         estimate: an ``Estimate`` from ``memcheck.estimate(..., timeline=True)``.
         path: the PNG to write (atomically: a temporary file in the same directory, renamed).
-        margin: the fraction of the budget held back (default ``memcheck.engine.plan.DEFAULT_MARGIN``).
+        margin: the fraction of the budget held back (default ``memcheck.job.DEFAULT_MARGIN``).
         what: how errors name the path (the CLI passes ``--plot``).
 
     Raises:

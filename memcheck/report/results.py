@@ -313,12 +313,44 @@ class ShardedFit:
     checkpointing: str
     fewer_do_not_fit: bool  # gpus - 1 was traced (or is one GPU) and does not fit
     traced: tuple[tuple[int, int], ...]  # (gpus, traced device total per GPU), for every count traced
+    limit_bytes: int = 0  # the per-GPU limit judged against
+    most_not_fitting: int = 1  # the most GPUs known not to fit
+    unsharded_bytes: int = 0  # the search's last reading of what does not shard (per GPU)
+    stopped_after_traces: int = 0  # when no count fitted before the search ran out of its traces: how many
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["micro_batch_size"] = 1
         out["traced"] = [{"gpus": n, "device_total_bytes": b} for n, b in self.traced]
         return out
+
+
+@dataclass(frozen=True)
+class LargerGpu:
+    """The smallest GPU in the table that holds the job's most frugal option, as traced on it."""
+
+    name: str
+    capacity_bytes: int
+    device_total_bytes: int
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """When nothing fits: what would, each answer traced (``str()`` is the sentence the plan prints)."""
+
+    precision: str  # the most frugal option tried, at micro-batch 1
+    checkpointing: str
+    searched: bool  # GPUs were searched (the CUDA target); on the CPU there is nothing to suggest
+    strategy: str  # the job's strategy and GPUs, which a larger GPU keeps
+    gpus: int
+    larger_gpu: LargerGpu | None = None  # None: no single GPU in the table holds it
+    sharded: ShardedFit | None = None
+    global_batch: int | None = None
+
+    def __str__(self) -> str:
+        from memcheck.report.text import render_suggestion
+
+        return render_suggestion(self)
 
 
 @dataclass(frozen=True)
@@ -350,7 +382,7 @@ class Plan:
     max_len: int | None
     traces: int  # every trace the plan took
     estimate: Estimate | None  # the recommended configuration's own trace
-    suggestion: str | None = None  # when nothing fits: what would
+    suggestion: Suggestion | None = None  # when nothing fits: what would
     sharded: ShardedFit | None = None  # when nothing fits on the CUDA target: how many GPUs fsdp/zero3 need
     blocks: tuple[str, ...] = ()  # the repeated blocks "full" checkpoints ("half": every second)
     position_limit: int | None = None  # the longest length the model's position embeddings take
@@ -389,7 +421,7 @@ class Plan:
             "gpus": self.gpus,
             "traces": self.traces,
             "fits": self.fits,
-            "suggestion": self.suggestion,
+            "suggestion": None if self.suggestion is None else str(self.suggestion),
             "sharded": None if self.sharded is None else self.sharded.to_dict(),
             "alternatives": [o.to_dict() for o in self.alternatives],
             "length_profile": [asdict(p) for p in self.length_profile],

@@ -12,7 +12,8 @@ from memcheck.training.checkpointing import half_of
 from memcheck.units import format_bytes
 
 if TYPE_CHECKING:  # the results import this module to render themselves
-    from memcheck.report.results import Comparison, DeviceMemory, Estimate, Plan, PlanOption, Verdict
+    from memcheck.report.results import (Comparison, DeviceMemory, Estimate, Plan, PlanOption, ShardedFit,
+                                         Suggestion, Verdict)
 
 _CATEGORY_LABELS = {
     "params": "parameters",
@@ -254,7 +255,7 @@ def render_plan(plan: Plan) -> str:
             lines.append(f"  checkpointed blocks: {', '.join(plan.checkpointed_modules)}")
     else:
         lines.append("NOTHING FITS: not even micro-batch 1 with the most checkpointing and the lowest precision allowed")
-        if plan.suggestion:
+        if plan.suggestion is not None and str(plan.suggestion):
             lines.append(f"  what would: {plan.suggestion}")
     lines.append("")
     rows = []
@@ -351,7 +352,7 @@ def fix_line(v: Verdict, style: str = "python") -> str:
     plan, r = v.fix, v.fix.recommended
     if r is None:
         return (f"fix: no micro-batch, accumulation and checkpointing at {v.estimate.precision.value} fits; "
-                f"what would: {plan.suggestion or ('a larger GPU' if plan.device.value == 'cuda' else 'a larger budget')}")
+                f"what would: {(plan.suggestion and str(plan.suggestion)) or ('a larger GPU' if plan.device.value == 'cuda' else 'a larger budget')}")
     flags, args = _flags(plan, r)
     ck = "none" if r.checkpointing == "none" else "full" if r.checkpointing == "full" else list(
         plan.checkpointed_modules)
@@ -435,3 +436,42 @@ def render_config_check(results, skipped=(), as_json: bool = False) -> str:
 def will_not_fit_message(verdict: "Verdict", style: str = "python") -> str:
     """``WillNotFit``'s message: the verdict on one line, the fix (in ``style``'s words) on the next."""
     return f"{verdict_line(verdict)}\n{fix_line(verdict, style)}"
+
+
+def render_suggestion(s: "Suggestion") -> str:
+    """When nothing fits: the larger GPU that holds the most frugal option, and the fewest GPUs
+    of this size a sharded strategy needs, as one sentence ("" on the CPU target)."""
+    if not s.searched:
+        return ""
+    how = f"micro-batch 1, {s.precision}, checkpointing {s.checkpointing}"
+    multi = s.strategy != "single"
+    if s.larger_gpu is None:
+        parts = ["no single GPU in `memcheck gpus` holds it"]
+    else:
+        g = s.larger_gpu
+        which = f"{s.strategy} over {s.gpus} {g.name}s" if multi else f"one {g.name}"  # the job as asked
+        parts = [f"{which} ({format_bytes(g.capacity_bytes)}) holds {how}: {format_bytes(g.device_total_bytes)}"
+                 + (" per GPU" if multi else "")]
+    if s.sharded is not None:
+        parts.append(_sharded_sentence(s.sharded, how, s.global_batch))
+    return "; ".join(parts)
+
+
+def _sharded_sentence(fit: "ShardedFit", how: str, global_batch: int | None) -> str:
+    seen, name, limit = dict(fit.traced), fit.strategy, format_bytes(fit.limit_bytes)
+    if fit.gpus is None:
+        most = max(seen)
+        if fit.stopped_after_traces:
+            return (f"{name} over {most} GPUs of this size still does not hold {how}: "
+                    f"{format_bytes(seen[most])} per GPU (the search stopped after {fit.stopped_after_traces} traces)")
+        return (f"{name} would not hold {how} even over {most} GPUs of this size: {format_bytes(seen[most])} per GPU, "
+                f"and what does not shard (about {format_bytes(fit.unsharded_bytes)}) already fills the {limit} limit")
+    hi = fit.gpus
+    text = f"{name} over {hi} GPUs of this size holds {how}: {format_bytes(seen[hi])} per GPU"
+    if hi - 1 in seen:
+        text += f" ({hi - 1} GPUs: {format_bytes(seen[hi - 1])}, over the {limit} limit)"
+    elif not fit.fewer_do_not_fit:
+        text += f" (fewer not ruled out: {fit.most_not_fitting} GPUs do not fit, the counts between were not traced)"
+    if global_batch is not None and hi > global_batch:
+        text += f"; that is more GPUs than the global batch of {global_batch} has samples"
+    return text

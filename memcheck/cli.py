@@ -42,10 +42,13 @@ class _DefaultGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
-def _fail(exc: BaseException, debug: bool, code: int) -> None:
+def _fail(exc: BaseException, debug: bool, code: int, message: str | None = None) -> None:
+    """One line on stderr (``message``, else the error's first line; --debug: the traceback
+    first), then exit with ``code``."""
     if debug:
         traceback.print_exception(exc)
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = str(exc).strip() if message is None else message
+    first = text.splitlines()[0] if text else type(exc).__name__
     click.echo(f"memcheck: error: {first}", err=True)
     sys.exit(code)
 
@@ -58,19 +61,22 @@ def _internal(exc: BaseException) -> str:
 def _reported(progress, debug: bool, locate=None):
     """Every command's errors: the progress line erased, then one line on stderr and the exit
     code (a MemcheckError's own; 3 for anything else, which is a bug in memcheck).
-    ``locate(exc, message)``, when given, returns the error to report with where it
-    happened named (``memcheck check``: the config file and job)."""
+    ``locate(message)``, when given, names where it happened (``memcheck check``: the
+    config file and job)."""
     from memcheck.errors import MemcheckError
+    from memcheck.job import SettingError
 
     try:
         yield
         _clear(progress)
     except MemcheckError as exc:
         _clear(progress)
-        _fail(locate(exc, str(exc)) if locate else exc, debug, exc.exit_code)
+        # a setting is named as the user wrote it: a flag here, a key in a config (memcheck check)
+        message = exc.worded("config" if locate else "flag") if isinstance(exc, SettingError) else str(exc)
+        _fail(exc, debug, exc.exit_code, locate(message) if locate else message)
     except Exception as exc:  # a bug in memcheck: say so, briefly
         _clear(progress)
-        _fail(locate(exc, _internal(exc)) if locate else RuntimeError(_internal(exc)), debug, EXIT_INTERNAL)
+        _fail(exc, debug, EXIT_INTERNAL, locate(_internal(exc)) if locate else _internal(exc))
 
 
 def _load(model: str, job, optimizer: str | None, allow_download: bool, **load):
@@ -379,14 +385,13 @@ def check_configs(files, as_json, allow_download, debug):
     config keys), 2 a config or model error, 3 internal error.
     """
     progress = _begin(as_json, allow_download)
-    from memcheck.errors import UsageError
-    from memcheck.config_gate import in_config_words, load_configs
+    from memcheck.config_gate import load_configs
     from memcheck.workloads.source import load_workload
     from memcheck.engine.preflight import check as run_check
     from memcheck.report.text import render_config_check
 
     results, where = [], [None]  # where[0]: the job being loaded or traced, for error messages
-    with _reported(progress, debug, locate=lambda exc, message: _in_job(exc, where[0], message)):
+    with _reported(progress, debug, locate=lambda message: _in_job(where[0], message)):
         jobs, skipped = load_configs(files)
         for path in skipped:
             click.echo(f"memcheck: note: {path} has no [tool.memcheck] table; skipped", err=True)
@@ -396,12 +401,9 @@ def check_configs(files, as_json, allow_download, debug):
             if progress is not None:
                 progress(f"{config.label}: loading the model")
             job = config.job
-            try:
-                workloads.append(load_workload(config.model, batch_size=job.batch_size or 1, max_len=job.max_len,
-                                               target_len=job.target_len, task=job.task, attn=job.attn,
-                                               allow_download=allow_download))
-            except UsageError as exc:  # its message names CLI flags; the config's keys are what to fix
-                raise UsageError(in_config_words(str(exc))) from exc
+            workloads.append(load_workload(config.model, batch_size=job.batch_size or 1, max_len=job.max_len,
+                                           target_len=job.target_len, task=job.task, attn=job.attn,
+                                           allow_download=allow_download))
             config.check_modules(workloads[-1].model)
         for config, work in zip(jobs, workloads):
             where[0], label = config, config.label
@@ -414,12 +416,9 @@ def check_configs(files, as_json, allow_download, debug):
     sys.exit(EXIT_DOES_NOT_FIT if any(not v.fits for _, v in results) else EXIT_FITS)
 
 
-def _in_job(exc: BaseException, job, message: str) -> BaseException:
-    """The error as one line that names the config file and job it happened in (the cause kept for --debug)."""
-    named = job is None or message.startswith(job.label)
-    located = RuntimeError(message if named else f"{job.label}: {message}")
-    located.__cause__ = exc
-    return located
+def _in_job(job, message: str) -> str:
+    """The error's line, naming the config file and job it happened in."""
+    return message if job is None or message.startswith(job.label) else f"{job.label}: {message}"
 
 
 @main.command()

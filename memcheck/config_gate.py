@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,17 +83,6 @@ def check_key(key: str, value):
 def _label(file: str, where: str) -> str:
     """How messages and results name a job: the file, and its table when there is one."""
     return f"{file} [{where}]" if where else file
-
-
-# The CLI flags that loading a model names in its messages (model_source, hf), as a config spells them.
-_FLAG_KEYS = {"--max-len": "max_len", "--target-len": "target_len", "--batch-size": "micro_batch",
-              "--task": "task", "--attn": "attn"}
-_FLAG = re.compile("|".join(re.escape(flag) + r"\b" for flag in _FLAG_KEYS))
-
-
-def in_config_words(message: str) -> str:
-    """``message`` with the CLI flags it names spelled as config keys (``--max-len`` as ``max_len``)."""
-    return _FLAG.sub(lambda m: _FLAG_KEYS[m.group(0)], message)
 
 
 @dataclass(frozen=True)

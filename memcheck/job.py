@@ -102,8 +102,8 @@ class SettingError(UsageError):
         return self.template.format(name=SPELLING[self.field].name(vocabulary))
 
 
-def _esc(text: str) -> str:
-    """``text`` safe inside a message template."""
+def escape(text: str) -> str:
+    """``text`` safe inside a ``SettingError`` template (its braces doubled)."""
     return text.replace("{", "{{").replace("}", "}}")
 
 
@@ -111,13 +111,13 @@ def _int(field: str, value, *, minimum: int = 1, optional: bool = True, text: st
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SettingError(field, (text or "{name} must be a positive integer") + f", got {_esc(repr(value))}")
+        raise SettingError(field, (text or "{name} must be a positive integer") + f", got {escape(repr(value))}")
     return value
 
 
 def _flag(field: str, value) -> bool:
     if not isinstance(value, bool):
-        raise SettingError(field, f"{{name}} must be true or false, got {_esc(repr(value))}")
+        raise SettingError(field, f"{{name}} must be true or false, got {escape(repr(value))}")
     return value
 
 
@@ -128,11 +128,11 @@ def _choice(field: str, cls, value, *, optional: bool = False):
         return value
     if not isinstance(value, str):
         allowed = ", ".join(m.value for m in cls)
-        raise SettingError(field, f"{{name}} must be a string, one of: {allowed}; got {_esc(repr(value))}")
+        raise SettingError(field, f"{{name}} must be a string, one of: {allowed}; got {escape(repr(value))}")
     try:
         return cls.parse(value, what=field)
     except UsageError as exc:  # "unknown precision 'bf61' (did you mean ...); allowed: ..."
-        raise SettingError(field, _esc(str(exc))) from None
+        raise SettingError(field, escape(str(exc))) from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,7 +214,7 @@ class Job:
             return StrategyConfig.parse(self.strategy, self.gpus, bucket_view=self.bucket_view,
                                         bucket_cap_mb=self.bucket_cap_mb, offload=self.offload)
         except UsageError as exc:
-            raise SettingError("strategy", _esc(str(exc))) from None
+            raise SettingError("strategy", escape(str(exc))) from None
 
     @property
     def effective_margin(self) -> float:
@@ -272,11 +272,11 @@ def _gpu(value):
         return value
     if not isinstance(value, str):
         raise SettingError("gpu", "{name} must be a name such as 'H100-80GB', a size such as '24GiB', or a GpuSpec; "
-                                  f"got {_esc(repr(value))}")
+                                  f"got {escape(repr(value))}")
     try:
         resolve_gpu(value)  # a name or a size: never the local GPU, which only None asks for
     except UsageError as exc:
-        raise SettingError("gpu", "{name}: " + _esc(str(exc))) from None
+        raise SettingError("gpu", "{name}: " + escape(str(exc))) from None
     return value
 
 
@@ -285,7 +285,7 @@ def _budget(value):
         return None
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise SettingError("budget_bytes", "{name} must be a size such as '24GiB' or a byte count; "
-                                           f"got {_esc(repr(value))}")
+                                           f"got {escape(repr(value))}")
     if isinstance(value, int):
         return _int("budget_bytes", value)
     return parse_size(value, what="gpu_memory")
@@ -295,7 +295,7 @@ def _optimizer(value):
     if isinstance(value, str):
         key = value.strip().lower()
         if key not in OPTIMIZERS:
-            raise SettingError("optimizer", _esc(f"unknown optimizer {value!r}{closest(key, OPTIMIZERS)}; "
+            raise SettingError("optimizer", escape(f"unknown optimizer {value!r}{closest(key, OPTIMIZERS)}; "
                                                  f"allowed: {', '.join(OPTIMIZERS)}"))
         return key
     if value is None:
@@ -307,14 +307,14 @@ def _checkpointing(value):
     try:
         return parse_checkpointing(value)
     except UsageError as exc:
-        raise SettingError("checkpointing", _esc(str(exc))) from None
+        raise SettingError("checkpointing", escape(str(exc))) from None
 
 
 def _margin(value):
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise SettingError("margin", f"{{name}} must be a fraction in [0, 1), such as 0.05; got {_esc(repr(value))}")
+        raise SettingError("margin", f"{{name}} must be a fraction in [0, 1), such as 0.05; got {escape(repr(value))}")
     return float(value)
 
 
@@ -322,7 +322,7 @@ def _bucket_cap(value):
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise SettingError("bucket_cap_mb", f"{{name}} must be a positive number, got {_esc(repr(value))}")
+        raise SettingError("bucket_cap_mb", f"{{name}} must be a positive number, got {escape(repr(value))}")
     return value
 
 

@@ -29,14 +29,16 @@ def test_default_max_len_is_the_position_limit(tmp_path):
 
 def test_max_len_above_the_position_limit_is_rejected(tmp_path):
     spec = save(BertConfig(num_hidden_layers=1), tmp_path, "BertForMaskedLM")
-    with pytest.raises(UsageError, match=r"--max-len 1024 exceeds BertForMaskedLM's position limit of 512 \(config.max_position_embeddings\)"):
+    with pytest.raises(UsageError, match=r"max_len 1024 exceeds BertForMaskedLM's position limit of 512 \(config.max_position_embeddings\)") as info:
         load_workload(spec, max_len=1024)
+    assert info.value.worded("flag").startswith("--max-len 1024 exceeds")
 
 
 def test_seq2seq_needs_a_target_length(tmp_path):
     spec = save(PegasusConfig(encoder_layers=1, decoder_layers=1), tmp_path, "PegasusForConditionalGeneration")
-    with pytest.raises(UsageError, match="--target-len"):
+    with pytest.raises(UsageError, match="give target_len") as info:
         load_workload(spec, max_len=64)
+    assert "give --target-len (the label length, 1 to 1024)" in info.value.worded("flag")
     work = load_workload(spec, max_len=64, target_len=16, batch_size=2)
     assert tuple(work.batch["input_ids"].shape) == (2, 64)
     assert tuple(work.batch["labels"].shape) == (2, 16)

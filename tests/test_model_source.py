@@ -5,6 +5,7 @@ import textwrap
 import pytest
 
 from memcheck.errors import ModelLoadError, UsageError
+from memcheck.job import SettingError
 from memcheck.workloads.source import load_workload
 
 
@@ -70,14 +71,18 @@ def test_plain_model_without_make_batch_is_rejected(tmp_path):
 
 
 def test_make_batch_needing_a_length_requires_max_len(tmp_path):
-    with pytest.raises(UsageError, match="--max-len"):
+    with pytest.raises(SettingError, match="give max_len") as info:  # the Python keyword here
         load_workload(write(tmp_path, GOOD))
+    assert info.value.worded("flag").endswith("give --max-len")  # the CLI names the flag
+    assert info.value.worded("config").endswith("give max_len")  # a config, its key
 
 
 @pytest.mark.parametrize("flag, kwargs", [("--batch-size", {"batch_size": 0}), ("--max-len", {"max_len": -3})])
 def test_non_positive_sizes_are_rejected(tmp_path, flag, kwargs):
-    with pytest.raises(UsageError, match=flag):
+    (keyword,) = kwargs
+    with pytest.raises(SettingError, match=f"^{keyword} must be a positive integer") as info:
         load_workload(write(tmp_path, GOOD), **kwargs)
+    assert info.value.worded("flag").startswith(f"{flag} must be a positive integer")
 
 
 def test_other_suffixes_are_rejected(tmp_path):

@@ -15,6 +15,7 @@ import torch
 
 from memcheck.enums import Attention, Task
 from memcheck.errors import ModelLoadError, UsageError
+from memcheck.job import SettingError, escape
 
 _AUTO_CLASS = {
     Task.CAUSAL_LM: "AutoModelForCausalLM",
@@ -74,10 +75,8 @@ def infer_task(config, model: torch.nn.Module | None = None) -> Task:
                 return task
     if getattr(config, "is_encoder_decoder", False):
         return Task.SEQ2SEQ
-    raise UsageError(
-        f"cannot tell the task of {type(config).__name__} (architectures={names or None}); "
-        f"pass --task, one of: {', '.join(t.value for t in Task)}"
-    )
+    raise SettingError("task", escape(f"cannot tell the task of {type(config).__name__} (architectures={names or None}); ")
+                       + "pass {name}, one of: " + ", ".join(t.value for t in Task))
 
 
 def build_model(config, task: Task | None = None, attn: Attention | None = None, device="meta"):
@@ -120,13 +119,11 @@ def check_lengths(model, config, max_len: int | None, target_len: int | None) ->
     limit, key = position_limit(config)
     name = type(model).__name__
     if max_len is not None and limit is not None and max_len > limit:
-        raise UsageError(
-            f"--max-len {max_len} exceeds {name}'s position limit of {limit} (config.{key})"
-        )
+        raise SettingError("max_len", "{name} " + escape(f"{max_len} exceeds {name}'s position limit of {limit} "
+                                                        f"(config.{key})"))
     if target_len is not None and limit is not None and target_len > limit:
-        raise UsageError(
-            f"--target-len {target_len} exceeds {name}'s position limit of {limit} (config.{key})"
-        )
+        raise SettingError("target_len", "{name} " + escape(f"{target_len} exceeds {name}'s position limit of "
+                                                           f"{limit} (config.{key})"))
 
 
 def default_max_len(model, config) -> int:
@@ -153,7 +150,7 @@ def make_batch(model, config, task: Task, batch_size: int, max_len: int | None, 
             "labels": torch.randint(0, max(config.num_labels, 1), (batch_size,), device=device),
         }
     if max_len is None:
-        raise UsageError(f"{type(model).__name__} needs --max-len")
+        raise SettingError("max_len", escape(type(model).__name__) + " needs {name}")
     vocab = getattr(config, "vocab_size", 2)
     input_ids = ids(batch_size, max_len, vocab)
     mask = torch.ones(batch_size, max_len, dtype=torch.long, device=device)
@@ -163,8 +160,8 @@ def make_batch(model, config, task: Task, batch_size: int, max_len: int | None, 
     if task is Task.SEQ2SEQ:
         if target_len is None:  # no default: the labels' length is the job's, and decoder memory grows with it
             limit, _ = position_limit(config)
-            raise UsageError(f"{type(model).__name__} is a seq2seq model: give --target-len (the label length, "
-                             + (f"1 to {limit})" if limit else "a positive integer)"))
+            raise SettingError("target_len", escape(type(model).__name__) + " is a seq2seq model: give {name} "
+                               "(the label length, " + (f"1 to {limit})" if limit else "a positive integer)"))
         batch["labels"] = ids(batch_size, target_len, vocab)
     elif task is Task.CLASSIFICATION:
         batch["labels"] = torch.randint(0, max(config.num_labels, 1), (batch_size,), device=device)

@@ -22,6 +22,7 @@ from memcheck.workloads import hf
 from memcheck.trace.device_redirect import on_meta
 from memcheck.enums import Attention, Task
 from memcheck.errors import MemcheckError, ModelLoadError, UsageError, require_int
+from memcheck.job import SettingError, check_setting, escape
 
 
 @dataclass
@@ -108,16 +109,16 @@ def _building(device: str):
 
 
 def _check_sizes(batch_size, max_len, target_len):
-    for flag, value in (("--batch-size", batch_size), ("--max-len", max_len), ("--target-len", target_len)):
-        if value is not None:
-            require_int(value, flag)
+    for field, value in (("batch_size", batch_size), ("max_len", max_len), ("target_len", target_len)):
+        check_setting(field, value)
 
 
 def _check_target(name: str, task: Task, target_len: int | None) -> None:
     """Only a seq2seq model's labels have a length of their own; elsewhere a target length
     would be reported but never traced."""
     if target_len is not None and task is not Task.SEQ2SEQ:
-        raise UsageError(f"--target-len applies to seq2seq models only; {name} is {task.value}: drop --target-len")
+        raise SettingError("target_len", "{name} applies to seq2seq models only; "
+                           + escape(f"{name} is {task.value}") + ": drop {name}")
 
 
 def load_workload(
@@ -178,12 +179,12 @@ def load_workload(
         if hasattr(module, "make_batch"):
             params = inspect.signature(module.make_batch).parameters
             if max_len is None and len(params) >= 2 and "max_len" in params and params["max_len"].default is inspect.Parameter.empty:
-                raise UsageError(f"{path}: make_batch needs a length: give --max-len")
+                raise SettingError("max_len", escape(f"{path}: make_batch needs a length") + ": give {name}")
             if config is not None:
                 hf.check_lengths(model, config, max_len, target_len)
             if target_len is not None:  # make_batch takes no target length: it would be reported, never traced
-                raise UsageError(f"--target-len applies to transformers seq2seq models; {path}'s "
-                                 "make_batch(batch_size, max_len) builds its own labels: drop --target-len")
+                raise SettingError("target_len", "{name} applies to transformers seq2seq models; " + escape(
+                    f"{path}'s make_batch(batch_size, max_len) builds its own labels") + ": drop {name}")
 
             def make(size, length, target):
                 with _building(device):

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -148,10 +149,28 @@ def plan(
         >>> p.recommended.micro_batch_size, p.recommended.accumulation_steps
     """
     job = as_job(job, settings, caller="plan()")
-    device, config, global_batch = job.device, job.strategy_config, job.global_batch
-    strategy, gpus, max_len = config.strategy, config.gpus, job.max_len
-    if precision_options is None:
-        precision_options = (job.precision,)
+    space = _validate(model, make_batch, job, precision_options, checkpointing_options, max_len_limit)
+    search = _Search(model, make_batch, _arity(make_batch), job, gpu=space.target, budget=space.budget,
+                     blocks=space.blocks, name=model_name or type(model).__name__, progress=progress, loss_fn=loss_fn)
+    recommended, alternatives = _choose(search, space)
+    return _result(search, space, job, recommended, alternatives, length_profile, max_len_limit)
+
+
+@dataclass(frozen=True)
+class _Space:
+    """What a plan searches, checked: the options, the target and its limit."""
+
+    precisions: list[Precision]
+    checkpoints: list[str]
+    target: GpuSpec | None
+    budget: int  # the capacity: the job's budget, else the GPU's
+    limit: int  # budget * (1 - margin)
+    blocks: list[str]  # the repeated blocks "full" checkpoints
+    cap: int  # the largest micro-batch per GPU worth trying
+
+
+def _validate(model, make_batch, job: Job, precision_options, checkpointing_options, max_len_limit) -> _Space:
+    """Check what the job alone cannot (the model, the factory, the options) and lay out the search."""
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(make_batch) or isinstance(make_batch, torch.Tensor):
@@ -159,65 +178,67 @@ def plan(
                          f"batch, got {type(make_batch).__name__}")
     if max_len_limit is not None:
         require_int(max_len_limit, "max_len_limit")
-    margin = job.effective_margin
-    target = target_gpu(job.gpu, device)
-    budget_bytes = job.budget_bytes
-    if budget_bytes is None:
+    target = target_gpu(job.gpu, job.device)
+    budget = job.budget_bytes
+    if budget is None:
         if target is None:
             raise UsageError("a plan needs a capacity: name the GPU (--gpu H100-80GB or --gpu 24GiB) "
                              "or give --gpu-memory")
-        budget_bytes = target.capacity_bytes
+        budget = target.capacity_bytes
+    if precision_options is None:
+        precision_options = (job.precision,)
     precisions = _unique(Precision.parse(p, what="precision")
                          for p in _as_list(precision_options, "precision_options"))
     checkpoints = _unique(_parse_option(c) for c in _as_list(checkpointing_options, "checkpointing_options"))
     if not precisions or not checkpoints:
         raise UsageError("a plan needs at least one precision and one checkpointing option")
-    arity = _arity(make_batch)
-    name = model_name or type(model).__name__
     blocks = repeated_blocks(model)
     if not blocks:
         checkpoints = [c for c in checkpoints if c == NONE] or [NONE]
+    gpus = job.strategy_config.gpus
+    cap = job.global_batch // gpus if job.global_batch is not None else MAX_MICRO_BATCH
+    return _Space(precisions, checkpoints, target, budget, int(budget * (1 - job.effective_margin)), blocks, cap)
 
-    limit = int(budget_bytes * (1 - margin))
-    search = _Search(
-        model, make_batch, arity, job, gpu=target, budget=budget_bytes, blocks=blocks, name=name,
-        progress=progress, loss_fn=loss_fn,
-    )
-    cap = global_batch // gpus if global_batch is not None else MAX_MICRO_BATCH
+
+def _choose(search: "_Search", space: _Space) -> tuple[PlanOption | None, tuple[PlanOption, ...]]:
+    """Each option's best micro-batch, by tracing; the cheapest that fits, and the others."""
     options: list[PlanOption] = []
     best: tuple[float, PlanOption] | None = None
     # Likely winners first (low precision, no recomputation), so that later options can
     # be dropped early: see _Search.option's bound.
-    for precision in sorted(precisions, key=lambda p: p is Precision.FP32):
-        for ck in checkpoints:
-            if best is not None and _dominated(best[1], ck, precision, cap):
+    for precision in sorted(space.precisions, key=lambda p: p is Precision.FP32):
+        for ck in space.checkpoints:
+            if best is not None and _dominated(best[1], ck, precision, space.cap):
                 continue
-            option = search.option(precision, ck, limit, cap, best[0] if best else None)
+            option = search.option(precision, ck, space.limit, space.cap, best[0] if best else None)
             options.append(option)
             if option.fits and (best is None or option.relative_cost < best[0]):
                 best = (option.relative_cost, option)
     recommended = best[1] if best else None
-    alternatives = tuple(o for o in options if o is not recommended)
+    return recommended, tuple(o for o in options if o is not recommended)
+
+
+def _result(search: "_Search", space: _Space, job: Job, recommended: PlanOption | None,
+            alternatives: tuple[PlanOption, ...], length_profile: bool, max_len_limit: int | None) -> Plan:
+    """The recommendation's own trace and length profile, or, when nothing fits, what would."""
     profile: tuple[LengthPoint, ...] = ()
-    longest = None
-    chosen_estimate = None
-    suggestion = sharded = None
+    longest = chosen = suggestion = None
     if recommended is not None:
-        chosen_estimate = search.estimate_at(recommended.micro_batch_size, recommended.precision,
-                                             recommended.checkpointing, recommended.accumulation_steps)
-        if length_profile and search.takes_length and max_len:
-            profile, longest = search.length_profile(recommended, limit, max_len_limit)
+        chosen = search.estimate_at(recommended.micro_batch_size, recommended.precision,
+                                    recommended.checkpointing, recommended.accumulation_steps)
+        if length_profile and search.takes_length and job.max_len:
+            profile, longest = search.length_profile(recommended, space.limit, max_len_limit)
     else:
-        suggestion = search.what_would_fit(precisions, checkpoints, margin)
-        sharded = suggestion.sharded
+        suggestion = search.what_would_fit(space.precisions, space.checkpoints, job.effective_margin)
+    config = job.strategy_config
     return Plan(
-        model=name, device=device, gpu=target, capacity_bytes=budget_bytes, margin=margin,
-        limit_bytes=limit, strategy=strategy.value, gpus=gpus, global_batch=global_batch,
-        recommended=recommended, alternatives=alternatives, length_profile=profile,
-        longest_fitting_length=longest, max_len=max_len, traces=search.traces, estimate=chosen_estimate,
-        suggestion=suggestion, sharded=sharded, blocks=tuple(blocks), position_limit=max_len_limit,
-        job=None if chosen_estimate is None else chosen_estimate.job.replace(global_batch=global_batch,
-                                                                             margin=job.margin),
+        model=search.name, device=job.device, gpu=space.target, capacity_bytes=space.budget,
+        margin=job.effective_margin, limit_bytes=space.limit, strategy=config.strategy.value, gpus=config.gpus,
+        global_batch=job.global_batch, recommended=recommended, alternatives=alternatives, length_profile=profile,
+        longest_fitting_length=longest, max_len=job.max_len, traces=search.traces, estimate=chosen,
+        suggestion=suggestion, sharded=None if suggestion is None else suggestion.sharded,
+        blocks=tuple(space.blocks), position_limit=max_len_limit,
+        job=None if chosen is None else chosen.job.replace(global_batch=job.global_batch, margin=job.margin),
     )
 
 

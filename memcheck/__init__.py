@@ -1,6 +1,9 @@
 """memcheck: will this PyTorch training job fit in memory? Traced on the meta device, no GPU needed."""
 
 from memcheck.engine.compare import compare
+from memcheck.engine.estimate import estimate
+from memcheck.engine.plan import plan
+from memcheck.engine.preflight import check, preflight
 from memcheck.enums import Category, Device, Offload, Phase, Precision, Strategy, Task
 from memcheck.errors import (
     MemcheckError,
@@ -10,14 +13,21 @@ from memcheck.errors import (
     UsageError,
     WillNotFit,
 )
-from memcheck.engine.estimate import estimate
-from memcheck.rules.registry import register_op_rule
-from memcheck.engine.plan import plan
+from memcheck.job import Job, SettingError
 from memcheck.pictures.plot import plot_timeline
-from memcheck.engine.preflight import check, preflight
-from memcheck.report.results import Breakdown, Comparison, DeviceMemory, Estimate, EvalFix, ModuleMemory, Plan, Verdict
 from memcheck.pictures.snapshot import write_snapshot
+from memcheck.report.results import (
+    Breakdown,
+    Comparison,
+    DeviceMemory,
+    Estimate,
+    EvalFix,
+    ModuleMemory,
+    Plan,
+    Verdict,
+)
 from memcheck.report.timeline import Timeline
+from memcheck.rules.registry import register_op_rule
 
 __all__ = [
     "Breakdown",
@@ -27,6 +37,7 @@ __all__ = [
     "DeviceMemory",
     "Estimate",
     "EvalFix",
+    "Job",
     "MemcheckError",
     "ModelLoadError",
     "ModuleMemory",
@@ -34,6 +45,7 @@ __all__ = [
     "Phase",
     "Plan",
     "Precision",
+    "SettingError",
     "Strategy",
     "Task",
     "Timeline",

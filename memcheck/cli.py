@@ -386,9 +386,9 @@ def check_configs(files, as_json, allow_download, debug):
     """
     progress = _begin(as_json, allow_download)
     from memcheck.config_gate import load_configs
-    from memcheck.workloads.source import load_workload
     from memcheck.engine.preflight import check as run_check
     from memcheck.report.text import render_config_check
+    from memcheck.workloads.source import load_workload
 
     results, where = [], [None]  # where[0]: the job being loaded or traced, for error messages
     with _reported(progress, debug, locate=lambda message: _in_job(where[0], message)):

@@ -34,8 +34,8 @@ import bisect
 import os
 from dataclasses import dataclass, field
 
-from memcheck.errors import UsageError, closest
 from memcheck.enums import ALLOC, FREE
+from memcheck.errors import UsageError, closest
 
 MiB = 1 << 20
 MIN_BLOCK = 512  # kMinBlockSize (c10/core/AllocatorConfig.h): every request is rounded up to this

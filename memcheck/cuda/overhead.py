@@ -44,8 +44,8 @@ import os
 import re
 from collections.abc import Mapping
 
-from memcheck.errors import UsageError
 from memcheck.cuda.gpus import GENERIC_CONTEXT_BYTES, GpuSpec
+from memcheck.errors import UsageError
 from memcheck.units import KiB, MiB
 
 # CublasHandlePool.cpp parseChosenWorkspaceSize: "/* :4096:2:16:8 default, 32MiB for Hopper

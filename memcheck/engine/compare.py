@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from memcheck.errors import UsageError, require_int
 from memcheck.engine.estimate import estimate
+from memcheck.errors import UsageError, require_int
 from memcheck.job import Job, as_job
 from memcheck.report.results import Comparison
 from memcheck.training.strategies import applicable

@@ -16,9 +16,24 @@ from memcheck.cuda.allocator import AllocatorConfig, simulate
 from memcheck.cuda.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.cuda.overhead import context_bytes, workspace_allocations
 from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Phase, Precision
-from memcheck.errors import MemcheckError, TraceError, UnsupportedOpError, UsageError, model_frame, require_int
+from memcheck.errors import (
+    MemcheckError,
+    TraceError,
+    UnsupportedOpError,
+    UsageError,
+    model_frame,
+    require_int,
+)
 from memcheck.job import Job, as_job
-from memcheck.report.results import BatchInfo, Breakdown, DeviceMemory, Estimate, InputSpec, ModuleMemory, Work
+from memcheck.report.results import (
+    BatchInfo,
+    Breakdown,
+    DeviceMemory,
+    Estimate,
+    InputSpec,
+    ModuleMemory,
+    Work,
+)
 from memcheck.rules import extensions
 from memcheck.rules.autocast import MetaAutocast, MetaGradScaler
 from memcheck.trace.device_redirect import redirect_cuda

@@ -60,13 +60,22 @@ from typing import Any, Callable
 
 import torch
 
-from memcheck.training.checkpointing import FULL, HALF, NONE, half_of, repeated_blocks
+from memcheck.cuda.gpus import GPUS, GpuSpec
+from memcheck.engine.estimate import estimate, target_gpu
 from memcheck.enums import Device, Precision, Strategy
 from memcheck.errors import UsageError, closest, require_int
-from memcheck.engine.estimate import estimate, target_gpu
 from memcheck.job import Job, as_job
-from memcheck.cuda.gpus import GPUS, GpuSpec
-from memcheck.report.results import Estimate, LargerGpu, LengthPoint, Plan, PlanOption, ShardedFit, Suggestion, Work
+from memcheck.report.results import (
+    Estimate,
+    LargerGpu,
+    LengthPoint,
+    Plan,
+    PlanOption,
+    ShardedFit,
+    Suggestion,
+    Work,
+)
+from memcheck.training.checkpointing import FULL, HALF, NONE, half_of, repeated_blocks
 
 TRACES_PER_OPTION = 5
 MAX_MICRO_BATCH = 65536  # the search's ceiling without a global batch

@@ -19,14 +19,15 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from memcheck.trace.device_redirect import on_meta
-from memcheck.enums import Device, Strategy
-from memcheck.errors import UsageError, WillNotFit, require_int
 from memcheck.engine.estimate import estimate, target_gpu
 from memcheck.engine.plan import CHECKPOINTING_OPTIONS, _arity, plan
+from memcheck.enums import Device, Strategy
+from memcheck.errors import UsageError, WillNotFit, require_int
 from memcheck.job import Job, as_job
-from memcheck.report.results import EvalFix, Estimate, Verdict
+from memcheck.report.results import Estimate, EvalFix, Verdict
 from memcheck.report.text import will_not_fit_message
+from memcheck.trace.device_redirect import on_meta
+
 
 def check(
     model: torch.nn.Module,

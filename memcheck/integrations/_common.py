@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from memcheck.errors import UsageError, WillNotFit, require_int, require_margin
 from memcheck.cuda.gpus import GpuSpec, resolve_gpu
+from memcheck.errors import UsageError, WillNotFit, require_int, require_margin
 from memcheck.report.results import Verdict
 from memcheck.report.text import will_not_fit_message
 

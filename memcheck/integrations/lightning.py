@@ -38,11 +38,17 @@ except ImportError:
 
 import torch
 
-from memcheck.errors import TraceError, UsageError, require_int
-from memcheck.job import Job
 from memcheck.engine.estimate import meta_twin
-from memcheck.integrations._common import CallbackSettings, act_on, first_batch, target, zero_strategy
 from memcheck.engine.preflight import check, leading_size, resizer
+from memcheck.errors import TraceError, UsageError, require_int
+from memcheck.integrations._common import (
+    CallbackSettings,
+    act_on,
+    first_batch,
+    target,
+    zero_strategy,
+)
+from memcheck.job import Job
 from memcheck.report.results import Verdict
 
 logger = logging.getLogger(__name__)

@@ -29,14 +29,20 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from memcheck.workloads import hf
+from memcheck.engine.estimate import meta_twin
+from memcheck.engine.preflight import check
 from memcheck.enums import Task
 from memcheck.errors import UsageError, require_int
+from memcheck.integrations._common import (
+    CallbackSettings,
+    act_on,
+    first_batch,
+    target,
+    zero_strategy,
+)
 from memcheck.job import Job
-from memcheck.engine.estimate import meta_twin
-from memcheck.integrations._common import CallbackSettings, act_on, first_batch, target, zero_strategy
-from memcheck.engine.preflight import check
 from memcheck.report.results import Verdict
+from memcheck.workloads import hf
 
 logger = logging.getLogger(__name__)
 

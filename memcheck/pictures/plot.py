@@ -13,9 +13,14 @@ import io
 from memcheck.enums import Category, Device, Phase
 from memcheck.errors import UsageError
 from memcheck.job import DEFAULT_MARGIN
-from memcheck.report.text import _CATEGORY_LABELS
 from memcheck.pictures.snapshot import _timeline_of
-from memcheck.report.timeline import CATEGORIES, Timeline, check_output_path, write_atomically
+from memcheck.report.text import _CATEGORY_LABELS
+from memcheck.report.timeline import (
+    CATEGORIES,
+    Timeline,
+    check_output_path,
+    write_atomically,
+)
 from memcheck.units import GiB, KiB, MiB, format_bytes
 
 SUFFIXES = (".png",)

@@ -33,7 +33,13 @@ import pickle
 from memcheck.cuda.allocator import SMALL_SIZE
 from memcheck.enums import Device
 from memcheck.errors import UsageError
-from memcheck.report.timeline import Allocation, SegmentEvent, Timeline, check_output_path, write_atomically
+from memcheck.report.timeline import (
+    Allocation,
+    SegmentEvent,
+    Timeline,
+    check_output_path,
+    write_atomically,
+)
 
 SUFFIXES = (".pickle",)
 PICKLE_PROTOCOL = 4  # MemoryViz.js's unpickler reads protocols 2 to 4

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from memcheck.training.checkpointing import half_of
-from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.cuda.gpus import GpuSpec
+from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.job import SCHEMA_VERSION, Job
+from memcheck.training.checkpointing import half_of
 
 if TYPE_CHECKING:
     from memcheck.report.timeline import Timeline

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 from typing import TYPE_CHECKING
 
 from tabulate import tabulate
@@ -12,8 +11,16 @@ from memcheck.training.checkpointing import half_of
 from memcheck.units import format_bytes
 
 if TYPE_CHECKING:  # the results import this module to render themselves
-    from memcheck.report.results import (Comparison, DeviceMemory, Estimate, Plan, PlanOption, ShardedFit,
-                                         Suggestion, Verdict)
+    from memcheck.report.results import (
+        Comparison,
+        DeviceMemory,
+        Estimate,
+        Plan,
+        PlanOption,
+        ShardedFit,
+        Suggestion,
+        Verdict,
+    )
 
 _CATEGORY_LABELS = {
     "params": "parameters",

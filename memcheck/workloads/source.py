@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 import torch
 
-from memcheck.workloads import hf
-from memcheck.trace.device_redirect import on_meta
 from memcheck.enums import Attention, Task
 from memcheck.errors import MemcheckError, ModelLoadError, UsageError, require_int
 from memcheck.job import SettingError, check_setting, escape
+from memcheck.trace.device_redirect import on_meta
+from memcheck.workloads import hf
 
 
 @dataclass

@@ -327,16 +327,9 @@ def _result(run: _Run, gpu_map: list[int], devices: list[DeviceMemory], job: Job
     if budget is None and target is not None and target.capacity_bytes:
         budget = target.capacity_bytes
     return Estimate(
-        model=name, job=job, optimizer=run.optimizer_label, batch=run.info,
-        peak_bytes=busiest.peak_bytes, breakdown_at_peak=busiest.breakdown_at_peak,
-        peak_phase=busiest.peak_phase, peak_module=busiest.peak_module, peak_step=busiest.peak_step,
-        modules=busiest.modules, assumptions=tuple(run.tracer.log.assumptions), budget_bytes=budget,
-        reserved_bytes=busiest.reserved_bytes, fragmentation_bytes=busiest.fragmentation_bytes,
-        context_bytes=busiest.context_bytes, device_total_bytes=busiest.device_total_bytes, gpu=target,
-        checkpointing=run.wrapped, train_peak_bytes=busiest.train_peak_bytes,
-        eval_peak_bytes=busiest.eval_peak_bytes, busiest_gpu=busiest.index,
-        per_device=tuple(devices) if job.strategy.multi_gpu else (),
-        work=_work(run.tracer.log, step=job.steps - 1, micro_steps=min(job.accumulate, 2)),
+        model=name, job=job, optimizer=run.optimizer_label, batch=run.info, devices=tuple(devices),
+        busiest_gpu=busiest.index, assumptions=tuple(run.tracer.log.assumptions), budget_bytes=budget, gpu=target,
+        checkpointing=run.wrapped, work=_work(run.tracer.log, step=job.steps - 1, micro_steps=min(job.accumulate, 2)),
         timeline=_timeline(run.tracer.log, gpu_map[busiest.index], busiest, job.device, run.arch,
                            root=type(run.twin).__name__) if timeline else None,
     )

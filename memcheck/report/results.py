@@ -129,38 +129,50 @@ class DeviceMemory:
 class Estimate:
     """What one training step needs at its steady-state peak, on the target device.
 
-    ``job`` is the job traced (every setting); the fields below are what tracing it found,
-    and what it resolved: the GPU, the budget, the optimizer implementation, the modules
-    checkpointing wrapped.
+    ``job`` is the job traced (every setting); ``devices`` is what tracing it found on each
+    GPU (one entry on the CPU or a single GPU), and the figures below read the busiest
+    one; the rest is what the trace resolved: the GPU, the budget, the optimizer
+    implementation, the modules checkpointing wrapped.
     """
 
     model: str
     job: Job
     optimizer: str  # the optimizer implementation traced ("AdamW (foreach)", ...)
     batch: BatchInfo
-    peak_bytes: int
-    breakdown_at_peak: Breakdown
-    peak_phase: Phase
-    peak_module: str
-    peak_step: int  # 1-based
-    modules: tuple[ModuleMemory, ...]
+    devices: tuple[DeviceMemory, ...]  # every GPU, in order (one entry for one GPU or the CPU)
+    busiest_gpu: int  # the index in ``devices`` of the GPU whose figures the estimate reports
     assumptions: tuple[str, ...]
     budget_bytes: int | None = None  # the job's budget, else the GPU's capacity; None: no budget
-    # CUDA target only (None on CPU):
-    reserved_bytes: int | None = None  # max_memory_reserved: the caching allocator's segments
-    fragmentation_bytes: int | None = None  # reserved minus the allocated peak: cached but unusable
-    context_bytes: int | None = None  # CUDA context and libraries outside the allocator
-    device_total_bytes: int | None = None  # reserved + context: what nvidia-smi shows as used
     gpu: GpuSpec | None = None  # the CUDA target, resolved (the local GPU when the job names none)
-    # Figures above are the busiest GPU's under a multi-GPU strategy:
     checkpointing: tuple[str, ...] = ()  # the modules wrapped in torch.utils.checkpoint
-    train_peak_bytes: int | None = None
-    eval_peak_bytes: int | None = None  # None when no evaluation pass was traced
-    busiest_gpu: int = 0
-    per_device: tuple[DeviceMemory, ...] = ()  # multi-GPU strategies: every GPU, in order
     work: Work | None = None  # the busiest GPU's compute per micro-step, for the planner
     # estimate(timeline=True): the busiest GPU's memory event by event (--snapshot, --plot); not in to_dict
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def busiest(self) -> DeviceMemory:
+        return self.devices[self.busiest_gpu]
+
+    @property
+    def per_device(self) -> tuple[DeviceMemory, ...]:
+        """Every GPU's figures under a multi-GPU strategy; () for one GPU or the CPU."""
+        return self.devices if self.job.strategy.multi_gpu else ()
+
+    peak_bytes = property(lambda self: self.busiest.peak_bytes, doc="The steady-state peak (CUDA: allocated).")
+    breakdown_at_peak = property(lambda self: self.busiest.breakdown_at_peak, doc="What was live at the peak.")
+    peak_phase = property(lambda self: self.busiest.peak_phase)
+    peak_module = property(lambda self: self.busiest.peak_module)
+    peak_step = property(lambda self: self.busiest.peak_step, doc="1-based.")
+    modules = property(lambda self: self.busiest.modules)
+    train_peak_bytes = property(lambda self: self.busiest.train_peak_bytes)
+    eval_peak_bytes = property(lambda self: self.busiest.eval_peak_bytes, doc="None without an evaluation pass.")
+    # CUDA target only (None on the CPU):
+    reserved_bytes = property(lambda self: self.busiest.reserved_bytes, doc="max_memory_reserved.")
+    fragmentation_bytes = property(lambda self: self.busiest.fragmentation_bytes,
+                                   doc="Reserved beyond the allocated peak: cached but unusable.")
+    context_bytes = property(lambda self: self.busiest.context_bytes, doc="CUDA context and libraries.")
+    device_total_bytes = property(lambda self: self.busiest.device_total_bytes,
+                                  doc="Reserved + context: what nvidia-smi shows as used.")
 
     @property
     def device(self) -> Device:

@@ -1,4 +1,9 @@
-"""Byte units. memcheck counts integer bytes and prints binary units (GiB = 2**30)."""
+"""Byte units. memcheck counts integer bytes and prints binary units (GiB = 2**30).
+
+Also the integer arithmetic every layer counts bytes with: ``ceil_div``, ``round_up``
+and a tensor's ``nbytes``. torch is not imported here (``nbytes`` reads any object
+with ``numel()`` and ``element_size()``), so the lowest layers can use them.
+"""
 
 from __future__ import annotations
 
@@ -51,3 +56,22 @@ def format_bytes(n: int) -> str:
     if n >= KiB:
         return f"{sign}{n / KiB:.1f} KiB"
     return f"{sign}{n} B"
+
+
+def ceil_div(x: int, m: int) -> int:
+    """``ceil(x / m)`` for integers, ``m > 0`` (CUDA's ``ceil_div``, ``(x + m - 1) / m``)."""
+    return (x + m - 1) // m
+
+
+def round_up(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m > 0`` (``round_up`` / ``align_up`` in the CUDA sources)."""
+    return ceil_div(x, m) * m
+
+
+def nbytes(t) -> int:
+    """Bytes of a tensor's elements, ``numel() * element_size()``; 0 for None or anything
+    that is not a tensor (no ``numel``/``element_size`` methods)."""
+    numel, element_size = getattr(t, "numel", None), getattr(t, "element_size", None)
+    if not (callable(numel) and callable(element_size)) or isinstance(t, type):
+        return 0
+    return numel() * element_size()

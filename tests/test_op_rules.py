@@ -8,6 +8,7 @@ from torch import nn
 
 import memcheck
 from memcheck.measure.local import measure_cpu
+from memcheck.rules.registry import bind
 from memcheck.rules.sdpa import SDP_FLASH, SDP_MATH, cpu_sdpa_backend
 
 
@@ -47,6 +48,26 @@ def test_sdpa_estimate_matches_real_cpu_run(dropout):
         assert est.peak_bytes < 8 * 2**20
     else:
         assert est.peak_bytes > 8 * 2**20
+
+
+def test_bind_fills_an_ops_schema_defaults():
+    x, idx = torch.empty(4, device="meta"), torch.empty(1, dtype=torch.long, device="meta")
+    # index_put(Tensor self, Tensor?[] indices, Tensor values, bool accumulate=False)
+    assert bind(torch.ops.aten.index_put.default, (x, [idx], x), {}) == {
+        "self": x, "indices": [idx], "values": x, "accumulate": False}
+    # repeat_interleave.Tensor(Tensor repeats, *, SymInt? output_size=None): keyword-only,
+    # so a second positional argument does not fill it
+    op = torch.ops.aten.repeat_interleave.Tensor
+    assert bind(op, (idx, 7), {})["output_size"] is None
+    assert bind(op, (idx,), {"output_size": 7})["output_size"] == 7
+
+
+def test_bind_by_names_for_a_python_function():
+    names = ("input", "dim", "_stacklevel", "dtype")  # F.softmax's parameters
+    b = bind(F.softmax, ("x", -1), {"dtype": torch.float32, "other": 1}, names=names, defaults={"_stacklevel": 3})
+    # positional, then keywords, then defaults, else None; keywords not named are left out
+    assert b == {"input": "x", "dim": -1, "_stacklevel": 3, "dtype": torch.float32}
+    assert bind(F.softmax, (), {"input": "x"}, names=names[:2]) == {"input": "x", "dim": None}
 
 
 def test_register_op_rule_for_a_custom_op():

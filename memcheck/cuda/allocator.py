@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 from memcheck.enums import ALLOC, FREE
 from memcheck.errors import UsageError, closest
+from memcheck.units import MiB, round_up
 
-MiB = 1 << 20
 MIN_BLOCK = 512  # kMinBlockSize (c10/core/AllocatorConfig.h): every request is rounded up to this
 SMALL_SIZE = 1 << 20  # kSmallSize: the largest "small" request, 1 MiB
 SMALL_BUFFER = 2 << 20  # kSmallBuffer: small-pool segment size (and expandable small-pool page), 2 MiB
@@ -364,7 +364,7 @@ def round_size(nbytes: int, config: AllocatorConfig | None = None) -> int:
             return floor << 1
         rounded = nbytes & ~(step - 1)
         return nbytes if rounded == nbytes else rounded + step
-    return (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
+    return round_up(nbytes, MIN_BLOCK)
 
 
 def segment_size(nbytes: int, config: AllocatorConfig | None = None) -> int:
@@ -373,7 +373,7 @@ def segment_size(nbytes: int, config: AllocatorConfig | None = None) -> int:
         return SMALL_BUFFER
     if nbytes < MIN_LARGE_ALLOC:
         return (config or _DEFAULT).large_segment_size
-    return (nbytes + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
+    return round_up(nbytes, ROUND_LARGE)
 
 
 @dataclass(frozen=True)
@@ -586,7 +586,7 @@ class CachingAllocator:
     def _map_block(self, pool: _Pool, b: _Block, size: int) -> bool:
         """Map whole pages over the start of unmapped ``b``; they merge with free neighbours."""
         page = b.es.page
-        mapped = (size + page - 1) // page * page  # b starts on a page boundary
+        mapped = round_up(size, page)  # b starts on a page boundary
         if self.capacity is not None and self.reserved + mapped > self.capacity:
             return False
         del pool.unmapped[b.addr]
@@ -608,7 +608,7 @@ class CachingAllocator:
     def _unmap_block(self, pool: _Pool, b: _Block):
         """Unmap the whole pages inside free block ``b``; partial pages stay mapped and free."""
         es = b.es
-        begin = es.base + (b.addr - es.base + es.page - 1) // es.page * es.page
+        begin = es.base + round_up(b.addr - es.base, es.page)
         end = es.base + (b.addr + b.size - es.base) // es.page * es.page
         if begin >= end:
             return

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from memcheck.enums import Device
+from memcheck.rules.registry import bind
 
 
 class CastPolicy(Enum):
@@ -196,25 +197,27 @@ class MetaAutocast:
         return call(func, args, kwargs)
 
 
+# F.cross_entropy's parameters, and its defaults other than None.
+_CROSS_ENTROPY_NAMES = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+                        "label_smoothing")
+_CROSS_ENTROPY_DEFAULTS = {"ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0}
+
+
 def _cross_entropy(ac: MetaAutocast, func, args, kwargs, call):
     """CPU lists ``cross_entropy_loss`` itself as fp32. On CUDA it is composite, so
     autocast meets its parts: ``log_softmax`` (fp32_set_opt_dtype), then ``nll_loss`` (fp32)."""
-    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
-    bound = {**dict(zip(names, args)), **kwargs}
+    bound = bind(func, args, kwargs, names=_CROSS_ENTROPY_NAMES, defaults=_CROSS_ENTROPY_DEFAULTS)
     x, target = bound["input"], bound["target"]
     simple = (
         ac.device is Device.CUDA and _eligible(x) and x.dtype != torch.float32
-        and not target.is_floating_point() and not bound.get("label_smoothing")
-        and bound.get("size_average") is None and bound.get("reduce") is None
+        and not target.is_floating_point() and not bound["label_smoothing"]
+        and bound["size_average"] is None and bound["reduce"] is None
     )
     if not simple:
         args, kwargs = ac._cast_all(torch.float32, args, kwargs)
         return call(func, args, kwargs)
     logp = call(torch.log_softmax, (x, 0 if x.dim() == 1 else 1), {"dtype": torch.float32})
-    nll_kwargs = {
-        "weight": bound.get("weight"), "ignore_index": bound.get("ignore_index", -100),
-        "reduction": bound.get("reduction", "mean"),
-    }
+    nll_kwargs = {"weight": bound["weight"], "ignore_index": bound["ignore_index"], "reduction": bound["reduction"]}
     return call(F.nll_loss, (logp, target), nll_kwargs)
 
 

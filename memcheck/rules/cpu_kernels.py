@@ -27,16 +27,13 @@ from memcheck.rules.cuda_kernels import cudnn_convolution_scratch
 from memcheck.enums import Device
 from memcheck.rules.probe import cpu_memory_events, running_peak
 from memcheck.rules.registry import register_op_rule
+from memcheck.units import nbytes, round_up
 
 aten = torch.ops.aten
 
 
 def _block() -> int:
     return 16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else 8
-
-
-def _rup(x: int, b: int) -> int:
-    return (x + b - 1) // b * b
 
 
 def conv_uses_mkldnn(input_shape, weight_shape, stride, dilation, groups, dtype) -> bool:
@@ -70,45 +67,45 @@ def _conv_plan(inp, wt, stride, padding, dilation, groups, es=4):
     small = 192 if co % blk else 0  # seen whenever the output channels are padded
     if groups == 1:
         if one_by_one:
-            p["f_src"] = es * n * _rup(ci, blk) * h * w
-            p["f_wei"] = es * _rup(co, blk) * _rup(ci, blk)
-            p["f_scr"] = (es * torch.get_num_threads() * _rup(ci, blk) * oh * ow + 128) if strided else 0
+            p["f_src"] = es * n * round_up(ci, blk) * h * w
+            p["f_wei"] = es * round_up(co, blk) * round_up(ci, blk)
+            p["f_scr"] = (es * torch.get_num_threads() * round_up(ci, blk) * oh * ow + 128) if strided else 0
         elif ci < blk:  # the "first conv" kernel reads the plain input in place
-            p["f_src"], p["f_wei"], p["f_scr"] = 0, es * _rup(co, blk) * ci * kh * kw, 0
+            p["f_src"], p["f_wei"], p["f_scr"] = 0, es * round_up(co, blk) * ci * kh * kw, 0
         else:
-            p["f_src"] = es * n * _rup(ci, blk) * h * w
-            p["f_wei"] = es * _rup(co, blk) * _rup(ci, blk) * kh * kw
+            p["f_src"] = es * n * round_up(ci, blk) * h * w
+            p["f_wei"] = es * round_up(co, blk) * round_up(ci, blk) * kh * kw
             p["f_scr"] = 0
-        p["f_dst"], p["f_small"] = es * n * _rup(co, blk) * oh * ow, small
+        p["f_dst"], p["f_small"] = es * n * round_up(co, blk) * oh * ow, small
         if strided:  # brgconv_strided works in NHWC; to_dense ends with a .contiguous() clone
             p["d_ddst"] = es * n * co * oh * ow
-            p["d_wei"] = es * co * _rup(ci, blk) * kh * kw
+            p["d_wei"] = es * co * round_up(ci, blk) * kh * kw
             p["d_dsrc"] = es * n * ci * h * w
             p["d_nhwc"] = ci > 1 and h * w > 1
             p["d_scr"] = 61488  # the smallest scratchpad seen; larger ones are not modelled
         else:
-            p["d_ddst"] = es * n * _rup(co, blk) * oh * ow
-            p["d_wei"] = es * _rup(co, blk) * _rup(ci, blk) * kh * kw
-            p["d_dsrc"] = es * n * _rup(ci, blk) * h * w
+            p["d_ddst"] = es * n * round_up(co, blk) * oh * ow
+            p["d_wei"] = es * round_up(co, blk) * round_up(ci, blk) * kh * kw
+            p["d_dsrc"] = es * n * round_up(ci, blk) * h * w
             p["d_nhwc"], p["d_scr"] = False, 0
         if one_by_one or ci >= blk:
             b = blk
-            p["w_src"] = es * n * _rup(ci, b) * h * w
-            p["w_dwei"] = es * _rup(co, b) * _rup(ci, b) * (1 if one_by_one else kh * kw)
+            p["w_src"] = es * n * round_up(ci, b) * h * w
+            p["w_dwei"] = es * round_up(co, b) * round_up(ci, b) * (1 if one_by_one else kh * kw)
         elif ci < 4:
             b = blk
-            p["w_src"], p["w_dwei"] = 0, es * _rup(co, b) * ci * kh * kw
+            p["w_src"], p["w_dwei"] = 0, es * round_up(co, b) * ci * kh * kw
         else:  # 4 <= C_in < block: an AVX2 kernel with 8-channel blocks
             b = 8
-            p["w_src"] = es * n * _rup(ci, b) * h * w
-            p["w_dwei"] = es * _rup(co, b) * _rup(ci, b) * kh * kw
-        p["w_ddst"] = es * n * _rup(co, b) * oh * ow
+            p["w_src"] = es * n * round_up(ci, b) * h * w
+            p["w_dwei"] = es * round_up(co, b) * round_up(ci, b) * kh * kw
+        p["w_ddst"] = es * n * round_up(co, b) * oh * ow
     elif depthwise:
         c = ci
         p.update(
-            f_src=es * n * _rup(c, blk) * h * w, f_wei=es * _rup(c, blk) * kh * kw,
-            f_dst=es * n * _rup(c, blk) * oh * ow, f_scr=0, f_small=small,
-            d_ddst=es * n * _rup(c, blk) * oh * ow, d_nhwc=False, d_scr=0,
+            f_src=es * n * round_up(c, blk) * h * w, f_wei=es * round_up(c, blk) * kh * kw,
+            f_dst=es * n * round_up(c, blk) * oh * ow, f_scr=0, f_small=small,
+            d_ddst=es * n * round_up(c, blk) * oh * ow, d_nhwc=False, d_scr=0,
         )
         p["d_wei"], p["d_dsrc"] = p["f_wei"], p["f_src"]
         if (not strided and kh in (1, 3)) or (strided and kh == 3):
@@ -190,7 +187,7 @@ def convolution(ctx, func, args, kwargs):
         ctx.track(out)
         ctx.scratch(conv_forward_extra(tuple(inp.shape), tuple(wt.shape), stride, padding, dilation, groups))
     elif ctx.device is Device.CUDA and inp.device.type == "meta":
-        cudnn_convolution_scratch(ctx, out, inp, wt, out.numel() * out.element_size())
+        cudnn_convolution_scratch(ctx, out, inp, wt, nbytes(out))
     return out
 
 
@@ -202,7 +199,7 @@ def convolution_backward(ctx, func, args, kwargs):
         ctx.track(out)
         ctx.scratch(conv_backward_extra(tuple(inp.shape), tuple(wt.shape), stride, padding, dilation, groups, mask))
     elif ctx.device is Device.CUDA and inp.device.type == "meta":
-        cudnn_convolution_scratch(ctx, out, inp, wt, grad.numel() * grad.element_size())
+        cudnn_convolution_scratch(ctx, out, inp, wt, nbytes(grad))
     return out
 
 
@@ -222,7 +219,7 @@ def batch_norm_backward(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     if ctx.device is Device.CPU:
         ctx.track(out)
-        ctx.scratch(args[1].numel() * args[1].element_size())
+        ctx.scratch(nbytes(args[1]))
     return out
 
 
@@ -252,7 +249,7 @@ def _probe_layer(t, n, i, h) -> dict:
         def run():
             out = aten.mkldnn_rnn_layer(x, w0, w1, b0, b1, h0, c0, False, [], _LSTM_MODE, h, 1, True, False, False, True)
             out[0].backward(torch.ones(t, n, h))
-            return out[3].numel() * out[3].element_size()
+            return nbytes(out[3])
 
         run()  # warm-up: oneDNN caches its primitives
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -55,7 +55,8 @@ import torch
 import torch.nn.functional as F
 
 from memcheck.enums import Device
-from memcheck.rules.registry import register_op_rule
+from memcheck.rules.registry import bind, register_op_rule
+from memcheck.units import ceil_div, nbytes, round_up
 
 aten = torch.ops.aten
 
@@ -86,18 +87,6 @@ _DEFAULT_SM_COUNT = 108
 
 _HALF = (torch.float16, torch.bfloat16)
 _F32 = 4  # bytes of an fp32 accumulator
-
-
-def _rup(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-def _cdiv(x: int, m: int) -> int:
-    return (x + m - 1) // m
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _parse_arch(arch) -> tuple[int, int]:
@@ -400,7 +389,7 @@ def _num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks:
     efficiency, best = [], 0.0
 
     def eligible(n):
-        return n == 1 or _cdiv(num_n_blocks, n) != _cdiv(num_n_blocks, n - 1)
+        return n == 1 or ceil_div(num_n_blocks, n) != ceil_div(num_n_blocks, n - 1)
 
     for n in range(1, max_splits + 1):
         if not eligible(n):
@@ -428,10 +417,10 @@ def flash_forward_scratch(b, h, seqlen_q, seqlen_k, head_size, dropout_p, arch, 
         return []
     sms = sm_count or SM_COUNT.get(tuple(arch), _DEFAULT_SM_COUNT)
     block_n = 256 if head_size <= 64 else 128 if head_size <= 128 else 64
-    splits = _num_splits_heuristic(b * h * _cdiv(seqlen_q, 64), sms * 2, _cdiv(seqlen_k, block_n), 128)
+    splits = _num_splits_heuristic(b * h * ceil_div(seqlen_q, 64), sms * 2, ceil_div(seqlen_k, block_n), 128)
     if splits <= 1:
         return []
-    d_rounded = _rup(head_size, 32 if head_size <= 128 else 64)
+    d_rounded = round_up(head_size, 32 if head_size <= 128 else 64)
     return [splits * b * h * seqlen_q * _F32, splits * b * h * seqlen_q * d_rounded * _F32]
 
 
@@ -448,8 +437,7 @@ def cuda_flash_attention(ctx, func, args, kwargs):
     q = args[0]
     if not _cuda_target(ctx, q):
         return func(*args, **kwargs)
-    names = ("query", "key", "value", "dropout_p", "is_causal", "return_debug_mask")
-    p = {"dropout_p": 0.0, "is_causal": False, "return_debug_mask": False, **dict(zip(names, args)), **kwargs}
+    p = bind(func, args, kwargs)
     if p["return_debug_mask"]:
         return func(*args, **kwargs)
     k = p["key"]
@@ -481,11 +469,11 @@ def flash_backward_scratch(grad_out, q, k, out) -> list[int]:
     hk, lk = k.shape[1], k.shape[2]
     sizes = []
     if not grad_out.transpose(1, 2).is_contiguous():
-        sizes.append(_nbytes(grad_out))
+        sizes.append(nbytes(grad_out))
     if not out.transpose(1, 2).is_contiguous():
-        sizes.append(_nbytes(out))
-    lq_rounded = _rup(lq, 128)
-    d_rounded = _rup(d, 32 if d <= 128 else 64)
+        sizes.append(nbytes(out))
+    lq_rounded = round_up(lq, 128)
+    d_rounded = round_up(d, 32 if d <= 128 else 64)
     sizes += [b * h * lq_rounded * _F32, b * lq_rounded * h * d_rounded * _F32]
     if hk != h:
         sizes += [b * lk * h * d * q.element_size()] * 2
@@ -620,17 +608,17 @@ def efficient_backward_workspace(b, h, m, n, k, kv, dtype, cc, dropout) -> tuple
     split_keys = min_cc >= 70
     accum_q = split_keys or half
     accum_kv = (not output_in_rf) and half
-    splits = _cdiv(n, j)
+    splits = ceil_div(n, j)
     if b * h >= 256 and n <= 2 * j:
         splits = 1
     if accum_kv:
         splits = min(splits, 200 // (b * h))
     if not split_keys or splits < 1:
         splits = 1
-    gk = splits * j * _rup(k, i) if accum_kv else 0
-    gv = splits * j * _rup(kv, i) if accum_kv else 0
-    gq = _cdiv(m, i) * _cdiv(k, j) * (16 + 4 * i * j) // 4 if accum_q else 0
-    return b * h * _rup(gk + gv + gq, 4) * _F32, computes_delta
+    gk = splits * j * round_up(k, i) if accum_kv else 0
+    gv = splits * j * round_up(kv, i) if accum_kv else 0
+    gq = ceil_div(m, i) * ceil_div(k, j) * (16 + 4 * i * j) // 4 if accum_q else 0
+    return b * h * round_up(gk + gv + gq, 4) * _F32, computes_delta
 
 
 @register_op_rule(aten._scaled_dot_product_efficient_attention_backward.default)
@@ -648,15 +636,13 @@ def cuda_efficient_attention_backward(ctx, func, args, kwargs):
     grad_out, q, k, v, _bias, o = args[:6]
     if not _cuda_target(ctx, q):
         return out
-    names = ("grad_out", "query", "key", "value", "attn_bias", "out", "logsumexp",
-             "philox_seed", "philox_offset", "dropout_p")
-    dropout_p = {**dict(zip(names, args)), **kwargs}.get("dropout_p", 0.0)
+    dropout_p = bind(func, args, kwargs)["dropout_p"]
     b, h, m, kdim = q.shape
     n, kv = k.shape[2], v.shape[3]
     arch = _arch(ctx)
     cc = arch[0] * 10 + arch[1]
     cc = 120 if cc == 121 else cc
-    go_copy = 0 if grad_out.transpose(1, 2).is_contiguous() else _nbytes(grad_out)
+    go_copy = 0 if grad_out.transpose(1, 2).is_contiguous() else nbytes(grad_out)
     workspace, computes_delta = efficient_backward_workspace(b, h, m, n, kdim, kv, q.dtype, cc, dropout_p != 0.0)
     delta = b * h * m * _F32
     ctx.track(out)
@@ -679,7 +665,7 @@ def cuda_cudnn_attention_backward(ctx, func, args, kwargs):
         return out
     ctx.assume("cuDNN SDPA backward workspace approximated as an fp32 dQ accumulator plus softmax sums")
     b, h, lq, d = q.shape
-    relayout = _nbytes(grad_out) if grad_out.stride(-1) != 1 else 0
+    relayout = nbytes(grad_out) if grad_out.stride(-1) != 1 else 0
     ctx.track(out)
     ctx.scratch(relayout, b * h * lq * d * _F32, b * h * lq * _F32)
     return out

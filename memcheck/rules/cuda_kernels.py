@@ -11,9 +11,14 @@ import torch.nn.functional as F
 
 from memcheck.cuda.overhead import cudnn_conv_workspace_bytes, cudnn_workspace_note
 from memcheck.enums import Device
-from memcheck.rules.registry import register_op_rule
+from memcheck.rules.registry import bind, register_op_rule
+from memcheck.units import nbytes
 
 aten = torch.ops.aten
+
+
+_F_SOFTMAX = ("input", "dim", "_stacklevel", "dtype")  # F.softmax / F.log_softmax
+_SOFTMAX = ("input", "dim", "dtype")  # torch.softmax, Tensor.softmax (self first) and the log_ ones
 
 
 def _softmax_rule(log: bool):
@@ -24,10 +29,8 @@ def _softmax_rule(log: bool):
     kernel = aten._log_softmax.default if log else aten._softmax.default
 
     def rule(ctx, func, args, kwargs):
-        x = args[0] if args else kwargs.get("input")
-        rest = {**dict(zip(("dim", "_stacklevel", "dtype") if func in (F.softmax, F.log_softmax) else ("dim", "dtype"),
-                           args[1:])), **{k: v for k, v in kwargs.items() if k not in ("input", "self")}}
-        dim, dtype = rest.get("dim"), rest.get("dtype")
+        b = bind(func, args, kwargs, names=_F_SOFTMAX if func in (F.softmax, F.log_softmax) else _SOFTMAX)
+        x, dim, dtype = b["input"], b["dim"], b["dtype"]
         if (
             ctx.device is Device.CUDA and isinstance(x, torch.Tensor) and x.device.type == "meta"
             and x.dtype == torch.float16 and dtype == torch.float32 and dim is not None
@@ -44,10 +47,6 @@ for _fn in (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax):
     register_op_rule(_fn, _softmax_rule(log=True))
 
 
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
 def cudnn_convolution_scratch(ctx, out, inp, weight, result_bytes: int) -> None:
     """A cuDNN convolution call's workspace: allocated from the caching allocator for the
     call and freed on return (Conv_v8.cpp ``run_conv_plan``). Its size is the chosen
@@ -56,4 +55,4 @@ def cudnn_convolution_scratch(ctx, out, inp, weight, result_bytes: int) -> None:
     benchmark = bool(torch.backends.cudnn.benchmark)
     ctx.assume(cudnn_workspace_note(benchmark))
     ctx.track(out)
-    ctx.scratch(cudnn_conv_workspace_bytes(_nbytes(inp), _nbytes(weight), result_bytes, benchmark))
+    ctx.scratch(cudnn_conv_workspace_bytes(nbytes(inp), nbytes(weight), result_bytes, benchmark))

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from memcheck.enums import Device
-from memcheck.rules.registry import register_op_rule
+from memcheck.rules.registry import bind, register_op_rule
+from memcheck.units import nbytes
 
 aten = torch.ops.aten
 
@@ -37,19 +38,6 @@ GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE (aten/src/ATen/Parallel.h): maske
 
 def _is_meta(t) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "meta"
-
-
-def _bind(func, args, kwargs) -> dict:
-    """The op's arguments by name, defaults filled in from its schema."""
-    bound = {}
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args) and not arg.kwarg_only:
-            bound[arg.name] = args[i]
-        elif arg.name in kwargs:
-            bound[arg.name] = kwargs[arg.name]
-        elif arg.has_default_value():
-            bound[arg.name] = arg.default_value
-    return bound
 
 
 def _index(n: int) -> torch.Tensor:
@@ -233,14 +221,14 @@ def _expand_masks(indices) -> tuple[list, int]:
     if every element were True (one ``(numel,)`` tensor per mask dimension), and the bytes of
     those indices. ATen's shared indexing code (``expandTensors``, aten/src/ATen/native/
     IndexingUtils.h) calls ``nonzero`` on each mask on every device, CPU and CUDA alike."""
-    out, nbytes = [], 0
+    out, index_bytes = [], 0
     for i in indices:
         if _is_mask(i):
             out.extend(_index(i.numel()) for _ in range(i.dim()))
-            nbytes += i.numel() * i.dim() * INDEX_BYTES
+            index_bytes += i.numel() * i.dim() * INDEX_BYTES
         else:
             out.append(i)
-    return out, nbytes
+    return out, index_bytes
 
 
 @register_op_rule(aten.index.Tensor)
@@ -249,7 +237,7 @@ def index_with_mask(ctx, func, args, kwargs):
     meta kernel cannot run (it calls ``nonzero``), so the mask is replaced by the indices
     of every element. Real kernels also hold ``nonzero``'s ``(numel, mask.dim())`` int64
     indices while the output is written (measured on CPU: exact)."""
-    b = _bind(func, args, kwargs)
+    b = bind(func, args, kwargs)
     if not any(_is_mask(i) for i in b["indices"]):
         return func(*args, **kwargs)
     indices, nz_bytes = _expand_masks(b["indices"])
@@ -267,7 +255,7 @@ def _index_put(ctx, func, args, kwargs):
     value and no accumulation is ``masked_fill_`` instead, with no indices
     (``canDispatchToMaskedFill``, aten/src/ATen/native/TensorAdvancedIndexingUtils.h).
     Measured on CPU: exact."""
-    b = _bind(func, args, kwargs)
+    b = bind(func, args, kwargs)
     indices = b["indices"]
     if not any(_is_mask(i) for i in indices):
         return func(*args, **kwargs)
@@ -294,7 +282,7 @@ def masked_select(ctx, func, args, kwargs):
     the input is small (< GRAIN_SIZE elements) or one thread runs, and always for a
     broadcast or non-contiguous input, then holds two int64 copies of the mask (the mask
     and its prefix sum) while writing the output. Measured on CPU: exact."""
-    b = _bind(func, args, kwargs)
+    b = bind(func, args, kwargs)
     self, mask = b["self"], b["mask"]
     if not (_is_meta(self) or _is_meta(mask)):
         return func(*args, **kwargs)
@@ -336,7 +324,7 @@ def unique(ctx, func, args, kwargs):
     before the outputs; the copy and the indices live on while the outputs are written,
     with an ``8*k + 8`` buffer when counts are asked for. bool inputs take a counting
     kernel that needs nothing beyond its outputs."""
-    b = _bind(func, args, kwargs)
+    b = bind(func, args, kwargs)
     t = b["self"]
     if not _is_meta(t):
         return func(*args, **kwargs)
@@ -369,14 +357,14 @@ def _unique_slices(ctx, t: torch.Tensor, dim: int, *, consecutive: bool):
     ctx.track(out)
     if ctx.device is Device.CPU:
         copies = 0 if t.dim() == 0 or t.movedim(dim, 0).is_contiguous() else 1
-        ctx.scratch((copies + (0 if consecutive else 1)) * t.numel() * t.element_size())
+        ctx.scratch((copies + (0 if consecutive else 1)) * nbytes(t))
     return out
 
 
 @register_op_rule(aten.unique_dim.default)
 def unique_dim(ctx, func, args, kwargs):
     """``torch.unique(x, dim=d)`` has no meta kernel; see ``_unique_slices``."""
-    b = _bind(func, args, kwargs)
+    b = bind(func, args, kwargs)
     if not _is_meta(b["self"]):
         return func(*args, **kwargs)
     ctx.assume("torch.unique(dim=...) assumed every slice distinct (worst case)")
@@ -389,7 +377,7 @@ def unique_consecutive(ctx, func, args, kwargs):
     neighbour, so ``numel`` values; inverse and counts empty unless asked for, as on CPU,
     where the kernel needs nothing beyond its outputs (measured: exact). With ``dim``:
     ``_unique_slices``."""
-    b = _bind(func, args, kwargs)
+    b = bind(func, args, kwargs)
     t = b["self"]
     if not _is_meta(t):
         return func(*args, **kwargs)
@@ -407,7 +395,7 @@ def unique_consecutive(ctx, func, args, kwargs):
 @register_op_rule(aten.unique_dim_consecutive.default)
 def unique_dim_consecutive(ctx, func, args, kwargs):
     """``unique_dim_consecutive`` has no meta kernel; see ``_unique_slices``."""
-    b = _bind(func, args, kwargs)
+    b = bind(func, args, kwargs)
     if not _is_meta(b["self"]):
         return func(*args, **kwargs)
     ctx.assume("torch.unique_consecutive assumed no element equal to its neighbour (worst case)")
@@ -422,7 +410,7 @@ def bincount(ctx, func, args, kwargs):
     float32/float64 for float32/float64 weights and float64 for other weights; on CPU
     other weights are first converted to float64 (``weights.to(kDouble)``, 8 B each,
     held while the output is written; measured: exact)."""
-    b = _bind(func, args, kwargs)
+    b = bind(func, args, kwargs)
     t, weights, minlength = b["self"], b["weights"], b["minlength"]
     if not _is_meta(t):
         return func(*args, **kwargs)
@@ -448,7 +436,7 @@ def repeat_interleave(ctx, func, args, kwargs):
     ``output_size`` given, that size. On CPU the kernel holds the repeats' cumulative sum
     (int64, 8 B per repeat) while the output is written; int32 repeats are first
     converted, with a second int64 buffer freed before the output (measured: exact)."""
-    b = _bind(func, args, kwargs)
+    b = bind(func, args, kwargs)
     repeats, size = b["repeats"], b["output_size"]
     if not _is_meta(repeats):
         return func(*args, **kwargs)

@@ -91,15 +91,33 @@ def named_rule(func) -> Rule | None:
     return NAMED_RULES.get(func.name()) or NAMED_RULES.get(func._schema.name)
 
 
-def bind(func, args: tuple, kwargs: dict) -> dict:
-    """An op call's arguments by the names of its schema, defaults filled in (None where
-    an argument has no default); robust to arguments a package version adds or drops."""
+def bind(func, args: tuple, kwargs: dict, *, names: tuple[str, ...] | None = None,
+         defaults: dict | None = None) -> dict:
+    """A call's arguments by name, each one present: passed positionally, by keyword,
+    else its default, else None.
+
+    For an aten ``OpOverload`` (``names`` not given) the names and defaults are its
+    schema's, so a rule is robust to arguments a package version adds or drops; a
+    keyword-only argument is taken from ``kwargs`` only. A Python function (such as
+    ``F.scaled_dot_product_attention``) has no schema: ``names`` lists its parameters in
+    order (or the first few a rule reads) and ``defaults`` those that have one. Keywords
+    not named are left out.
+
+    Example:
+        >>> bind(F.softmax, (x, -1), {}, names=("input", "dim", "_stacklevel", "dtype"),
+        ...      defaults={"_stacklevel": 3})
+        {'input': x, 'dim': -1, '_stacklevel': 3, 'dtype': None}
+    """
+    if names is None:
+        params = [(arg.name, arg.kwarg_only, arg.default_value if arg.has_default_value() else None)
+                  for arg in func._schema.arguments]
+    else:
+        defaults = defaults or {}
+        params = [(name, False, defaults.get(name)) for name in names]
     bound = {}
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args):
-            bound[arg.name] = args[i]
-        elif arg.name in kwargs:
-            bound[arg.name] = kwargs[arg.name]
+    for i, (name, kwarg_only, default) in enumerate(params):
+        if i < len(args) and not kwarg_only:
+            bound[name] = args[i]
         else:
-            bound[arg.name] = arg.default_value if arg.has_default_value() else None
+            bound[name] = kwargs.get(name, default)
     return bound

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from memcheck.enums import Device
 from memcheck.rules import cuda_attention
-from memcheck.rules.registry import register_op_rule
+from memcheck.rules.registry import bind, register_op_rule
+from memcheck.units import nbytes
 
 aten = torch.ops.aten
 
@@ -52,12 +53,14 @@ def _additive_mask(mask: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask.logical_not(), -math.inf)
 
 
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
+
+
 @register_op_rule(F.scaled_dot_product_attention)
 def scaled_dot_product_attention(ctx, func, args, kwargs):
     """Trace the kernel the target device would pick (attention.cpp ``scaled_dot_product_attention``)."""
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    defaults = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
-    bound = {**defaults, **dict(zip(names, args)), **kwargs}
+    bound = bind(func, args, kwargs, names=_SDPA_NAMES, defaults=_SDPA_DEFAULTS)
     q, k, v = bound["query"], bound["key"], bound["value"]
     if ctx.device is Device.CPU and q.device.type == "meta":
         backend = cpu_sdpa_backend(
@@ -138,7 +141,7 @@ def cpu_flash_attention_backward(ctx, func, args, kwargs):
             reduced = threads * 2 * q_split * kv_split * q.element_size()
         ctx.track(out)
         ctx.scratch(
-            grad_out.numel() * grad_out.element_size(),
+            nbytes(grad_out),
             threads * 2 * q_split * kv_split * acc,
             reduced,
             q_split * acc,

@@ -75,6 +75,7 @@ import torch
 
 from memcheck.enums import Device
 from memcheck.rules.registry import bind, register_op_rule
+from memcheck.units import nbytes
 
 _F32 = 4
 _I32 = 4
@@ -93,10 +94,6 @@ def _loaded() -> bool:
 
 def _meta(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else torch.empty_like(t, device="meta")
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 # --------------------------------------------------------------------------------------
@@ -381,7 +378,7 @@ def int8_vectorwise_quant(ctx, func, args, kwargs):
            torch.empty(0, dtype=torch.int64, device=A.device))
     ctx.track(out)
     if ctx.device is Device.CUDA:
-        ctx.scratch(_nbytes(A), A.numel())
+        ctx.scratch(nbytes(A), A.numel())
     return out
 
 
@@ -406,7 +403,7 @@ def int8_double_quant(ctx, func, args, kwargs):
     outliers = torch.empty(0, dtype=torch.int64, **meta) if threshold else None
     ctx.track((row, row_stats, col_stats, outliers))
     if ctx.device is Device.CUDA:
-        masked = [_nbytes(A)] if threshold else []  # A.masked_fill(outlier_mask, 0.0)
+        masked = [nbytes(A)] if threshold else []  # A.masked_fill(outlier_mask, 0.0)
         ctx.scratch(*masked, A.numel() * _F32, A.numel() * _F32)
     ctx.track(col)
     return row, col, row_stats, col_stats, outliers

@@ -47,18 +47,19 @@ from pathlib import Path
 
 import torch
 
-from memcheck.rules.cuda_attention import _DEFAULT_SM_COUNT, _F32, SM_COUNT, _cdiv, _nbytes, _num_splits_heuristic, _rup
 from memcheck.enums import Device
 from memcheck.errors import UsageError
+from memcheck.rules.cuda_attention import _DEFAULT_SM_COUNT, _F32, SM_COUNT, _num_splits_heuristic
 from memcheck.rules.registry import bind, register_op_rule
+from memcheck.units import ceil_div, nbytes, round_up
 
 _I64 = 8
 
 
 def _head_rounded(d: int) -> int:
     """``head_size_rounded``: the head dim rounded to 8, then to 32 up to 192, else 256."""
-    d = _rup(d, 8)
-    return _rup(d, 32) if d <= 192 else 256
+    d = round_up(d, 8)
+    return round_up(d, 32) if d <= 192 else 256
 
 
 def _sm_count(ctx) -> int:
@@ -72,16 +73,21 @@ def _check_target(ctx, name: str) -> None:
 
 def _copies(*tensors) -> list[int]:
     """``maybe_contiguous``: a copy of each input whose last dimension is not contiguous."""
-    return [_nbytes(t) for t in tensors if t is not None and t.stride(-1) != 1]
+    return [nbytes(t) for t in tensors if t is not None and t.stride(-1) != 1]
+
+
+def _padded(t, d: int) -> int:
+    """Bytes of ``t`` with its head dim ``d`` padded to a multiple of 8 (``pad`` to ``8 - d % 8``)."""
+    return t.numel() // d * round_up(d, 8) * t.element_size()
 
 
 def split_kv_scratch(ctx, b: int, h: int, lq: int, lk: int, d: int, dv: int, dropout_p: float) -> list[int]:
     """``set_params_splitkv``: ``softmax_lse_accum`` and ``out_accum`` when the key length is split."""
     if dropout_p != 0.0:  # "SplitKV is not implemented for dropout"
         return []
-    head = max(_rup(d, 8), _rup(dv, 8))
+    head = max(round_up(d, 8), round_up(dv, 8))
     block_n = 256 if head <= 64 else 128 if head <= 128 else 64
-    splits = _num_splits_heuristic(b * h * _cdiv(lq, 64), _sm_count(ctx) * 2, _cdiv(lk, block_n), 128)
+    splits = _num_splits_heuristic(b * h * ceil_div(lq, 64), _sm_count(ctx) * 2, ceil_div(lk, block_n), 128)
     if splits <= 1:
         return []
     return [splits * b * h * lq * _F32, splits * b * h * lq * _head_rounded(dv) * _F32]
@@ -108,17 +114,17 @@ def flash_attn_forward(ctx, func, args, kwargs):
     lk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     scratch = _copies(q, k, v)
     if d % 8:  # the Python wrappers pad to 8 first; a direct call is padded inside
-        scratch += [b * lq * h * _rup(d, 8) * q.element_size(), k.numel() // d * _rup(d, 8) * k.element_size()]
+        scratch += [_padded(q, d), _padded(k, d)]
     if dv % 8:
-        scratch.append(v.numel() // dv * _rup(dv, 8) * v.element_size())
+        scratch.append(_padded(v, dv))
     rows, heads = lq, h
     if _ngroups_swapped(lq, lk, h, hk, d, a):
         rows, heads = h // hk, hk
     dropout_p = float(a.get("dropout_p") or 0.0)
-    out = torch.empty((b, lq, h, _rup(dv, 8)), dtype=q.dtype, device=q.device)
+    out = torch.empty((b, lq, h, round_up(dv, 8)), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     if a.get("return_softmax"):
-        p = torch.empty((b, heads, _rup(rows, 128), _rup(lk, 128)), dtype=q.dtype, device=q.device)
+        p = torch.empty((b, heads, round_up(rows, 128), round_up(lk, 128)), dtype=q.dtype, device=q.device)
     else:
         p = torch.empty((0,), dtype=q.dtype, device=q.device)
     rng_state = torch.empty((2,), dtype=torch.int64, device=q.device)
@@ -145,13 +151,13 @@ def flash_attn_varlen_forward(ctx, func, args, kwargs):
     max_q, max_k = int(a["max_seqlen_q"]), int(a["max_seqlen_k"])
     scratch = _copies(q, k, v)
     if d % 8:
-        scratch += [q.numel() // d * _rup(d, 8) * q.element_size(), k.numel() // d * _rup(d, 8) * k.element_size()]
+        scratch += [_padded(q, d), _padded(k, d)]
     if dv % 8:
-        scratch.append(v.numel() // dv * _rup(dv, 8) * v.element_size())
-    out = torch.empty((total_q, h, _rup(dv, 8)), dtype=q.dtype, device=q.device)
+        scratch.append(_padded(v, dv))
+    out = torch.empty((total_q, h, round_up(dv, 8)), dtype=q.dtype, device=q.device)
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     if a.get("return_softmax"):
-        p = torch.empty((b, h, _rup(max_q, 128), _rup(max_k, 128)), dtype=q.dtype, device=q.device)
+        p = torch.empty((b, h, round_up(max_q, 128), round_up(max_k, 128)), dtype=q.dtype, device=q.device)
     else:
         p = torch.empty((0,), dtype=q.dtype, device=q.device)
     rng_state = torch.empty((2,), dtype=torch.int64, device=q.device)
@@ -174,15 +180,15 @@ def _backward_scratch(ctx, a, rows_accum: int, b: int, h: int, hk: int, expanded
     scratch = _copies(dout, q, a["k"], a["v"], a["out"])
     for name, like in (("dq", q), ("dk", a["k"]), ("dv", a["v"])):
         if a.get(name) is None:  # the C++ side allocates it; the Python op discards it
-            scratch.append(_nbytes(like))
+            scratch.append(nbytes(like))
     accum = rows_accum * h * _head_rounded(d) * _F32
     if a.get("deterministic"):
-        accum *= _cdiv(_sm_count(ctx), b * h)  # torch::zeros({nsplits, ...})
+        accum *= ceil_div(_sm_count(ctx), b * h)  # torch::zeros({nsplits, ...})
     scratch.append(accum)
     if hk != h:  # MQA/GQA: dK and dV for every query head, summed into dk/dv at the end
         scratch += [expanded_dk, expanded_dv]
     if dout.shape[-1] % 8:
-        scratch.append(dout.numel() // dout.shape[-1] * _rup(dout.shape[-1], 8) * dout.element_size())
+        scratch.append(_padded(dout, dout.shape[-1]))
     return scratch
 
 
@@ -197,9 +203,9 @@ def flash_attn_backward(ctx, func, args, kwargs):
     b, lq, h, d = q.shape
     lk, hk = k.shape[1], k.shape[2]
     esize = q.element_size()
-    scratch = _backward_scratch(ctx, a, b * _rup(lq, 128), b, h, hk,
+    scratch = _backward_scratch(ctx, a, b * round_up(lq, 128), b, h, hk,
                                 b * lk * h * d * esize, b * lk * h * v.shape[3] * esize)
-    softmax_d = torch.empty((b, h, _rup(lq, 128)), dtype=torch.float32, device=q.device)
+    softmax_d = torch.empty((b, h, round_up(lq, 128)), dtype=torch.float32, device=q.device)
     ctx.track(softmax_d)
     ctx.scratch(*scratch)
     return softmax_d

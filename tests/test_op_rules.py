@@ -86,3 +86,56 @@ def test_register_op_rule_for_a_custom_op():
         loss_fn=lambda m, b: (m(b) + torch.ops.memcheck_test.double_it(b)).sum(),
     )
     assert est.peak_bytes > 0
+
+
+def _encoder(dropout):
+    def build():
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=dropout, batch_first=True)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), torch.randn(4, 256, 64)
+    return build
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_multihead_attention_takes_the_kernel_a_real_cpu_run_takes(dropout):
+    # nn.MultiheadAttention calls SDPA from inside F.multi_head_attention_forward, which the
+    # tracer's function mode handles itself; the rule routes that inner call. Measured on this
+    # CPU: without dropout torch runs the CPU flash kernel (6,912,264 B peak; the math path
+    # memcheck traced before the rule, with its (4, 4, 256, 256) fp32 scores of 4 MiB a layer,
+    # gave 21,863,944 B); with dropout 0.1 it runs the math path, as before.
+    def loss(m, x):
+        return m(x).sum()
+
+    build = _encoder(dropout)
+    measured = measure_cpu(build, lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=loss).steady_peak_bytes
+    with torch.device("meta"):
+        model, x = build()
+    est = memcheck.estimate(model, x, device="cpu", optimizer="sgd", loss_fn=loss)
+    assert est.peak_bytes == measured
+
+
+def test_multihead_attention_on_cuda_takes_a_fused_kernel_not_the_scores():
+    # (B, H, T, T) fp32 scores of the math path: 2 x 4 x 256 x 256 x 4 B = 2,097,152 B; a fused
+    # kernel never allocates them. Without the rule the CUDA target traced the math path.
+    from memcheck.enums import ALLOC, Device
+    from memcheck.rules import registry
+    from memcheck.trace.tracer import MemoryTracer
+
+    mha = nn.MultiheadAttention(64, 4, batch_first=True, device="meta")
+    q = torch.empty(2, 256, 64, device="meta", requires_grad=True)
+
+    def allocs():
+        tracer = MemoryTracer(Device.CUDA)
+        with tracer:
+            mha(q, q, q, need_weights=False)[0].sum().backward()
+        return [e[2] for e in tracer.log.events if e[0] == ALLOC], tracer.log.assumptions
+
+    fused, assumed = allocs()
+    rule = registry.FUNCTION_RULES.pop(F.multi_head_attention_forward)
+    try:
+        math, _ = allocs()
+    finally:
+        registry.FUNCTION_RULES[F.multi_head_attention_forward] = rule
+    assert 2_097_152 not in fused and 2_097_152 in math
+    assert "SDPA on CUDA: efficient kernel (sm80)" in assumed
+    assert F.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"  # the global is restored

@@ -9,6 +9,7 @@ below registers its own rules when imported; importing this package imports them
 * ``cuda_kernels`` and ``cuda_attention``: CUDA kernels whose memory differs from the meta
   kernel's (softmax, cuDNN convolutions; flash / efficient / cuDNN attention);
 * ``data_dependent``: ops whose output size depends on values take the worst case;
+* ``dropout``: the fused CUDA dropout kernel (a bool mask) instead of the CPU's noise tensor;
 * ``autocast``: ``torch.autocast``'s casts, emulated on meta tensors;
 * ``extensions``: flash-attn and bitsandbytes, by qualified op name.
 """
@@ -19,6 +20,7 @@ from memcheck.rules import (  # noqa: F401  (each registers its rules)
     cuda_attention,
     cuda_kernels,
     data_dependent,
+    dropout,
     extensions,
     sdpa,
 )

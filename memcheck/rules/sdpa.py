@@ -93,6 +93,28 @@ def scaled_dot_product_attention(ctx, func, args, kwargs):
     return func(*args, **kwargs)
 
 
+@register_op_rule(F.multi_head_attention_forward)
+def multi_head_attention_forward(ctx, func, args, kwargs):
+    """``nn.MultiheadAttention`` (and ``nn.Transformer*``, torchvision's ViTs): its attention is
+    the SDPA call inside ``F.multi_head_attention_forward`` (torch/nn/functional.py, the
+    ``need_weights=False`` path: ``attn_output = scaled_dot_product_attention(q, k, v,
+    attn_mask, dropout_p, is_causal)``). The tracer's function mode handles
+    ``multi_head_attention_forward`` itself, and torch pops a mode while its handler runs,
+    so that inner call would reach neither autocast's emulation nor the SDPA rule above: the
+    trace would keep the math path's (B, H, T, T) scores that the target's fused kernels
+    never allocate. The module's global name is routed through the tracer for this call."""
+    original = F.scaled_dot_product_attention
+
+    def routed(*a, **k):
+        return ctx.route(original, a, k)
+
+    F.scaled_dot_product_attention = routed  # the name multi_head_attention_forward calls
+    try:
+        return func(*args, **kwargs)
+    finally:
+        F.scaled_dot_product_attention = original
+
+
 def _cpu_flash_splits(q_len: int, kv_len: int) -> tuple[int, int]:
     """Block sizes of the CPU flash kernels (FlashAttentionKernel.cpp, ``flash_attention_kernel_impl``)."""
     q_split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32

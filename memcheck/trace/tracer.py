@@ -282,6 +282,12 @@ class MemoryTracer(TorchDispatchMode):
     def _current_gpu(self) -> int:
         return self._forced_gpu if self._forced_gpu is not None else self._op_gpu
 
+    def route(self, func, args: tuple, kwargs: dict):
+        """Run the torch function ``func`` as the tracer's function mode does (autocast's casts,
+        then its rule, if any). For a call made inside a Python function that the mode already
+        handles: torch pops a mode while its handler runs, so such calls never reach it."""
+        return self._kernel_mode.__torch_function__(func, (), args, kwargs)
+
     def assume(self, text: str) -> None:
         """Note an assumption a rule made; it is listed in the report."""
         self.log.assumptions.setdefault(text, None)

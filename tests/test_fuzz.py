@@ -43,7 +43,7 @@ from torch import nn
 import memcheck
 from memcheck.workloads import hf
 from memcheck.enums import Attention, Device, Task
-from memcheck.training.strategies.sharded import REDUCE_BUCKET_SIZE
+from memcheck.training.strategies.zero import REDUCE_BUCKET_SIZE
 
 _LONG = int(os.environ.get("MEMCHECK_FUZZ_EXAMPLES", "0"))
 MiB = 2**20

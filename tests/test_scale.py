@@ -39,7 +39,7 @@ from memcheck.cli import main
 from memcheck.cuda.gpus import GPUS
 from memcheck.engine.plan import MAX_GPUS
 from memcheck.job import DEFAULT_MARGIN
-from memcheck.training.strategies.sharded import REDUCE_BUCKET_SIZE
+from memcheck.training.strategies.zero import REDUCE_BUCKET_SIZE
 from memcheck.units import GiB, MiB
 
 # LLaMA-3-70B's shape: hidden 8192, MLP 28672, 80 layers, 64 query heads of 128, 8 key/value heads

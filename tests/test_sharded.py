@@ -1,4 +1,4 @@
-"""fsdp and zero1/2/3 (memcheck.training.strategies.sharded), checked against hand arithmetic and,
+"""fsdp and zero1/2/3 (memcheck.training.strategies.fsdp and .zero), checked against hand arithmetic and,
 for fsdp, against a real FSDP2 run on CPU ranks.
 
 The model is ``Net``: ``L`` identical blocks ``Sequential(Linear(d, d), ReLU())`` in a
@@ -24,7 +24,7 @@ from memcheck.enums import Device, Phase
 from memcheck.errors import UsageError
 from memcheck.training.optimizers import resolve_optimizer
 from memcheck.training.strategies import StrategyConfig, train
-from memcheck.training.strategies.sharded import REDUCE_BUCKET_SIZE
+from memcheck.training.strategies.zero import REDUCE_BUCKET_SIZE
 from memcheck.trace.tracer import ALLOC, FREE, MemoryTracer
 from memcheck.training.loop import default_loss
 

@@ -226,3 +226,44 @@ def balanced_loss(tracer, model, batch, loss_fn, gpus: int) -> torch.Tensor:
             losses.append(loss_fn(_ReplicaModule(model, params), chunk))
     del chunks, replicas
     return gather(tracer, losses).mean()
+
+
+def train(
+    config,
+    tracer,
+    model: torch.nn.Module,
+    batch: Any,
+    loss_fn,
+    make_optimizer,
+    steps: int,
+    *,
+    autocast=None,
+    scaler=None,
+    accumulate: int = 1,
+    evaluate=None,
+) -> list[int]:
+    """Trace ``steps`` steps of ``dp`` (``torch.nn.DataParallel``) or ``dp-balanced`` (the loss
+    computed on each GPU), every GPU traced; ``evaluate`` gets the DataParallel wrapper."""
+    from memcheck.enums import Strategy
+    from memcheck.training.loop import run_steps
+
+    tracer.multi_gpu = True
+    tracer.watch(model=model, batch=batch, root_outputs=False)
+    if config.strategy is Strategy.DP:
+        wrapper = MetaDataParallel(tracer, model, config.gpus)
+        tracer.watch_outputs(wrapper)
+
+        def step_loss(_, b):
+            loss = loss_fn(wrapper, b)
+            # A loss computed inside the model comes back one per GPU; the HF Trainer averages it.
+            return loss.mean() if isinstance(loss, torch.Tensor) and loss.dim() == 1 else loss
+    else:
+        def step_loss(m, b):
+            return balanced_loss(tracer, m, b, loss_fn, config.gpus)
+    opt = make_optimizer(model.parameters())
+    tracer.watch(optimizer=opt)
+    run_steps(model, batch, step_loss, opt, steps, tracer.set_phase, autocast=autocast, scaler=scaler,
+              accumulate=accumulate)
+    if evaluate is not None:
+        evaluate(MetaDataParallel(tracer, model, config.gpus))
+    return list(range(config.gpus))

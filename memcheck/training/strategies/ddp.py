@@ -111,3 +111,8 @@ class MetaDDP:
         for h in self._handles:
             h.remove()
 
+
+
+def emulation(config, tracer, model: torch.nn.Module, accumulate: int = 1) -> MetaDDP:
+    """One rank of ddp over ``config.gpus`` ranks, with its bucket settings."""
+    return MetaDDP(tracer, model, bucket_cap_mb=config.bucket_cap_mb, bucket_view=config.bucket_view)

@@ -1,36 +1,6 @@
-"""``fsdp`` and ``zero1``/``zero2``/``zero3``: sharded data parallelism, emulated on one rank.
-
-Every rank runs the same step on its own micro-batch, so rank 0 is traced and its
-figures hold for all (under fsdp and zero3 rank 0 holds the largest shard; under
-zero1/2 ranks differ by the parameters straddling partition boundaries). The model's full
-parameters stay on meta for the forward and backward compute, but the tracer stops
-counting them (``MemoryTracer.ignore``): what a rank really holds, its shards,
-gathered copies and communication buffers, is allocated explicitly as meta tensors
-at the moment the real wrapper allocates it and dropped when it frees it. The
-optimizer runs on stand-ins of the rank's shard, so its state has the shard's size.
-Sources: torch 2.13 ``torch/distributed/fsdp/_fully_shard/`` and DeepSpeed 0.19.8
-``deepspeed/runtime/zero/`` (the files and lines below are theirs). Checked: fsdp on CPU
-ranks (``memcheck.measure.distributed``, gloo) matches FSDP2's own allocations to the byte,
-up to gloo's reduce-scatter clone (which NCCL does not make).
-
-**fsdp** (``fully_shard`` on each repeated block, then on the root, defaults):
-
-- per parameter of shape ``(d0, *rest)`` the rank keeps a padded shard of
-  ``ceil(d0/W) * prod(rest)`` elements (``_fsdp_param.py:304-316``); the optimizer
-  sees the unpadded local rows (a view of it), so Adam's state is unpadded;
-- forward: a group's pre-forward allocates the all-gather output (``W`` padded
-  shards, ``_fsdp_collectives.py:351``), frees the previous group's one, then the
-  unsharded parameters (another ``W`` padded shards); blocks free the unsharded
-  parameters at post-forward, the root keeps them to the end of backward
-  (``_fsdp_state.py:205``); the last all-gather output goes at the root's post-forward;
-- backward: a block's pre-backward re-gathers it (the all-gather output freed at
-  once) and prefetches the block before it (``_backward_prefetch``); once all its
-  gradients exist, its post-backward frees the unsharded parameters and the previous
-  reduce-scatter input, allocates its own (``W`` padded shards), frees autograd's
-  gradients and allocates the reduce-scatter output, whose views are the sharded
-  gradients (``_fsdp_collectives.py:592-754``); the root's runs at the end of backward;
-- ``offload="params"`` (``CPUOffloadPolicy``): shards, sharded gradients and the
-  optimizer live in host memory; each all-gather copies the shards to the device first.
+"""``zero1``/``zero2``/``zero3``: DeepSpeed's ZeRO, emulated on one rank (the shared
+machinery and the strategies' limitations: ``memcheck.training.strategies._sharding``).
+Source: DeepSpeed 0.19.8 ``deepspeed/runtime/zero/`` (the files and lines below are theirs).
 
 **zero1/zero2** (``stage_1_and_2.py``): the trainable parameters become one flat
 buffer per dtype, padded to ``2W`` elements (387, 441-446); the rank's partition is
@@ -64,28 +34,17 @@ gradient partitions in host memory; ``offload="params"`` (``offload_param`` with
 DeepSpeed's bf16/fp16 modes (low-precision weights, fp32 master) are
 ``precision="bf16"``/``"fp16"``; ``amp-*`` keeps fp32 weights under autocast, as
 DeepSpeed's ``torch_autocast`` does.
-
-Known limitations:
-    The real wrappers allocate their buffers on several CUDA streams, each with its
-    own allocator pool; here they share one, so reserved memory comes out lower. The
-    optimizer is the one memcheck is given, run on the rank's stand-ins (DeepSpeed's
-    default FusedAdam and CPUAdam allocate no step temporaries). A block's (fsdp) or
-    module's (zero3) post-backward runs when its last gradient is accumulated; the
-    real hooks watch the gradients of its inputs. Only DeepSpeed's defaults are
-    modelled. Each of these is also stated as an assumption in the report.
 """
 
 from __future__ import annotations
 
 import collections
-import math
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
-from memcheck.training.checkpointing import repeated_blocks
-from memcheck.enums import Category, Device, Offload, Phase, Strategy
+from memcheck.enums import Category, Offload, Phase, Strategy
 from memcheck.errors import UsageError
+from memcheck.training.strategies._sharding import _Emulation, _empty, _tensors, assume_one_rank
 
 # DeepSpeed 0.19.8 defaults, deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig), all in elements:
 REDUCE_BUCKET_SIZE = int(5e8)  # reduce_bucket_size (line 113)
@@ -102,301 +61,15 @@ def _e(n: int) -> str:
     return f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
 
 
-def sharded_emulation(config, tracer, model: torch.nn.Module, accumulate: int = 1):
-    """The emulation of one rank of ``config.strategy`` (fsdp or zero1-3) over ``config.gpus`` ranks.
-
-    It has ``make_optimizer(make_optimizer)``, ``on_phase(step, phase)`` and ``close()``;
-    ``memcheck.training.strategies.train`` runs the steps with it.
-    """
-    strategy, offload = config.strategy, config.offload  # the pair is validated by StrategyConfig.parse
-    if strategy is Strategy.FSDP:
-        emulation = _MetaFSDP(tracer, model, config.gpus, offload is Offload.PARAMS)
-    elif strategy is Strategy.ZERO3:
-        emulation = _MetaZero3(tracer, model, config.gpus, offload)
+def emulation(config, tracer, model: torch.nn.Module, accumulate: int = 1):
+    """One rank of zero1, zero2 or zero3 over ``config.gpus`` ranks."""
+    if config.strategy is Strategy.ZERO3:
+        emulated = _MetaZero3(tracer, model, config.gpus, config.offload)
     else:
-        emulation = _MetaZero12(tracer, model, config.gpus, 1 if strategy is Strategy.ZERO1 else 2,
-                                offload is Offload.OPTIMIZER, accumulate)
-    tracer.assume(f"{strategy.value}: rank 0 is traced and stands for every rank")
-    if tracer.device is Device.CUDA:
-        tracer.assume(f"{strategy.value}: communication buffers share the compute stream's allocator pool (the real "
-                      "wrapper allocates them on its own streams, so it reserves more)")
-    return emulation
-
-
-# ---- helpers ------------------------------------------------------------------------------
-
-
-def _empty(tracer, numel: int, dtype: torch.dtype, category: Category, label: str) -> torch.Tensor:
-    """A device buffer of ``numel`` elements, counted in ``category`` from its allocation on."""
-    with _disable_current_modes():  # one ALLOC event, already in its category (no TEMPORARY first)
-        t = torch.empty(int(numel), dtype=dtype, device="meta")
-    tracer.register(t, category, label)
-    return t
-
-
-def _tensors(out) -> list[torch.Tensor]:
-    """The tensors in a module's output (tuples, lists, dicts and transformers' ModelOutput)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        return [t for item in out for t in _tensors(item)]
-    return []
-
-
-class _Emulation:
-    """What every sharded emulation shares: hooks to remove, an end-of-backward callback,
-    an optimizer step wrapper and the ignored full parameters kept alive."""
-
-    def __init__(self, tracer, model: torch.nn.Module, world: int, *, frozen_sharded: bool = True):
-        self.tracer, self.model, self.world = tracer, model, world
-        self.handles: list = []
-        self.kept: list[torch.Tensor] = []  # host buffers
-        self.queued = False
-        # What the rank holds of these is allocated explicitly. The tracer keys storages by
-        # address, so an ignored one must outlive the trace (the model keeps them).
-        self.full = list(model.parameters())  # tied parameters once, in registration order
-        for p in self.full:
-            if frozen_sharded or p.requires_grad:
-                tracer.ignore(p)
-
-    def host(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """A buffer in host memory: never counted, even when a later op touches it. Kept to the
-        end of the trace, since the tracer keys storages by address."""
-        with _disable_current_modes():
-            t = torch.zeros(shape, dtype=dtype, device="meta")
-        self.tracer.ignore(t)
-        self.kept.append(t)
-        return t
-
-    def queue_end_of_backward(self) -> None:
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-    def _end_of_backward(self) -> None:
-        self.queued = False
-        self.end_of_backward()
-
-    def end_of_backward(self) -> None:
-        pass
-
-    def on_phase(self, step: int, phase: Phase) -> None:
-        pass
-
-    def make_optimizer(self, make_optimizer) -> torch.optim.Optimizer:
-        raise NotImplementedError
-
-    def wrap_step(self, opt: torch.optim.Optimizer, step, host: bool) -> torch.optim.Optimizer:
-        """Make ``opt.step()`` run ``step(inner)``; ``host``: on the CPU, unseen, its state not counted."""
-        inner = opt.step
-        tracer = self.tracer
-
-        def run_inner(*args, **kwargs):
-            if not host:
-                return inner(*args, **kwargs)
-            with _disable_current_modes():
-                out = inner(*args, **kwargs)
-            for state in opt.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        tracer.ignore(value)
-            return out
-
-        opt.step = lambda *args, **kwargs: step(run_inner, *args, **kwargs)
-        return opt
-
-    def owner(self, stand_in: torch.Tensor, name: str | None) -> None:
-        """Report a stand-in's optimizer state under ``name`` (the tracer's module attribution)."""
-        if name is not None:
-            self.tracer._owner[id(stand_in)] = name
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-
-
-# ---- FSDP2 ----------------------------------------------------------------------------------
-
-
-class _FsdpGroup:
-    """One ``fully_shard`` call's parameters (an FSDPParamGroup)."""
-
-    def __init__(self, name: str, module: torch.nn.Module, params: list, world: int):
-        self.name, self.module, self.params = name, module, params
-        self.rows = []  # per parameter: (padded shard elements, local unpadded shape of rank 0)
-        for p in params:
-            shape = tuple(p.shape) or (1,)
-            rest = math.prod(shape[1:])
-            chunk = -(-shape[0] // world)  # torch.chunk's size: rank 0's chunk is the padded size
-            self.rows.append((chunk * rest, (min(chunk, shape[0]), *shape[1:])))
-        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
-        self.unsharded: list[torch.Tensor] | None = None
-        self.prefetched: torch.Tensor | None = None  # an all-gather output issued ahead (backward prefetch)
-        self.in_backward = False
-        self.ready: set[int] = set()
-
-    def gathered_bytes(self, world: int) -> int:
-        return sum(n * world * p.element_size() for (n, _), p in zip(self.rows, self.params))
-
-
-class _MetaFSDP(_Emulation):
-    """FSDP2 on one rank: shards, all-gather and reduce-scatter buffers, per group."""
-
-    def __init__(self, tracer, model: torch.nn.Module, world: int, offload: bool):
-        super().__init__(tracer, model, world)
-        self.offload = offload
-        modules = dict(model.named_modules())
-        seen: set[int] = set()
-        self.blocks = []
-        for name in repeated_blocks(model):
-            params = [p for p in modules[name].parameters() if id(p) not in seen]
-            seen.update(id(p) for p in params)
-            self.blocks.append(_FsdpGroup(name, modules[name], params, world))
-        self.root = _FsdpGroup("(root)", model, [p for p in self.full if id(p) not in seen], world)
-        self.group_of = {id(p): g for g in self.blocks + [self.root] for p in g.params}
-        tracer.assume(f"fsdp: fully_shard on each of the {len(self.blocks)} repeated blocks, then on the root; FSDP2 "
-                      "defaults (no mixed-precision policy; blocks resharded after forward, the root not)")
-        tracer.assume("fsdp: a block's reduce-scatter runs when its last gradient is accumulated "
-                      "(FSDP2 hooks the gradients of its inputs)")
-        if offload:
-            tracer.assume("fsdp offload: shards, sharded gradients and the optimizer step are host memory; "
-                          "the optimizer's temporaries are not on the GPU")
-        self.shards: dict[int, torch.Tensor] = {}
-        self.stand_ins: dict[int, torch.nn.Parameter] = {}
-        for g in self.blocks + [self.root]:
-            for p, (n, local) in zip(g.params, g.rows):
-                shard = (self.host(n, p.dtype) if offload
-                         else _empty(tracer, n, p.dtype, Category.PARAMETER, "(FSDP shards)"))
-                self.shards[id(p)] = shard
-                if p.requires_grad:
-                    self.stand_ins[id(p)] = torch.nn.Parameter(shard[: math.prod(local)].view(local))
-                    self.owner(self.stand_ins[id(p)], tracer._owner.get(id(p)))
-        self.host_grads: dict[int, torch.Tensor] = {}
-        self.kept_all_gather: torch.Tensor | None = None  # forward: freed by the next group's unshard
-        self.kept_reduce_scatter: torch.Tensor | None = None  # freed by the next group's post-backward
-        self.order: list[_FsdpGroup] = []  # post-forward order, for backward prefetch
-        for g in self.blocks + [self.root]:
-            self.handles.append(g.module.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g)))
-            self.handles.append(g.module.register_forward_hook(lambda m, a, o, g=g: self._post_forward(g, o)))
-        for p in self.full:
-            if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-
-    def make_optimizer(self, make_optimizer):
-        opt = make_optimizer(list(self.stand_ins.values()))
-        return self.wrap_step(opt, lambda inner, *a, **k: inner(*a, **k), host=self.offload)
-
-    # all-gather
-    def _all_gather(self, g: _FsdpGroup) -> torch.Tensor:
-        copies = ([_empty(self.tracer, n, p.dtype, Category.COMMUNICATION, "(FSDP host-to-device)")
-                   for (n, _), p in zip(g.rows, g.params)] if self.offload else [])
-        out = _empty(self.tracer, g.gathered_bytes(self.world), torch.uint8, Category.COMMUNICATION,
-                     "(FSDP all-gather)")
-        del copies  # the all-gather inputs, freed after the copy-in
-        return out
-
-    def _unshard(self, g: _FsdpGroup, forward: bool) -> None:
-        gathered = g.prefetched if g.prefetched is not None else self._all_gather(g)
-        g.prefetched = None
-        if forward:
-            self.kept_all_gather = None  # the previous group's output (wait_for_unshard)
-        g.unsharded = [_empty(self.tracer, n * self.world, p.dtype, Category.PARAMETER, "(FSDP unsharded params)")
-                       for (n, _), p in zip(g.rows, g.params)]
-        if forward:
-            self.kept_all_gather = gathered  # kept in all_gather_state until the next group's unshard
-        del gathered  # backward: freed right after the copy-out
-
-    def _pre_forward(self, g: _FsdpGroup) -> None:
-        if g.params and g.unsharded is None:  # a root without parameters has no group to gather
-            self._unshard(g, forward=True)
-
-    def _post_forward(self, g: _FsdpGroup, output) -> None:
-        if g.in_backward:
-            return  # a checkpointed block recomputed inside its backward: stays unsharded
-        if g is self.root:
-            self.kept_all_gather = None  # the root's _post_forward flushes the last all-gather
-        else:
-            g.unsharded = None  # reshard_after_forward: blocks only
-        if g.params:
-            self.order.append(g)
-        if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(lambda grad, g=g: self._pre_backward(g))
-
-    # backward
-    def _pre_backward(self, g: _FsdpGroup) -> None:
-        if g.in_backward:
-            return
-        g.in_backward = True
-        self.queue_end_of_backward()
-        if g.params and g.unsharded is None:
-            self._unshard(g, forward=False)
-        index = max((i for i, h in enumerate(self.order) if h is g), default=0)
-        if index > 0:  # _backward_prefetch: one group ahead in reverse post-forward order
-            target = self.order[index - 1]
-            if target.unsharded is None and target.prefetched is None:
-                target.prefetched = self._all_gather(target)
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        self.queue_end_of_backward()
-        g = self.group_of[id(p)]
-        if g is self.root:
-            return  # the root reduces in the final callback
-        g.ready.add(id(p))
-        if len(g.ready) == len(g.trainable):
-            self._post_backward(g)
-
-    def _post_backward(self, g: _FsdpGroup) -> None:
-        present = [i for i in g.trainable if g.params[i].grad is not None]
-        dtype = g.params[present[0]].grad.dtype if present else None
-        grads = [g.params[i].grad for i in present]
-        for i in present:
-            g.params[i].grad = None
-        g.unsharded = None  # reshard before reducing
-        g.ready.clear()
-        g.in_backward = False
-        if not present:
-            del grads
-            return
-        self.kept_reduce_scatter = None  # reduce_scatter_max_input_buffers=1: the previous input goes
-        padded = sum(g.rows[i][0] for i in present)
-        rs_in = _empty(self.tracer, padded * self.world, dtype, Category.COMMUNICATION, "(FSDP reduce-scatter)")
-        del grads  # chunk_cat copied them; autograd's unsharded gradients are freed
-        rs_out = _empty(self.tracer, padded, dtype, Category.GRADIENT, "(FSDP sharded grads)")
-        offset = 0
-        for i in present:
-            n, local = g.rows[i]
-            stand_in = self.stand_ins[id(g.params[i])]
-            if self.offload:
-                if stand_in.grad is None:  # copied to host memory; the device output is dropped
-                    if id(stand_in) not in self.host_grads:
-                        self.host_grads[id(stand_in)] = self.host(local, dtype)
-                    stand_in.grad = self.host_grads[id(stand_in)]
-            elif stand_in.grad is None:
-                stand_in.grad = rs_out[offset: offset + math.prod(local)].view(local)
-            else:
-                stand_in.grad.add_(rs_out[offset: offset + math.prod(local)].view(local))  # accumulate in place
-            offset += n
-        del rs_out
-        self.kept_reduce_scatter = rs_in
-
-    def end_of_backward(self) -> None:
-        """``_root_post_backward_final_callback``: leftover groups, then the root; clear the RS inputs."""
-        for g in self.blocks:
-            if g.in_backward or g.ready:
-                self._post_backward(g)
-        self._post_backward(self.root)
-        self.kept_reduce_scatter = None
-        for g in self.blocks + [self.root]:
-            g.prefetched = None
-        self.order.clear()
-
-
-# ---- DeepSpeed ZeRO-1/2 ---------------------------------------------------------------------
+        emulated = _MetaZero12(tracer, model, config.gpus, 1 if config.strategy is Strategy.ZERO1 else 2,
+                               config.offload is Offload.OPTIMIZER, accumulate)
+    assume_one_rank(tracer, config.strategy)
+    return emulated
 
 
 def _assume_zero_common(tracer, name: str) -> None:
@@ -565,9 +238,6 @@ class _MetaZero12(_Emulation):
         return out  # bit16 partitions copied back and all-gathered in place: nothing allocated
 
 
-# ---- DeepSpeed ZeRO-3 -----------------------------------------------------------------------
-
-
 class _Gather:
     """An all-gather in flight (``AllGatherCoalescedHandle``): its flat buffer lives with it."""
 
@@ -609,6 +279,14 @@ class _MetaZero3(_Emulation):
         self.persist = {id(p) for p in self.full if p.numel() <= PARAM_PERSISTENCE_THRESHOLD}
         self.host_partition = ({id(p) for p in self.full if id(p) not in self.persist}
                                if self.offload_params else set())
+        self._assume(offload)
+        self._partition()
+        self._coordinator()
+        self._hook()
+
+    def _assume(self, offload: Offload) -> None:
+        """DeepSpeed's defaults and what the emulation assumes, in the report."""
+        tracer = self.tracer
         tracer.assume(f"zero3: DeepSpeed 0.19.8 defaults: reduce_bucket_size={_e(REDUCE_BUCKET_SIZE)}, "
                       f"prefetch_bucket_size={_e(PREFETCH_BUCKET_SIZE)}, param_persistence_threshold="
                       f"{_e(PARAM_PERSISTENCE_THRESHOLD)}, max_reuse_distance={_e(MAX_REUSE_DISTANCE)} elements; "
@@ -622,7 +300,11 @@ class _MetaZero3(_Emulation):
         if self.offload_optimizer:
             tracer.assume("zero3 offload: the fp32 master, optimizer state, gradient partitions and the step are "
                           "host memory (DeepSpeedCPUAdam)")
-        # Parameter partitions: the trainable ones defragmented into one buffer per dtype (lp_param_buffer).
+
+    def _partition(self) -> None:
+        """The rank's parameter partitions (the trainable ones in one buffer per dtype), the fp32
+        masters by sub-group, the gradient partitions and the IPG buckets (stage3.py:780-1162)."""
+        tracer = self.tracer
         by_dtype: dict[torch.dtype, list] = {}
         self.partitions: list[torch.Tensor] = []
         for p in self.full:
@@ -663,7 +345,10 @@ class _MetaZero3(_Emulation):
                                                 "(ZeRO-3 grad partitions)"))
             self.buckets[dtype] = _empty(tracer, REDUCE_BUCKET_SIZE, dtype, Category.COMMUNICATION,
                                          "(ZeRO IPG bucket)")
-        # The coordinator.
+
+    def _coordinator(self) -> None:
+        """The parameter coordinator's state (partitioned_param_coordinator.py): what is gathered
+        or in flight, the recorded module trace, the prefetch queue, which modules own what."""
         self.gathered: dict[int, torch.Tensor] = {}
         self.inflight: dict[int, _Gather] = {}
         self.active: dict[int, set[int]] = collections.defaultdict(set)
@@ -680,12 +365,16 @@ class _MetaZero3(_Emulation):
         self.waiting: dict[int, set[int]] = {}
         self.in_bucket: dict[torch.dtype, list] = collections.defaultdict(list)
         self.elements: dict[torch.dtype, int] = collections.defaultdict(int)
-        self.modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+        self.modules = [m for m in self.model.modules() if any(True for _ in m.parameters(recurse=False))]
         self.mparams = {id(m): list(m.parameters(recurse=False)) for m in self.modules}
         self.modules_of: dict[int, list] = collections.defaultdict(list)
         for m in self.modules:
             for p in self.mparams[id(m)]:
                 self.modules_of[id(p)].append(m)
+
+    def _hook(self) -> None:
+        """Fetch at each module's pre-forward, release at its post-forward, reduce at each gradient."""
+        model = self.model
         self.handles.append(model.register_forward_pre_hook(lambda m, a: self._reset_step(), prepend=True))
         for m in self.modules:
             self.handles.append(m.register_forward_pre_hook(lambda mod, a: self._fetch(mod, forward=True)))

@@ -1,0 +1,135 @@
+"""``fsdp`` and ``zero1``/``zero2``/``zero3``: sharded data parallelism, emulated on one rank.
+
+Every rank runs the same step on its own micro-batch, so rank 0 is traced and its
+figures hold for all (under fsdp and zero3 rank 0 holds the largest shard; under
+zero1/2 ranks differ by the parameters straddling partition boundaries). The model's full
+parameters stay on meta for the forward and backward compute, but the tracer stops
+counting them (``MemoryTracer.ignore``): what a rank really holds, its shards,
+gathered copies and communication buffers, is allocated explicitly as meta tensors
+at the moment the real wrapper allocates it and dropped when it frees it. The
+optimizer runs on stand-ins of the rank's shard, so its state has the shard's size.
+Sources: torch 2.13 ``torch/distributed/fsdp/_fully_shard/`` and DeepSpeed 0.19.8
+``deepspeed/runtime/zero/`` (fsdp.py and zero.py cite their files and lines). Checked: fsdp on CPU
+ranks (``memcheck.measure.distributed``, gloo) matches FSDP2's own allocations to the byte,
+up to gloo's reduce-scatter clone (which NCCL does not make).
+
+This module holds what both families share: the ``_Emulation`` base (hooks, the
+end-of-backward callback, the optimizer-step wrapper, host buffers) and the helpers that
+allocate a rank's buffers. ``fsdp.py`` and ``zero.py`` build on it.
+
+Known limitations:
+    The real wrappers allocate their buffers on several CUDA streams, each with its
+    own allocator pool; here they share one, so reserved memory comes out lower. The
+    optimizer is the one memcheck is given, run on the rank's stand-ins (DeepSpeed's
+    default FusedAdam and CPUAdam allocate no step temporaries). A block's (fsdp) or
+    module's (zero3) post-backward runs when its last gradient is accumulated; the
+    real hooks watch the gradients of its inputs. Only DeepSpeed's defaults are
+    modelled. Each of these is also stated as an assumption in the report.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memcheck.enums import Category, Device, Phase
+
+
+def assume_one_rank(tracer, strategy) -> None:
+    """The assumptions every sharded emulation makes, in the report."""
+    tracer.assume(f"{strategy.value}: rank 0 is traced and stands for every rank")
+    if tracer.device is Device.CUDA:
+        tracer.assume(f"{strategy.value}: communication buffers share the compute stream's allocator pool (the real "
+                      "wrapper allocates them on its own streams, so it reserves more)")
+
+
+def _empty(tracer, numel: int, dtype: torch.dtype, category: Category, label: str) -> torch.Tensor:
+    """A device buffer of ``numel`` elements, counted in ``category`` from its allocation on."""
+    with _disable_current_modes():  # one ALLOC event, already in its category (no TEMPORARY first)
+        t = torch.empty(int(numel), dtype=dtype, device="meta")
+    tracer.register(t, category, label)
+    return t
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors in a module's output (tuples, lists, dicts and transformers' ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _tensors(item)]
+    return []
+
+
+class _Emulation:
+    """What every sharded emulation shares: hooks to remove, an end-of-backward callback,
+    an optimizer step wrapper and the ignored full parameters kept alive."""
+
+    def __init__(self, tracer, model: torch.nn.Module, world: int, *, frozen_sharded: bool = True):
+        self.tracer, self.model, self.world = tracer, model, world
+        self.handles: list = []
+        self.kept: list[torch.Tensor] = []  # host buffers
+        self.queued = False
+        # What the rank holds of these is allocated explicitly. The tracer keys storages by
+        # address, so an ignored one must outlive the trace (the model keeps them).
+        self.full = list(model.parameters())  # tied parameters once, in registration order
+        for p in self.full:
+            if frozen_sharded or p.requires_grad:
+                tracer.ignore(p)
+
+    def host(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer in host memory: never counted, even when a later op touches it. Kept to the
+        end of the trace, since the tracer keys storages by address."""
+        with _disable_current_modes():
+            t = torch.zeros(shape, dtype=dtype, device="meta")
+        self.tracer.ignore(t)
+        self.kept.append(t)
+        return t
+
+    def queue_end_of_backward(self) -> None:
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self.queued = False
+        self.end_of_backward()
+
+    def end_of_backward(self) -> None:
+        pass
+
+    def on_phase(self, step: int, phase: Phase) -> None:
+        pass
+
+    def make_optimizer(self, make_optimizer) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def wrap_step(self, opt: torch.optim.Optimizer, step, host: bool) -> torch.optim.Optimizer:
+        """Make ``opt.step()`` run ``step(inner)``; ``host``: on the CPU, unseen, its state not counted."""
+        inner = opt.step
+        tracer = self.tracer
+
+        def run_inner(*args, **kwargs):
+            if not host:
+                return inner(*args, **kwargs)
+            with _disable_current_modes():
+                out = inner(*args, **kwargs)
+            for state in opt.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        tracer.ignore(value)
+            return out
+
+        opt.step = lambda *args, **kwargs: step(run_inner, *args, **kwargs)
+        return opt
+
+    def owner(self, stand_in: torch.Tensor, name: str | None) -> None:
+        """Report a stand-in's optimizer state under ``name`` (the tracer's module attribution)."""
+        if name is not None:
+            self.tracer._owner[id(stand_in)] = name
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()

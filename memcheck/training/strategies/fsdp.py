@@ -1,0 +1,217 @@
+"""``fsdp``: FSDP2's ``fully_shard``, emulated on one rank (the shared machinery and the
+strategy's limitations: ``memcheck.training.strategies._sharding``). Source: torch 2.13
+``torch/distributed/fsdp/_fully_shard/`` (the files and lines below are theirs). Checked: fsdp
+on CPU ranks (``memcheck.measure.distributed``, gloo) matches FSDP2's own allocations to the
+byte, up to gloo's reduce-scatter clone (which NCCL does not make).
+
+**fsdp** (``fully_shard`` on each repeated block, then on the root, defaults):
+
+- per parameter of shape ``(d0, *rest)`` the rank keeps a padded shard of
+  ``ceil(d0/W) * prod(rest)`` elements (``_fsdp_param.py:304-316``); the optimizer
+  sees the unpadded local rows (a view of it), so Adam's state is unpadded;
+- forward: a group's pre-forward allocates the all-gather output (``W`` padded
+  shards, ``_fsdp_collectives.py:351``), frees the previous group's one, then the
+  unsharded parameters (another ``W`` padded shards); blocks free the unsharded
+  parameters at post-forward, the root keeps them to the end of backward
+  (``_fsdp_state.py:205``); the last all-gather output goes at the root's post-forward;
+- backward: a block's pre-backward re-gathers it (the all-gather output freed at
+  once) and prefetches the block before it (``_backward_prefetch``); once all its
+  gradients exist, its post-backward frees the unsharded parameters and the previous
+  reduce-scatter input, allocates its own (``W`` padded shards), frees autograd's
+  gradients and allocates the reduce-scatter output, whose views are the sharded
+  gradients (``_fsdp_collectives.py:592-754``); the root's runs at the end of backward;
+- ``offload="params"`` (``CPUOffloadPolicy``): shards, sharded gradients and the
+  optimizer live in host memory; each all-gather copies the shards to the device first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from memcheck.enums import Category, Offload, Strategy
+from memcheck.training.checkpointing import repeated_blocks
+from memcheck.training.strategies._sharding import _Emulation, _empty, _tensors, assume_one_rank
+
+
+def emulation(config, tracer, model: torch.nn.Module, accumulate: int = 1) -> "_MetaFSDP":
+    """One rank of fsdp over ``config.gpus`` ranks (``accumulate`` changes nothing for FSDP2)."""
+    emulated = _MetaFSDP(tracer, model, config.gpus, config.offload is Offload.PARAMS)
+    assume_one_rank(tracer, Strategy.FSDP)
+    return emulated
+
+
+class _FsdpGroup:
+    """One ``fully_shard`` call's parameters (an FSDPParamGroup)."""
+
+    def __init__(self, name: str, module: torch.nn.Module, params: list, world: int):
+        self.name, self.module, self.params = name, module, params
+        self.rows = []  # per parameter: (padded shard elements, local unpadded shape of rank 0)
+        for p in params:
+            shape = tuple(p.shape) or (1,)
+            rest = math.prod(shape[1:])
+            chunk = -(-shape[0] // world)  # torch.chunk's size: rank 0's chunk is the padded size
+            self.rows.append((chunk * rest, (min(chunk, shape[0]), *shape[1:])))
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self.unsharded: list[torch.Tensor] | None = None
+        self.prefetched: torch.Tensor | None = None  # an all-gather output issued ahead (backward prefetch)
+        self.in_backward = False
+        self.ready: set[int] = set()
+
+    def gathered_bytes(self, world: int) -> int:
+        return sum(n * world * p.element_size() for (n, _), p in zip(self.rows, self.params))
+
+
+class _MetaFSDP(_Emulation):
+    """FSDP2 on one rank: shards, all-gather and reduce-scatter buffers, per group."""
+
+    def __init__(self, tracer, model: torch.nn.Module, world: int, offload: bool):
+        super().__init__(tracer, model, world)
+        self.offload = offload
+        modules = dict(model.named_modules())
+        seen: set[int] = set()
+        self.blocks = []
+        for name in repeated_blocks(model):
+            params = [p for p in modules[name].parameters() if id(p) not in seen]
+            seen.update(id(p) for p in params)
+            self.blocks.append(_FsdpGroup(name, modules[name], params, world))
+        self.root = _FsdpGroup("(root)", model, [p for p in self.full if id(p) not in seen], world)
+        self.group_of = {id(p): g for g in self.blocks + [self.root] for p in g.params}
+        tracer.assume(f"fsdp: fully_shard on each of the {len(self.blocks)} repeated blocks, then on the root; FSDP2 "
+                      "defaults (no mixed-precision policy; blocks resharded after forward, the root not)")
+        tracer.assume("fsdp: a block's reduce-scatter runs when its last gradient is accumulated "
+                      "(FSDP2 hooks the gradients of its inputs)")
+        if offload:
+            tracer.assume("fsdp offload: shards, sharded gradients and the optimizer step are host memory; "
+                          "the optimizer's temporaries are not on the GPU")
+        self.shards: dict[int, torch.Tensor] = {}
+        self.stand_ins: dict[int, torch.nn.Parameter] = {}
+        for g in self.blocks + [self.root]:
+            for p, (n, local) in zip(g.params, g.rows):
+                shard = (self.host(n, p.dtype) if offload
+                         else _empty(tracer, n, p.dtype, Category.PARAMETER, "(FSDP shards)"))
+                self.shards[id(p)] = shard
+                if p.requires_grad:
+                    self.stand_ins[id(p)] = torch.nn.Parameter(shard[: math.prod(local)].view(local))
+                    self.owner(self.stand_ins[id(p)], tracer._owner.get(id(p)))
+        self.host_grads: dict[int, torch.Tensor] = {}
+        self.kept_all_gather: torch.Tensor | None = None  # forward: freed by the next group's unshard
+        self.kept_reduce_scatter: torch.Tensor | None = None  # freed by the next group's post-backward
+        self.order: list[_FsdpGroup] = []  # post-forward order, for backward prefetch
+        for g in self.blocks + [self.root]:
+            self.handles.append(g.module.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g)))
+            self.handles.append(g.module.register_forward_hook(lambda m, a, o, g=g: self._post_forward(g, o)))
+        for p in self.full:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def make_optimizer(self, make_optimizer):
+        opt = make_optimizer(list(self.stand_ins.values()))
+        return self.wrap_step(opt, lambda inner, *a, **k: inner(*a, **k), host=self.offload)
+
+    # all-gather
+    def _all_gather(self, g: _FsdpGroup) -> torch.Tensor:
+        copies = ([_empty(self.tracer, n, p.dtype, Category.COMMUNICATION, "(FSDP host-to-device)")
+                   for (n, _), p in zip(g.rows, g.params)] if self.offload else [])
+        out = _empty(self.tracer, g.gathered_bytes(self.world), torch.uint8, Category.COMMUNICATION,
+                     "(FSDP all-gather)")
+        del copies  # the all-gather inputs, freed after the copy-in
+        return out
+
+    def _unshard(self, g: _FsdpGroup, forward: bool) -> None:
+        gathered = g.prefetched if g.prefetched is not None else self._all_gather(g)
+        g.prefetched = None
+        if forward:
+            self.kept_all_gather = None  # the previous group's output (wait_for_unshard)
+        g.unsharded = [_empty(self.tracer, n * self.world, p.dtype, Category.PARAMETER, "(FSDP unsharded params)")
+                       for (n, _), p in zip(g.rows, g.params)]
+        if forward:
+            self.kept_all_gather = gathered  # kept in all_gather_state until the next group's unshard
+        del gathered  # backward: freed right after the copy-out
+
+    def _pre_forward(self, g: _FsdpGroup) -> None:
+        if g.params and g.unsharded is None:  # a root without parameters has no group to gather
+            self._unshard(g, forward=True)
+
+    def _post_forward(self, g: _FsdpGroup, output) -> None:
+        if g.in_backward:
+            return  # a checkpointed block recomputed inside its backward: stays unsharded
+        if g is self.root:
+            self.kept_all_gather = None  # the root's _post_forward flushes the last all-gather
+        else:
+            g.unsharded = None  # reshard_after_forward: blocks only
+        if g.params:
+            self.order.append(g)
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, g=g: self._pre_backward(g))
+
+    # backward
+    def _pre_backward(self, g: _FsdpGroup) -> None:
+        if g.in_backward:
+            return
+        g.in_backward = True
+        self.queue_end_of_backward()
+        if g.params and g.unsharded is None:
+            self._unshard(g, forward=False)
+        index = max((i for i, h in enumerate(self.order) if h is g), default=0)
+        if index > 0:  # _backward_prefetch: one group ahead in reverse post-forward order
+            target = self.order[index - 1]
+            if target.unsharded is None and target.prefetched is None:
+                target.prefetched = self._all_gather(target)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self.queue_end_of_backward()
+        g = self.group_of[id(p)]
+        if g is self.root:
+            return  # the root reduces in the final callback
+        g.ready.add(id(p))
+        if len(g.ready) == len(g.trainable):
+            self._post_backward(g)
+
+    def _post_backward(self, g: _FsdpGroup) -> None:
+        present = [i for i in g.trainable if g.params[i].grad is not None]
+        dtype = g.params[present[0]].grad.dtype if present else None
+        grads = [g.params[i].grad for i in present]
+        for i in present:
+            g.params[i].grad = None
+        g.unsharded = None  # reshard before reducing
+        g.ready.clear()
+        g.in_backward = False
+        if not present:
+            del grads
+            return
+        self.kept_reduce_scatter = None  # reduce_scatter_max_input_buffers=1: the previous input goes
+        padded = sum(g.rows[i][0] for i in present)
+        rs_in = _empty(self.tracer, padded * self.world, dtype, Category.COMMUNICATION, "(FSDP reduce-scatter)")
+        del grads  # chunk_cat copied them; autograd's unsharded gradients are freed
+        rs_out = _empty(self.tracer, padded, dtype, Category.GRADIENT, "(FSDP sharded grads)")
+        offset = 0
+        for i in present:
+            n, local = g.rows[i]
+            stand_in = self.stand_ins[id(g.params[i])]
+            if self.offload:
+                if stand_in.grad is None:  # copied to host memory; the device output is dropped
+                    if id(stand_in) not in self.host_grads:
+                        self.host_grads[id(stand_in)] = self.host(local, dtype)
+                    stand_in.grad = self.host_grads[id(stand_in)]
+            elif stand_in.grad is None:
+                stand_in.grad = rs_out[offset: offset + math.prod(local)].view(local)
+            else:
+                stand_in.grad.add_(rs_out[offset: offset + math.prod(local)].view(local))  # accumulate in place
+            offset += n
+        del rs_out
+        self.kept_reduce_scatter = rs_in
+
+    def end_of_backward(self) -> None:
+        """``_root_post_backward_final_callback``: leftover groups, then the root; clear the RS inputs."""
+        for g in self.blocks:
+            if g.in_backward or g.ready:
+                self._post_backward(g)
+        self._post_backward(self.root)
+        self.kept_reduce_scatter = None
+        for g in self.blocks + [self.root]:
+            g.prefetched = None
+        self.order.clear()

@@ -146,6 +146,12 @@ def test_no_module_imports_itself_through_a_cycle():
     assert cycles(import_graph()) == []
 
 
+def test_every_folder_of_modules_is_a_package_that_a_wheel_ships():
+    # setuptools' find_packages (pyproject.toml) takes only folders with an __init__.py
+    folders = {p.parent for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    assert [f for f in folders if not (f / "__init__.py").exists()] == []
+
+
 def test_the_package_has_at_most_twelve_modules_at_its_top_level():
     top = [p.name for p in PACKAGE.glob("*.py")]
     assert len(top) <= 12, top

@@ -1,17 +1,21 @@
 """Training strategies: how one traced step is spread over GPUs.
 
-The contract is written in ``base`` (``StrategyConfig``, the ``Emulation`` protocol); one
-module per family emulates on meta tensors what the real wrapper allocates and when:
+One module per family, each emulating on meta tensors what the real wrapper
+allocates and when; ``base`` is the contract they share:
 
-- ``single``: one GPU, the plain loop (which ``ddp``, ``fsdp`` and ``zero`` run too);
+- ``base``: ``StrategyConfig``, ``Run`` (what ``train`` hands a family) and ``Emulation``
+  (what a one-rank wrapper adds to the plain loop);
+- ``single``: one GPU, the plain loop (``memcheck.training.loop.run_steps``), which the
+  one-rank families run with their emulation;
 - ``data_parallel``: ``dp`` and ``dp-balanced`` (``torch.nn.DataParallel``);
 - ``ddp``: ``DistributedDataParallel``'s gradient buckets;
-- ``fsdp``: FSDP2's ``fully_shard``; ``zero``: DeepSpeed's ZeRO-1/2/3; both with
-  ``--offload``, on the shared machinery of ``_sharding``.
+- ``fsdp``: FSDP2's ``fully_shard``, with ``--offload params``;
+- ``zero``: DeepSpeed's ``zero1``/``zero2``/``zero3``, with ``--offload``;
+- ``_sharding``: what ``fsdp`` and ``zero`` share.
 
-``train`` runs the traced steps for a ``StrategyConfig`` and says which traced GPU each
-real GPU looks like: DataParallel traces every GPU; the other strategies trace one rank,
-whose figures hold for every rank.
+``train`` runs the traced steps for a ``StrategyConfig`` and says which traced
+GPU each real GPU looks like: DataParallel traces every GPU; the other
+strategies trace one rank, whose figures hold for every rank.
 """
 
 from __future__ import annotations
@@ -22,14 +26,9 @@ import torch
 
 from memcheck.enums import Strategy
 from memcheck.training.loop import LossFn
-from memcheck.training.strategies import data_parallel, ddp, fsdp, single, zero
-from memcheck.training.strategies.base import SHARDED, Emulation, StrategyConfig, applicable
+from memcheck.training.strategies.base import SHARDED, Run, StrategyConfig, applicable
 
-__all__ = ["SHARDED", "Emulation", "StrategyConfig", "applicable", "train"]
-
-# strategy -> emulation(config, tracer, model, accumulate) of the wrappers that hook into the plain loop
-_EMULATIONS = {Strategy.DDP: ddp.emulation, Strategy.FSDP: fsdp.emulation, Strategy.ZERO1: zero.emulation,
-               Strategy.ZERO2: zero.emulation, Strategy.ZERO3: zero.emulation}
+__all__ = ["SHARDED", "StrategyConfig", "applicable", "train"]
 
 
 def train(
@@ -51,8 +50,16 @@ def train(
     ``evaluate(module)``, when given, runs after training with the module a trainer
     would evaluate: the DataParallel wrapper under ``dp``, the model otherwise.
     """
-    run = dict(autocast=autocast, scaler=scaler, accumulate=accumulate, evaluate=evaluate)
-    if config.strategy in (Strategy.DP, Strategy.DP_BALANCED):
-        return data_parallel.train(config, tracer, model, batch, loss_fn, make_optimizer, steps, **run)
-    return single.train(config, tracer, model, batch, loss_fn, make_optimizer, steps,
-                        emulate=_EMULATIONS.get(config.strategy), **run)
+    run = Run(config, tracer, model, batch, loss_fn, make_optimizer, steps, autocast, scaler, accumulate, evaluate)
+    strategy = config.strategy
+    if strategy in (Strategy.DP, Strategy.DP_BALANCED):
+        from memcheck.training.strategies import data_parallel as family
+    elif strategy is Strategy.DDP:
+        from memcheck.training.strategies import ddp as family
+    elif strategy is Strategy.FSDP:
+        from memcheck.training.strategies import fsdp as family
+    elif strategy in SHARDED:
+        from memcheck.training.strategies import zero as family
+    else:
+        from memcheck.training.strategies import single as family
+    return family.train(run)

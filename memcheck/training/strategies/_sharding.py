@@ -1,4 +1,5 @@
-"""``fsdp`` and ``zero1``/``zero2``/``zero3``: sharded data parallelism, emulated on one rank.
+"""What ``fsdp`` (``fsdp.py``) and ``zero1``/``zero2``/``zero3`` (``zero.py``) share: sharded data
+parallelism, emulated on one rank.
 
 Every rank runs the same step on its own micro-batch, so rank 0 is traced and its
 figures hold for all (under fsdp and zero3 rank 0 holds the largest shard; under
@@ -9,13 +10,10 @@ gathered copies and communication buffers, is allocated explicitly as meta tenso
 at the moment the real wrapper allocates it and dropped when it frees it. The
 optimizer runs on stand-ins of the rank's shard, so its state has the shard's size.
 Sources: torch 2.13 ``torch/distributed/fsdp/_fully_shard/`` and DeepSpeed 0.19.8
-``deepspeed/runtime/zero/`` (fsdp.py and zero.py cite their files and lines). Checked: fsdp on CPU
-ranks (``memcheck.measure.distributed``, gloo) matches FSDP2's own allocations to the byte,
-up to gloo's reduce-scatter clone (which NCCL does not make).
-
-This module holds what both families share: the ``_Emulation`` base (hooks, the
-end-of-backward callback, the optimizer-step wrapper, host buffers) and the helpers that
-allocate a rank's buffers. ``fsdp.py`` and ``zero.py`` build on it.
+``deepspeed/runtime/zero/`` (the files and lines cited in ``fsdp.py`` and ``zero.py`` are
+theirs). Checked: fsdp on CPU ranks (``memcheck.measure.distributed``, gloo) matches
+FSDP2's own allocations to the byte, up to gloo's reduce-scatter clone (which NCCL does
+not make).
 
 Known limitations:
     The real wrappers allocate their buffers on several CUDA streams, each with its
@@ -29,18 +27,41 @@ Known limitations:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memcheck.enums import Category, Device, Phase
+from memcheck.training.strategies.base import Emulation, Run
+from memcheck.training.strategies.single import train_one_rank
 
 
-def assume_one_rank(tracer, strategy) -> None:
-    """The assumptions every sharded emulation makes, in the report."""
-    tracer.assume(f"{strategy.value}: rank 0 is traced and stands for every rank")
-    if tracer.device is Device.CUDA:
-        tracer.assume(f"{strategy.value}: communication buffers share the compute stream's allocator pool (the real "
-                      "wrapper allocates them on its own streams, so it reserves more)")
+def train_sharded(run: Run, emulate: Callable[[], "_Emulation"], *, built_on_meta: bool) -> list[int]:
+    """Trace rank 0 of ``run.config.strategy`` over ``run.config.gpus`` ranks, with ``emulate()``'s emulation.
+
+    ``built_on_meta`` (fsdp, zero3): the model's full parameters never count, not even before the loop.
+    """
+    tracer, strategy = run.tracer, run.config.strategy
+    if built_on_meta:
+        # The full model never sits on the device: it is built on meta and only the shards are
+        # materialised (FSDP2: fully_shard, then to_empty; DeepSpeed: zero.Init, which the HF
+        # Trainer uses under ZeRO-3), the only way a model larger than one GPU can start. Were the
+        # full parameters counted first, the simulated allocator would keep their segments cached.
+        tracer.assume(f"{strategy.value}: the model is built on the meta device and only its shards are "
+                      "materialised (fully_shard then to_empty; deepspeed.zero.Init)")
+        for p in run.model.parameters():
+            tracer.ignore(p)
+
+    def emulation() -> _Emulation:
+        built = emulate()
+        tracer.assume(f"{strategy.value}: rank 0 is traced and stands for every rank")
+        if tracer.device is Device.CUDA:
+            tracer.assume(f"{strategy.value}: communication buffers share the compute stream's allocator pool (the "
+                          "real wrapper allocates them on its own streams, so it reserves more)")
+        return built
+
+    return train_one_rank(run, emulation)
 
 
 def _empty(tracer, numel: int, dtype: torch.dtype, category: Category, label: str) -> torch.Tensor:
@@ -62,7 +83,7 @@ def _tensors(out) -> list[torch.Tensor]:
     return []
 
 
-class _Emulation:
+class _Emulation(Emulation):
     """What every sharded emulation shares: hooks to remove, an end-of-backward callback,
     an optimizer step wrapper and the ignored full parameters kept alive."""
 
@@ -77,6 +98,12 @@ class _Emulation:
         for p in self.full:
             if frozen_sharded or p.requires_grad:
                 tracer.ignore(p)
+
+    def hook_gradients(self, hook) -> None:
+        """Run ``hook(p)`` once each trainable parameter's gradient is accumulated."""
+        for p in self.full:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def host(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A buffer in host memory: never counted, even when a later op touches it. Kept to the
@@ -133,3 +160,4 @@ class _Emulation:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+

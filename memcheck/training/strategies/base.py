@@ -1,55 +1,37 @@
-"""The strategy contract: what a training strategy is, and what its emulation provides.
+"""The strategy contract: a validated ``StrategyConfig``, what ``train`` hands a family
+(``Run``), and what a one-rank family's emulation gives the traced loop (``Emulation``).
 
-A strategy spreads one traced training step over GPUs. ``StrategyConfig`` is its
-validated settings. Each family lives in a module of its own beside this one and is
-reached through ``memcheck.training.strategies.train``, which returns, for each real
-GPU, the index of the traced GPU whose figures it shares:
+``memcheck.training.strategies.train`` picks the family module for
+``config.strategy`` and calls its ``train(run)``, which returns, for each real GPU, the
+index of the traced GPU whose figures hold for it:
 
-- ``single`` (``single.py``) traces the plain loop on one GPU: ``[0]``.
-- ``data_parallel`` (``dp``, ``dp-balanced``) runs its own loop around
-  ``torch.nn.DataParallel``'s emulation, tracing every GPU (``tracer.multi_gpu``):
-  ``[0, 1, ..., gpus - 1]``.
-- ``ddp``, ``fsdp`` and ``zero1-3`` run the plain loop with an ``Emulation`` (below)
-  hooked in, and trace rank 0, whose figures hold for every rank: ``[0] * gpus``.
-
-An ``Emulation`` is made after ``tracer.watch(model=..., batch=...)`` and before the
-optimizer, from ``emulation(config, tracer, model, accumulate)`` in its module. It
-allocates what the real wrapper holds (buckets, shards, gathered copies) as meta
-tensors registered with the tracer at the moment the wrapper allocates them, and frees
-them when the wrapper does; what the rank does not hold (fsdp's and zero3's full
-parameters) it tells the tracer to ignore. ``train`` calls, in order:
-
-1. ``make_optimizer(make_optimizer)``: the optimizer over what the rank's optimizer
-   steps on (a shard's stand-ins, a flat fp32 master, or the model's parameters);
-2. ``on_phase(step, phase)`` as the loop enters each phase, after the tracer's own;
-3. ``close()`` when the steps are done, even after an error: every hook removed.
-
-Strategies that build the model on meta and materialise only shards (fsdp, zero3:
-``SHARDS_AT_INIT``) have the full parameters ignored before the model is watched.
+- ``data_parallel`` (``dp``, ``dp-balanced``) traces every GPU: it sets
+  ``tracer.multi_gpu``, watches the model and batch itself with ``root_outputs=False``
+  (the DataParallel wrapper's outputs are the model's outputs) and runs its own loop
+  around the wrapper, so it needs no ``Emulation``. It returns ``[0, 1, ..., gpus - 1]``.
+- ``single``, ``ddp``, ``fsdp`` and ``zero`` (``zero1``-``zero3``) trace one rank, whose
+  figures hold for every rank, and return ``[0] * gpus``. They run the loop of
+  ``single.train_one_rank``: it calls ``tracer.watch(model=..., batch=...)``, then builds
+  the family's ``Emulation`` (none for ``single``), so the emulation's hooks run after
+  the tracer's; it watches the optimizer the emulation makes
+  (``tracer.watch(optimizer=...)``), calls ``on_phase`` after ``tracer.set_phase`` at
+  every phase, runs the evaluation with the bare model, and calls ``close`` last, also
+  when a step fails. An emulation never calls ``tracer.watch``: it allocates what its
+  rank holds itself (``tracer.register``) and stops counting what the rank does not
+  hold (``tracer.ignore``). ``fsdp`` and ``zero3`` build the model on meta: they ignore
+  its parameters before the model is watched.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
 from memcheck.enums import Offload, Phase, Strategy
 from memcheck.errors import UsageError, require_int, require_positive_number
-
-
-class Emulation(Protocol):
-    """What a wrapper adds to the plain traced loop (ddp's buckets, fsdp's and zero's shards)."""
-
-    def make_optimizer(self, make_optimizer: Callable) -> torch.optim.Optimizer:
-        """The optimizer the rank steps, built with the user's ``make_optimizer(params)``."""
-
-    def on_phase(self, step: int, phase: Phase) -> None:
-        """Called as the traced loop enters ``phase`` of ``step`` (0-based)."""
-
-    def close(self) -> None:
-        """Remove every hook the emulation registered."""
+from memcheck.training.loop import LossFn, run_steps
 
 
 @dataclass(frozen=True)
@@ -102,9 +84,6 @@ class StrategyConfig:
 
 
 SHARDED = (Strategy.FSDP, Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3)
-# The model is built on meta and only the shards are materialised (FSDP2: fully_shard, then
-# to_empty; DeepSpeed: zero.Init, which the HF Trainer uses under ZeRO-3).
-SHARDS_AT_INIT = (Strategy.FSDP, Strategy.ZERO3)
 
 
 def applicable(gpus: int) -> list[StrategyConfig]:
@@ -112,3 +91,47 @@ def applicable(gpus: int) -> list[StrategyConfig]:
     if gpus <= 1:
         return [StrategyConfig()]
     return [StrategyConfig()] + [StrategyConfig(s, gpus) for s in Strategy if s.multi_gpu]
+
+
+@dataclass(frozen=True)
+class Run:
+    """The arguments of ``strategies.train``: one traced training run, handed to a family's ``train``."""
+
+    config: StrategyConfig
+    tracer: Any  # memcheck.trace.tracer.MemoryTracer
+    model: torch.nn.Module
+    batch: Any
+    loss_fn: LossFn
+    make_optimizer: Callable  # params -> torch.optim.Optimizer
+    steps: int
+    autocast: Any = None
+    scaler: Any = None
+    accumulate: int = 1
+    evaluate: Callable[[torch.nn.Module], None] | None = None  # after training, on the module a trainer evaluates
+
+    def run_steps(self, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
+                  on_phase: Callable[[int, Phase], None]) -> None:
+        """``memcheck.training.loop.run_steps`` on the model and batch, with this run's loop settings."""
+        run_steps(self.model, self.batch, loss_fn, optimizer, self.steps, on_phase,
+                  autocast=self.autocast, scaler=self.scaler, accumulate=self.accumulate)
+
+
+class Emulation(Protocol):
+    """What one rank's wrapper (DDP, FSDP2, DeepSpeed ZeRO) adds to the plain traced loop.
+
+    Built by the family after the model and batch are watched (see the module docstring);
+    its constructor allocates the rank's own buffers and hooks the model.
+    """
+
+    def make_optimizer(self, make_optimizer: Callable) -> torch.optim.Optimizer:
+        """The optimizer the loop steps, made with the user's ``make_optimizer(params)``: on the model's
+        parameters, or on the rank's stand-ins (shards, fp32 master) with its ``step`` wrapped."""
+        ...
+
+    def on_phase(self, step: int, phase: Phase) -> None:
+        """Called at every phase of every step, right after ``tracer.set_phase(step, phase)``."""
+        ...
+
+    def close(self) -> None:
+        """Remove the emulation's hooks; called once, after training and evaluation, also on failure."""
+        ...

@@ -21,6 +21,8 @@ In backward, gather's gradient is scattered back (GPU 0's chunk a view), and
 gradients, every GPU flattens its replica's gradients, NCCL reduces them into a
 new flat buffer on GPU 0, and the master gradients are views of those buffers.
 The optimizer steps on GPU 0 only.
+
+Every GPU is traced (``tracer.multi_gpu``), so ``train`` maps real GPU k to traced GPU k.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense
 from torch.func import functional_call
 from torch.utils._pytree import tree_map_only
 
-from memcheck.enums import Category
+from memcheck.enums import Category, Strategy
 from memcheck.errors import UsageError
+from memcheck.training.strategies.base import Run
 
 BUFFER_SIZE = 10485760  # bytes: comm.broadcast_coalesced / reduce_add_coalesced's default
 
@@ -228,42 +231,26 @@ def balanced_loss(tracer, model, batch, loss_fn, gpus: int) -> torch.Tensor:
     return gather(tracer, losses).mean()
 
 
-def train(
-    config,
-    tracer,
-    model: torch.nn.Module,
-    batch: Any,
-    loss_fn,
-    make_optimizer,
-    steps: int,
-    *,
-    autocast=None,
-    scaler=None,
-    accumulate: int = 1,
-    evaluate=None,
-) -> list[int]:
-    """Trace ``steps`` steps of ``dp`` (``torch.nn.DataParallel``) or ``dp-balanced`` (the loss
-    computed on each GPU), every GPU traced; ``evaluate`` gets the DataParallel wrapper."""
-    from memcheck.enums import Strategy
-    from memcheck.training.loop import run_steps
+def train(run: Run) -> list[int]:
+    """Trace the steps through the wrapper: ``dp`` computes the loss on GPU 0, ``dp-balanced`` on each GPU.
 
+    ``run.evaluate`` gets the DataParallel wrapper, the module a trainer would evaluate.
+    """
+    tracer, model, loss_fn, gpus = run.tracer, run.model, run.loss_fn, run.config.gpus
     tracer.multi_gpu = True
-    tracer.watch(model=model, batch=batch, root_outputs=False)
-    if config.strategy is Strategy.DP:
-        wrapper = MetaDataParallel(tracer, model, config.gpus)
+    tracer.watch(model=model, batch=run.batch, root_outputs=False)
+    if run.config.strategy is Strategy.DP:
+        wrapper = MetaDataParallel(tracer, model, gpus)
         tracer.watch_outputs(wrapper)
-
         def step_loss(_, b):
             loss = loss_fn(wrapper, b)
             # A loss computed inside the model comes back one per GPU; the HF Trainer averages it.
             return loss.mean() if isinstance(loss, torch.Tensor) and loss.dim() == 1 else loss
     else:
-        def step_loss(m, b):
-            return balanced_loss(tracer, m, b, loss_fn, config.gpus)
-    opt = make_optimizer(model.parameters())
+        step_loss = lambda m, b: balanced_loss(tracer, m, b, loss_fn, gpus)  # noqa: E731
+    opt = run.make_optimizer(model.parameters())
     tracer.watch(optimizer=opt)
-    run_steps(model, batch, step_loss, opt, steps, tracer.set_phase, autocast=autocast, scaler=scaler,
-              accumulate=accumulate)
-    if evaluate is not None:
-        evaluate(MetaDataParallel(tracer, model, config.gpus))
-    return list(range(config.gpus))
+    run.run_steps(step_loss, opt, tracer.set_phase)
+    if run.evaluate is not None:
+        run.evaluate(MetaDataParallel(tracer, model, gpus))
+    return list(range(gpus))

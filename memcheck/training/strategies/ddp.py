@@ -27,12 +27,14 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _take_tensors
 
 from memcheck.enums import Category, Phase
+from memcheck.training.strategies.base import Emulation, Run
+from memcheck.training.strategies.single import train_one_rank
 
 SYNC_BUFFER_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size (_DEFAULT_BUCKET_CAP... 250 MiB)
 DEFAULT_BUCKET_CAP_MB = 25
 
 
-class MetaDDP:
+class MetaDDP(Emulation):
     """The buckets of one DDP rank, allocated and used as the Reducer does.
 
     Call ``on_phase`` from the training loop's phase callback.
@@ -112,7 +114,8 @@ class MetaDDP:
             h.remove()
 
 
-
-def emulation(config, tracer, model: torch.nn.Module, accumulate: int = 1) -> MetaDDP:
-    """One rank of ddp over ``config.gpus`` ranks, with its bucket settings."""
-    return MetaDDP(tracer, model, bucket_cap_mb=config.bucket_cap_mb, bucket_view=config.bucket_view)
+def train(run: Run) -> list[int]:
+    """The plain loop on one rank, with its DDP buckets."""
+    config = run.config
+    return train_one_rank(run, lambda: MetaDDP(run.tracer, run.model, bucket_cap_mb=config.bucket_cap_mb,
+                                               bucket_view=config.bucket_view))

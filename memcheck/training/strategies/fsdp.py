@@ -1,10 +1,7 @@
-"""``fsdp``: FSDP2's ``fully_shard``, emulated on one rank (the shared machinery and the
-strategy's limitations: ``memcheck.training.strategies._sharding``). Source: torch 2.13
-``torch/distributed/fsdp/_fully_shard/`` (the files and lines below are theirs). Checked: fsdp
-on CPU ranks (``memcheck.measure.distributed``, gloo) matches FSDP2's own allocations to the
-byte, up to gloo's reduce-scatter clone (which NCCL does not make).
+"""``fsdp``: FSDP2's ``fully_shard``, emulated on one rank (what ``_sharding.py`` says of every
+sharded strategy holds here); sources: torch 2.13 ``torch/distributed/fsdp/_fully_shard/``.
 
-**fsdp** (``fully_shard`` on each repeated block, then on the root, defaults):
+``fully_shard`` on each repeated block, then on the root, defaults:
 
 - per parameter of shape ``(d0, *rest)`` the rank keeps a padded shard of
   ``ceil(d0/W) * prod(rest)`` elements (``_fsdp_param.py:304-316``); the optimizer
@@ -30,16 +27,16 @@ import math
 
 import torch
 
-from memcheck.enums import Category, Offload, Strategy
+from memcheck.enums import Category, Offload
 from memcheck.training.checkpointing import repeated_blocks
-from memcheck.training.strategies._sharding import _Emulation, _empty, _tensors, assume_one_rank
+from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, train_sharded
+from memcheck.training.strategies.base import Run
 
 
-def emulation(config, tracer, model: torch.nn.Module, accumulate: int = 1) -> "_MetaFSDP":
-    """One rank of fsdp over ``config.gpus`` ranks (``accumulate`` changes nothing for FSDP2)."""
-    emulated = _MetaFSDP(tracer, model, config.gpus, config.offload is Offload.PARAMS)
-    assume_one_rank(tracer, Strategy.FSDP)
-    return emulated
+def train(run: Run) -> list[int]:
+    """Rank 0 of ``fsdp``: the model is built on meta, only the shards are materialised."""
+    offload = run.config.offload is Offload.PARAMS
+    return train_sharded(run, lambda: _MetaFSDP(run.tracer, run.model, run.config.gpus, offload), built_on_meta=True)
 
 
 class _FsdpGroup:
@@ -69,42 +66,57 @@ class _MetaFSDP(_Emulation):
     def __init__(self, tracer, model: torch.nn.Module, world: int, offload: bool):
         super().__init__(tracer, model, world)
         self.offload = offload
-        modules = dict(model.named_modules())
-        seen: set[int] = set()
-        self.blocks = []
-        for name in repeated_blocks(model):
-            params = [p for p in modules[name].parameters() if id(p) not in seen]
-            seen.update(id(p) for p in params)
-            self.blocks.append(_FsdpGroup(name, modules[name], params, world))
-        self.root = _FsdpGroup("(root)", model, [p for p in self.full if id(p) not in seen], world)
-        self.group_of = {id(p): g for g in self.blocks + [self.root] for p in g.params}
-        tracer.assume(f"fsdp: fully_shard on each of the {len(self.blocks)} repeated blocks, then on the root; FSDP2 "
-                      "defaults (no mixed-precision policy; blocks resharded after forward, the root not)")
-        tracer.assume("fsdp: a block's reduce-scatter runs when its last gradient is accumulated "
-                      "(FSDP2 hooks the gradients of its inputs)")
-        if offload:
-            tracer.assume("fsdp offload: shards, sharded gradients and the optimizer step are host memory; "
-                          "the optimizer's temporaries are not on the GPU")
-        self.shards: dict[int, torch.Tensor] = {}
-        self.stand_ins: dict[int, torch.nn.Parameter] = {}
-        for g in self.blocks + [self.root]:
-            for p, (n, local) in zip(g.params, g.rows):
-                shard = (self.host(n, p.dtype) if offload
-                         else _empty(tracer, n, p.dtype, Category.PARAMETER, "(FSDP shards)"))
-                self.shards[id(p)] = shard
-                if p.requires_grad:
-                    self.stand_ins[id(p)] = torch.nn.Parameter(shard[: math.prod(local)].view(local))
-                    self.owner(self.stand_ins[id(p)], tracer._owner.get(id(p)))
+        self._group_parameters()
+        self._assume()
+        self._allocate_shards()
         self.host_grads: dict[int, torch.Tensor] = {}
         self.kept_all_gather: torch.Tensor | None = None  # forward: freed by the next group's unshard
         self.kept_reduce_scatter: torch.Tensor | None = None  # freed by the next group's post-backward
         self.order: list[_FsdpGroup] = []  # post-forward order, for backward prefetch
+        self._register_hooks()
+
+    def _group_parameters(self) -> None:
+        """One group per repeated block (its parameters not already in one), then the root with the rest."""
+        modules = dict(self.model.named_modules())
+        seen: set[int] = set()
+        self.blocks = []
+        for name in repeated_blocks(self.model):
+            params = [p for p in modules[name].parameters() if id(p) not in seen]
+            seen.update(id(p) for p in params)
+            self.blocks.append(_FsdpGroup(name, modules[name], params, self.world))
+        self.root = _FsdpGroup("(root)", self.model, [p for p in self.full if id(p) not in seen], self.world)
+        self.group_of = {id(p): g for g in self.blocks + [self.root] for p in g.params}
+
+    def _assume(self) -> None:
+        """State the wrapping, the defaults and the offload in the report."""
+        tracer = self.tracer
+        tracer.assume(f"fsdp: fully_shard on each of the {len(self.blocks)} repeated blocks, then on the root; FSDP2 "
+                      "defaults (no mixed-precision policy; blocks resharded after forward, the root not)")
+        tracer.assume("fsdp: a block's reduce-scatter runs when its last gradient is accumulated "
+                      "(FSDP2 hooks the gradients of its inputs)")
+        if self.offload:
+            tracer.assume("fsdp offload: shards, sharded gradients and the optimizer step are host memory; "
+                          "the optimizer's temporaries are not on the GPU")
+
+    def _allocate_shards(self) -> None:
+        """Each parameter's padded shard (device or host), and the optimizer's stand-in on its local rows."""
+        self.shards: dict[int, torch.Tensor] = {}
+        self.stand_ins: dict[int, torch.nn.Parameter] = {}
+        for g in self.blocks + [self.root]:
+            for p, (n, local) in zip(g.params, g.rows):
+                shard = (self.host(n, p.dtype) if self.offload
+                         else _empty(self.tracer, n, p.dtype, Category.PARAMETER, "(FSDP shards)"))
+                self.shards[id(p)] = shard
+                if p.requires_grad:
+                    self.stand_ins[id(p)] = torch.nn.Parameter(shard[: math.prod(local)].view(local))
+                    self.owner(self.stand_ins[id(p)], self.tracer._owner.get(id(p)))
+
+    def _register_hooks(self) -> None:
+        """Each group's pre- and post-forward, then every trainable parameter's gradient hook."""
         for g in self.blocks + [self.root]:
             self.handles.append(g.module.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g)))
             self.handles.append(g.module.register_forward_hook(lambda m, a, o, g=g: self._post_forward(g, o)))
-        for p in self.full:
-            if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.hook_gradients(self._on_grad)
 
     def make_optimizer(self, make_optimizer):
         opt = make_optimizer(list(self.stand_ins.values()))
@@ -215,3 +227,4 @@ class _MetaFSDP(_Emulation):
         for g in self.blocks + [self.root]:
             g.prefetched = None
         self.order.clear()
+

@@ -1,6 +1,5 @@
-"""``zero1``/``zero2``/``zero3``: DeepSpeed's ZeRO, emulated on one rank (the shared
-machinery and the strategies' limitations: ``memcheck.training.strategies._sharding``).
-Source: DeepSpeed 0.19.8 ``deepspeed/runtime/zero/`` (the files and lines below are theirs).
+"""``zero1``/``zero2``/``zero3``: DeepSpeed ZeRO, emulated on one rank (what ``_sharding.py``
+says of every sharded strategy holds here); sources: DeepSpeed 0.19.8 ``deepspeed/runtime/zero/``.
 
 **zero1/zero2** (``stage_1_and_2.py``): the trainable parameters become one flat
 buffer per dtype, padded to ``2W`` elements (387, 441-446); the rank's partition is
@@ -44,7 +43,8 @@ import torch
 
 from memcheck.enums import Category, Offload, Phase, Strategy
 from memcheck.errors import UsageError
-from memcheck.training.strategies._sharding import _Emulation, _empty, _tensors, assume_one_rank
+from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, train_sharded
+from memcheck.training.strategies.base import Run
 
 # DeepSpeed 0.19.8 defaults, deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig), all in elements:
 REDUCE_BUCKET_SIZE = int(5e8)  # reduce_bucket_size (line 113)
@@ -56,20 +56,29 @@ SUB_GROUP_SIZE = int(1e9)  # sub_group_size (182)
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py:387: flat buffer padded to a multiple of 2*W elements
 
 
+def train(run: Run) -> list[int]:
+    """Rank 0 of ``zero1``-``zero3``; under zero3 the model is built on meta (``deepspeed.zero.Init``)."""
+    config, tracer, model = run.config, run.tracer, run.model
+    if config.strategy is Strategy.ZERO3:
+        return train_sharded(run, lambda: _MetaZero3(tracer, model, config.gpus, config.offload), built_on_meta=True)
+    stage = 1 if config.strategy is Strategy.ZERO1 else 2
+    offload = config.offload is Offload.OPTIMIZER
+    return train_sharded(run, lambda: _MetaZero12(tracer, model, config.gpus, stage, offload, run.accumulate),
+                         built_on_meta=False)
+
+
 def _e(n: int) -> str:
     """``5e8`` for 500000000: DeepSpeed's config values as its docs write them."""
     return f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
 
 
-def emulation(config, tracer, model: torch.nn.Module, accumulate: int = 1):
-    """One rank of zero1, zero2 or zero3 over ``config.gpus`` ranks."""
-    if config.strategy is Strategy.ZERO3:
-        emulated = _MetaZero3(tracer, model, config.gpus, config.offload)
-    else:
-        emulated = _MetaZero12(tracer, model, config.gpus, 1 if config.strategy is Strategy.ZERO1 else 2,
-                               config.offload is Offload.OPTIMIZER, accumulate)
-    assume_one_rank(tracer, config.strategy)
-    return emulated
+def _trainable_by_dtype(params: list) -> dict[torch.dtype, list]:
+    """The trainable parameters, grouped by dtype in order of first appearance."""
+    by_dtype: dict[torch.dtype, list] = {}
+    for p in params:
+        if p.requires_grad:
+            by_dtype.setdefault(p.dtype, []).append(p)
+    return by_dtype
 
 
 def _assume_zero_common(tracer, name: str) -> None:
@@ -78,6 +87,9 @@ def _assume_zero_common(tracer, name: str) -> None:
     if tracer.autocast is not None:
         tracer.assume(f"{name} with autocast: fp32 weights under torch.autocast (DeepSpeed's torch_autocast); "
                       "DeepSpeed's bf16/fp16 modes are precision='bf16'/'fp16'")
+
+
+# ---- DeepSpeed ZeRO-1/2 ---------------------------------------------------------------------
 
 
 class _ZeroGroup:
@@ -109,20 +121,7 @@ class _MetaZero12(_Emulation):
     def __init__(self, tracer, model: torch.nn.Module, world: int, stage: int, offload: bool, accumulate: int):
         super().__init__(tracer, model, world, frozen_sharded=False)  # frozen parameters are not flattened
         self.stage, self.offload, self.accumulate = stage, offload, accumulate
-        by_dtype: dict[torch.dtype, list] = {}
-        for p in self.full:
-            if p.requires_grad:
-                by_dtype.setdefault(p.dtype, []).append(p)
-        if not by_dtype:
-            raise UsageError("zero needs trainable parameters")
-        self.groups = [_ZeroGroup(self, ps, world, offload) for ps in by_dtype.values()]
-        self.group_of = {id(p): g for g in self.groups for p in g.params}
-        self.dtype = self.groups[0].dtype  # DeepSpeedZeroOptimizer.dtype: grads_in_partition's
-        if offload:  # temp_grad_buffer_for_gpu_offload (stage_1_and_2.py:659)
-            self.offload_buffer = _empty(tracer, max(p.numel() for p in self.full if p.requires_grad), self.dtype,
-                                         Category.COMMUNICATION, "(ZeRO offload grad buffer)")
-            tracer.assume(f"zero{stage} offload: the fp32 master, its gradient and the optimizer step are host "
-                          "memory (DeepSpeedCPUAdam)")
+        self._flatten_parameters()
         self.buckets: dict[torch.dtype, torch.Tensor] = {}
         self.in_bucket: dict[torch.dtype, list] = collections.defaultdict(list)
         self.elements: dict[torch.dtype, int] = collections.defaultdict(int)
@@ -130,14 +129,32 @@ class _MetaZero12(_Emulation):
         self.partition_offset = 0
         self.averaged: torch.Tensor | None = None  # grads_in_partition kept for the step (averaged_gradients)
         self.micro = 0
+        self._assume()
+        self.hook_gradients(self._on_grad)
+
+    def _flatten_parameters(self) -> None:
+        """One flat group per dtype of trainable parameters, and the offload gradient buffer."""
+        by_dtype = _trainable_by_dtype(self.full)
+        if not by_dtype:
+            raise UsageError("zero needs trainable parameters")
+        self.groups = [_ZeroGroup(self, ps, self.world, self.offload) for ps in by_dtype.values()]
+        self.group_of = {id(p): g for g in self.groups for p in g.params}
+        self.dtype = self.groups[0].dtype  # DeepSpeedZeroOptimizer.dtype: grads_in_partition's
+        if self.offload:  # temp_grad_buffer_for_gpu_offload (stage_1_and_2.py:659)
+            self.offload_buffer = _empty(self.tracer, max(p.numel() for p in self.full if p.requires_grad),
+                                         self.dtype, Category.COMMUNICATION, "(ZeRO offload grad buffer)")
+
+    def _assume(self) -> None:
+        """State the offload and DeepSpeed's defaults in the report."""
+        tracer, stage = self.tracer, self.stage
+        if self.offload:
+            tracer.assume(f"zero{stage} offload: the fp32 master, its gradient and the optimizer step are host "
+                          "memory (DeepSpeedCPUAdam)")
         tracer.assume(f"zero{stage}: DeepSpeed 0.19.8 defaults: contiguous_gradients, no overlap_comm, "
                       f"reduce_bucket_size={_e(REDUCE_BUCKET_SIZE)} elements (the IPG bucket)")
         tracer.assume(f"zero{stage}: rank 0's grads_in_partition (the whole parameters overlapping its partition); "
                       "other ranks' differ by the parameters straddling their boundaries")
         _assume_zero_common(tracer, f"zero{stage}")
-        for p in self.full:
-            if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def make_optimizer(self, make_optimizer):
         opt = make_optimizer([g.master for g in self.groups])
@@ -238,6 +255,9 @@ class _MetaZero12(_Emulation):
         return out  # bit16 partitions copied back and all-gathered in place: nothing allocated
 
 
+# ---- DeepSpeed ZeRO-3 -----------------------------------------------------------------------
+
+
 class _Gather:
     """An all-gather in flight (``AllGatherCoalescedHandle``): its flat buffer lives with it."""
 
@@ -274,18 +294,23 @@ class _MetaZero3(_Emulation):
         super().__init__(tracer, model, world)
         self.offload_optimizer = offload is not Offload.NONE
         self.offload_params = offload is Offload.PARAMS
+        self._partition_parameters()
+        self._assume()
+        self._allocate_partitions()
+        self._init_coordinator()
+        self._index_modules()
+        self._register_hooks()
+
+    def _partition_parameters(self) -> None:
+        """Each parameter's id, partition size, persistence and whether its partition is in host memory."""
         self.ds_id = {id(p): i for i, p in enumerate(self.full)}
-        self.part = {id(p): -(-p.numel() // world) for p in self.full}
+        self.part = {id(p): -(-p.numel() // self.world) for p in self.full}
         self.persist = {id(p) for p in self.full if p.numel() <= PARAM_PERSISTENCE_THRESHOLD}
         self.host_partition = ({id(p) for p in self.full if id(p) not in self.persist}
                                if self.offload_params else set())
-        self._assume(offload)
-        self._partition()
-        self._coordinator()
-        self._hook()
 
-    def _assume(self, offload: Offload) -> None:
-        """DeepSpeed's defaults and what the emulation assumes, in the report."""
+    def _assume(self) -> None:
+        """State DeepSpeed's defaults, the release approximation and the offload in the report."""
         tracer = self.tracer
         tracer.assume(f"zero3: DeepSpeed 0.19.8 defaults: reduce_bucket_size={_e(REDUCE_BUCKET_SIZE)}, "
                       f"prefetch_bucket_size={_e(PREFETCH_BUCKET_SIZE)}, param_persistence_threshold="
@@ -295,60 +320,60 @@ class _MetaZero3(_Emulation):
         tracer.assume("zero3: a module's parameters are released when its last gradient is accumulated "
                       "(DeepSpeed hooks its inputs' gradients)")
         _assume_zero_common(tracer, "zero3")
-        if offload is Offload.PARAMS:
+        if self.offload_params:
             tracer.assume("zero3 offload='params': offload_param and offload_optimizer both to the CPU")
         if self.offload_optimizer:
             tracer.assume("zero3 offload: the fp32 master, optimizer state, gradient partitions and the step are "
                           "host memory (DeepSpeedCPUAdam)")
 
-    def _partition(self) -> None:
-        """The rank's parameter partitions (the trainable ones in one buffer per dtype), the fp32
-        masters by sub-group, the gradient partitions and the IPG buckets (stage3.py:780-1162)."""
-        tracer = self.tracer
-        by_dtype: dict[torch.dtype, list] = {}
+    def _allocate_partitions(self) -> None:
+        """The frozen partitions, then per dtype the trainable ones in one buffer (lp_param_buffer), its
+        sub-groups' fp32 masters, the gradient partitions and the IPG bucket."""
         self.partitions: list[torch.Tensor] = []
         for p in self.full:
-            if p.requires_grad:
-                by_dtype.setdefault(p.dtype, []).append(p)
-            elif id(p) not in self.host_partition:
-                self.partitions.append(_empty(tracer, self.part[id(p)], p.dtype, Category.PARAMETER,
+            if not p.requires_grad and id(p) not in self.host_partition:
+                self.partitions.append(_empty(self.tracer, self.part[id(p)], p.dtype, Category.PARAMETER,
                                               "(ZeRO-3 partitions)"))
         self.sub_groups = []  # (dtype, elements, master): _create_fp16_sub_groups closes a group at >= 1e9
         self.host_grads: list[torch.Tensor] = []
         self.grad_buffers: list[torch.Tensor] = []
         self.buckets: dict[torch.dtype, torch.Tensor] = {}
-        for dtype, params in by_dtype.items():
+        for dtype, params in _trainable_by_dtype(self.full).items():
             device_numel = sum(self.part[id(p)] for p in params if id(p) not in self.host_partition)
-            lp = _empty(tracer, device_numel, dtype, Category.PARAMETER, "(ZeRO-3 partitions)")
+            lp = _empty(self.tracer, device_numel, dtype, Category.PARAMETER, "(ZeRO-3 partitions)")
             self.partitions.append(lp)
-            sizes, size = [], 0
-            for p in params:
-                size += self.part[id(p)]
-                if size >= SUB_GROUP_SIZE or p is params[-1]:
-                    sizes.append(size)
-                    size = 0
-            start = 0
-            for size in sizes:
-                if self.offload_optimizer:
-                    master = self.host(size, torch.float32)
-                elif dtype == torch.float32:  # already fp32 on the device: the partition itself (stage3.py:1162)
-                    master = torch.nn.Parameter(lp[start: start + size])
-                else:
-                    master = _empty(tracer, size, torch.float32, Category.OPTIMIZER, "(ZeRO fp32 master)")
-                master.requires_grad_(True)
-                if self.offload_optimizer:
-                    self.host_grads.append(self.host(size, torch.float32))
-                self.sub_groups.append((dtype, size, master))
-                start += size
+            sizes = self._allocate_sub_groups(dtype, params, lp)
             if not self.offload_optimizer:
-                self.grad_buffers.append(_empty(tracer, sum(sizes), dtype, Category.GRADIENT,
+                self.grad_buffers.append(_empty(self.tracer, sum(sizes), dtype, Category.GRADIENT,
                                                 "(ZeRO-3 grad partitions)"))
-            self.buckets[dtype] = _empty(tracer, REDUCE_BUCKET_SIZE, dtype, Category.COMMUNICATION,
+            self.buckets[dtype] = _empty(self.tracer, REDUCE_BUCKET_SIZE, dtype, Category.COMMUNICATION,
                                          "(ZeRO IPG bucket)")
 
-    def _coordinator(self) -> None:
-        """The parameter coordinator's state (partitioned_param_coordinator.py): what is gathered
-        or in flight, the recorded module trace, the prefetch queue, which modules own what."""
+    def _allocate_sub_groups(self, dtype: torch.dtype, params: list, lp: torch.Tensor) -> list[int]:
+        """Cut one dtype's partitions into sub-groups and give each its fp32 master; return their sizes."""
+        sizes, size = [], 0
+        for p in params:
+            size += self.part[id(p)]
+            if size >= SUB_GROUP_SIZE or p is params[-1]:
+                sizes.append(size)
+                size = 0
+        start = 0
+        for size in sizes:
+            if self.offload_optimizer:
+                master = self.host(size, torch.float32)
+            elif dtype == torch.float32:  # already fp32 on the device: the partition itself (stage3.py:1162)
+                master = torch.nn.Parameter(lp[start: start + size])
+            else:
+                master = _empty(self.tracer, size, torch.float32, Category.OPTIMIZER, "(ZeRO fp32 master)")
+            master.requires_grad_(True)
+            if self.offload_optimizer:
+                self.host_grads.append(self.host(size, torch.float32))
+            self.sub_groups.append((dtype, size, master))
+            start += size
+        return sizes
+
+    def _init_coordinator(self) -> None:
+        """The parameter coordinator's state: gathered and in-flight parameters, the module trace, the bucket."""
         self.gathered: dict[int, torch.Tensor] = {}
         self.inflight: dict[int, _Gather] = {}
         self.active: dict[int, set[int]] = collections.defaultdict(set)
@@ -365,6 +390,9 @@ class _MetaZero3(_Emulation):
         self.waiting: dict[int, set[int]] = {}
         self.in_bucket: dict[torch.dtype, list] = collections.defaultdict(list)
         self.elements: dict[torch.dtype, int] = collections.defaultdict(int)
+
+    def _index_modules(self) -> None:
+        """The modules with parameters of their own, their parameters, and each parameter's modules."""
         self.modules = [m for m in self.model.modules() if any(True for _ in m.parameters(recurse=False))]
         self.mparams = {id(m): list(m.parameters(recurse=False)) for m in self.modules}
         self.modules_of: dict[int, list] = collections.defaultdict(list)
@@ -372,16 +400,13 @@ class _MetaZero3(_Emulation):
             for p in self.mparams[id(m)]:
                 self.modules_of[id(p)].append(m)
 
-    def _hook(self) -> None:
-        """Fetch at each module's pre-forward, release at its post-forward, reduce at each gradient."""
-        model = self.model
-        self.handles.append(model.register_forward_pre_hook(lambda m, a: self._reset_step(), prepend=True))
+    def _register_hooks(self) -> None:
+        """``reset_step`` before the model's forward, fetch and release around each module, the gradient hook."""
+        self.handles.append(self.model.register_forward_pre_hook(lambda m, a: self._reset_step(), prepend=True))
         for m in self.modules:
             self.handles.append(m.register_forward_pre_hook(lambda mod, a: self._fetch(mod, forward=True)))
             self.handles.append(m.register_forward_hook(lambda mod, a, o: self._post_forward(mod, o)))
-        for p in self.full:
-            if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.hook_gradients(self._on_grad)
 
     def make_optimizer(self, make_optimizer):
         opt = make_optimizer([master for _, _, master in self.sub_groups])

@@ -78,3 +78,24 @@ def test_gpt2_saves_a_one_byte_mask_per_dropout_on_cuda():
     assert fused.peak_phase.value == decomposed.peak_phase.value == "backward"
     assert decomposed.breakdown_at_peak.activations - fused.breakdown_at_peak.activations == 491_520
     assert decomposed.peak_bytes - fused.peak_bytes == 491_520
+
+
+def test_multihead_attention_weights_dropout_is_fused_on_cuda():
+    # nn.MultiheadAttention(64, 4, dropout=0.1), need_weights=True, batch 2 x 128: the attention
+    # weights (B, H, L, S) = 2 x 4 x 128 x 128 = 131,072 elements, 524,288 B in fp32. On CUDA the
+    # dropout of the weights (functional.py: dropout(attn_output_weights, p=dropout_p)) keeps a
+    # 131,072 B bool mask where the CPU path allocates a 524,288 B noise tensor; both return the
+    # head-averaged weights (B, L, S) = 2 x 128 x 128 x 4 B = 131,072 B.
+    mha = torch.nn.MultiheadAttention(64, 4, batch_first=True, dropout=0.1, device="meta")
+    q = torch.empty(2, 128, 64, device="meta", requires_grad=True)
+
+    def allocs(device):
+        tracer = MemoryTracer(device)
+        with tracer:
+            mha(q, q, q, need_weights=True)[0].sum().backward()
+        return [e[2] for e in tracer.log.events if e[0] == ALLOC]
+
+    cuda, cpu = allocs(Device.CUDA), allocs(Device.CPU)
+    assert cpu.count(524_288) - cuda.count(524_288) == 1  # the noise tensor, gone
+    assert cuda.count(131_072) - cpu.count(131_072) == 1  # the mask, instead
+    assert F.dropout.__name__ == "dropout"  # the functional name is restored

@@ -93,26 +93,36 @@ def scaled_dot_product_attention(ctx, func, args, kwargs):
     return func(*args, **kwargs)
 
 
+# The functional names F.multi_head_attention_forward calls from inside itself
+# (torch/nn/functional.py: ``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p,
+# is_causal)`` when need_weights=False; ``dropout(attn_output_weights, p=dropout_p)`` when
+# need_weights=True), routed through the tracer while it runs.
+_MHA_INNER = ("scaled_dot_product_attention", "dropout")
+
+
 @register_op_rule(F.multi_head_attention_forward)
 def multi_head_attention_forward(ctx, func, args, kwargs):
     """``nn.MultiheadAttention`` (and ``nn.Transformer*``, torchvision's ViTs): its attention is
-    the SDPA call inside ``F.multi_head_attention_forward`` (torch/nn/functional.py, the
-    ``need_weights=False`` path: ``attn_output = scaled_dot_product_attention(q, k, v,
-    attn_mask, dropout_p, is_causal)``). The tracer's function mode handles
-    ``multi_head_attention_forward`` itself, and torch pops a mode while its handler runs,
-    so that inner call would reach neither autocast's emulation nor the SDPA rule above: the
-    trace would keep the math path's (B, H, T, T) scores that the target's fused kernels
-    never allocate. The module's global name is routed through the tracer for this call."""
-    original = F.scaled_dot_product_attention
+    the SDPA call inside ``F.multi_head_attention_forward`` (``need_weights=False``), or the
+    explicit softmax and ``dropout`` of the attention weights (``need_weights=True``). The
+    tracer's function mode handles ``multi_head_attention_forward`` itself, and torch pops a
+    mode while its handler runs, so those inner calls would reach neither autocast's
+    emulation nor their rules: the trace would keep the math path's (B, H, T, T) scores that
+    the target's fused kernels never allocate, and the CPU path's dropout noise where CUDA
+    keeps a 1-byte mask (``memcheck.rules.dropout``). The module's global names are routed
+    through the tracer for this call and restored after it."""
+    originals = {name: getattr(F, name) for name in _MHA_INNER}
 
-    def routed(*a, **k):
-        return ctx.route(original, a, k)
+    def routed(original):
+        return lambda *a, **k: ctx.route(original, a, k)
 
-    F.scaled_dot_product_attention = routed  # the name multi_head_attention_forward calls
+    for name, original in originals.items():
+        setattr(F, name, routed(original))  # the names multi_head_attention_forward calls
     try:
         return func(*args, **kwargs)
     finally:
-        F.scaled_dot_product_attention = original
+        for name, original in originals.items():
+            setattr(F, name, original)
 
 
 def _cpu_flash_splits(q_len: int, kv_len: int) -> tuple[int, int]:

@@ -1,0 +1,191 @@
+"""memcheck's CUDA prediction against GPU memory figures that others measured and published.
+
+    python benchmarks/published/run.py                  # every case in cases.json
+    python benchmarks/published/run.py --only hf-doc    # ids containing "hf-doc"
+    python benchmarks/published/run.py --json out.json  # also write the rows as JSON
+
+Each case of ``cases.json`` is rebuilt on the meta device from its config (no weights, no
+hub access) and traced with ``memcheck.estimate`` for the CUDA target. The published
+figure is compared with the matching field of the estimate:
+
+    max_memory_allocated -> Estimate.peak_bytes
+    max_memory_reserved  -> Estimate.reserved_bytes
+    nvidia-smi           -> Estimate.device_total_bytes
+
+Error is (predicted - published) / published. Summary lines give the median and worst
+|error| over the cases whose published stack matches the installed semantics
+(``stack_notes`` empty) and over all cases, per metric. Nothing here needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent))
+
+METRICS = {
+    "max_memory_allocated": "peak_bytes",
+    "max_memory_reserved": "reserved_bytes",
+    "nvidia-smi": "device_total_bytes",
+}
+REQUIRED = ("id", "source", "model", "batch_size", "max_len", "precision", "optimizer", "checkpointing",
+            "gpu", "torch_version", "metric", "value_bytes", "unit_conversion", "stack_notes")
+_AUTO = {
+    "causal-lm": "AutoModelForCausalLM",
+    "classification": "AutoModelForSequenceClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+}
+
+
+def load_cases(path: Path = HERE / "cases.json") -> list[dict]:
+    return json.loads(path.read_text())["cases"]
+
+
+def build_model(spec: dict):
+    import torch
+    import transformers
+
+    kwargs = dict(spec["kwargs"])
+    if "num_labels" in spec:
+        kwargs["num_labels"] = spec["num_labels"]
+    config = getattr(transformers, spec["config_class"])(**kwargs)
+    auto = getattr(transformers, _AUTO[spec["task"]])
+    extra = {"attn_implementation": spec["attn_implementation"]} if spec.get("attn_implementation") else {}
+    with torch.device("meta"):
+        model = auto.from_config(config, **extra)
+    return model, config
+
+
+def build_batch(spec: dict, config, batch_size: int, max_len: int) -> dict:
+    """The batch the published run fed the model, as meta tensors of its worst-case shape."""
+    import torch
+
+    def tokens():
+        return torch.empty(batch_size, max_len, dtype=torch.long, device="meta")
+
+    batch = {}
+    for name in spec["inputs"]:
+        if name == "input_ids":
+            batch[name] = tokens()
+        elif name == "attention_mask":
+            batch[name] = tokens()
+        elif name == "labels" and spec["task"] == "classification":
+            batch[name] = torch.empty(batch_size, dtype=torch.long, device="meta")
+        elif name == "labels":
+            batch[name] = tokens()
+        elif name in ("start_positions", "end_positions"):
+            batch[name] = torch.empty(batch_size, dtype=torch.long, device="meta")
+        else:
+            raise ValueError(f"unknown input {name!r}")
+    return batch
+
+
+def optimizer_for(case: dict):
+    """memcheck's optimizer name, or a constructor when the case pins the implementation's kwargs."""
+    kwargs = case.get("optimizer_kwargs") or {}
+    if not kwargs:
+        return case["optimizer"]
+    import torch
+
+    classes = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+    cls = classes[case["optimizer"]]
+    return lambda params: cls(params, **kwargs)
+
+
+def predict(case: dict):
+    import memcheck
+
+    model, config = build_model(case["model"])
+    batch = build_batch(case["model"], config, case["batch_size"], case["max_len"])
+    settings = dict(device="cuda", gpu=case["gpu"], precision=case["precision"], optimizer=optimizer_for(case),
+                    checkpointing=case["checkpointing"], batch_size=case["batch_size"], max_len=case["max_len"],
+                    accumulate=case.get("accumulate", 1))
+    if case["checkpointing"] != "none":
+        settings["use_reentrant"] = bool(case.get("use_reentrant", False))
+    if case.get("strategy", "single") != "single":
+        settings["strategy"] = case["strategy"]
+        settings["gpus"] = case.get("gpus", 1)
+    return memcheck.estimate(model, batch, model_name=case["id"], **settings)
+
+
+def gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def summary(rows: list[dict], title: str) -> list[str]:
+    lines = []
+    for metric in METRICS:
+        errs = [abs(r["error"]) for r in rows if r["metric"] == metric and r.get("error") is not None]
+        if errs:
+            worst = max((r for r in rows if r["metric"] == metric and r.get("error") is not None),
+                        key=lambda r: abs(r["error"]))
+            lines.append(f"{title:<14} {metric:<21} n={len(errs):<3} median |error| {statistics.median(errs):6.1%}   "
+                         f"worst {max(errs):6.1%} ({worst['id']})")
+        else:
+            lines.append(f"{title:<14} {metric:<21} n=0")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="run the cases whose id contains this text")
+    parser.add_argument("--json", type=Path, help="write the rows and summary here")
+    parser.add_argument("--cases", type=Path, default=HERE / "cases.json")
+    args = parser.parse_args(argv)
+
+    cases = load_cases(args.cases)
+    if args.only:
+        cases = [c for c in cases if args.only in c["id"]]
+        if not cases:
+            print(f"no case id contains {args.only!r}", file=sys.stderr)
+            return 2
+    rows, skipped = [], []
+    header = f"{'case':<46} {'metric':<21} {'published GiB':>13} {'predicted GiB':>13} {'error':>8}  stack"
+    print(header)
+    print("-" * len(header))
+    for case in cases:
+        start = time.perf_counter()
+        try:
+            est = predict(case)
+        except Exception as exc:  # a case that cannot be traced is listed, not fatal
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            skipped.append({"id": case["id"], "error": f"{type(exc).__name__}: {text}"})
+            print(f"{case['id']:<46} SKIPPED: {type(exc).__name__}: {text}")
+            continue
+        predicted = getattr(est, METRICS[case["metric"]])
+        published = case["value_bytes"]
+        error = None if predicted is None else (predicted - published) / published
+        row = {"id": case["id"], "metric": case["metric"], "published_bytes": published, "predicted_bytes": predicted,
+               "error": error, "stack_matches": not case["stack_notes"], "seconds": round(time.perf_counter() - start, 1)}
+        rows.append(row)
+        err_text = "-" if error is None else f"{error:+.1%}"
+        print(f"{case['id']:<46} {case['metric']:<21} {gib(published):>13} {gib(predicted):>13} {err_text:>8}  "
+              f"{'matches' if row['stack_matches'] else 'differs'}")
+    print()
+    lines = summary([r for r in rows if r["stack_matches"]], "stack matches") + summary(rows, "all cases")
+    print("\n".join(lines))
+    if skipped:
+        print("\nskipped (failed to trace):")
+        for s in skipped:
+            print(f"  {s['id']}: {s['error']}")
+    if args.json:
+        import torch
+        import transformers
+
+        args.json.write_text(json.dumps({
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": time.strftime("%Y-%m-%d"), "rows": rows, "skipped": skipped, "summary": lines,
+        }, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -60,14 +60,6 @@ def require_positive_number(value, what: str):
     return value
 
 
-def require_margin(value):
-    """Return ``value`` if it is None or a fraction in [0, 1) (the capacity held back); otherwise
-    raise UsageError naming it."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1):
-        raise UsageError(f"margin must be a fraction in [0, 1), such as 0.05; got {value!r}")
-    return value
-
-
 def closest(name: str, allowed) -> str:
     """Return a ' (did you mean X?)' suffix for a mistyped ``name``, or ''."""
     import difflib

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from memcheck.cuda.gpus import GpuSpec, resolve_gpu
-from memcheck.errors import UsageError, WillNotFit, require_int, require_margin
+from memcheck.errors import UsageError, WillNotFit, require_int
+from memcheck.job import check_setting
 from memcheck.report.results import Verdict
 from memcheck.report.text import will_not_fit_message
 
@@ -33,7 +34,7 @@ class CallbackSettings:
             object.__setattr__(self, "gpu", resolve_gpu(self.gpu))
         if self.budget_bytes is not None:
             require_int(self.budget_bytes, "budget_bytes")
-        require_margin(self.margin)
+        check_setting("margin", self.margin)  # the Job's own check: a fraction in [0, 1)
         for name in ("check_eval", "fix"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")

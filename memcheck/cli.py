@@ -87,20 +87,7 @@ def _load(model: str, job, optimizer: str | None, allow_download: bool, **load):
 
     work = load_workload(model, batch_size=job.batch_size or 1, max_len=job.max_len, target_len=job.target_len,
                          task=job.task, attn=job.attn, allow_download=allow_download, **load)
-    return work, job.replace(batch_size=work.batch_size, max_len=work.max_len, target_len=work.target_len,
-                             optimizer=optimizer or work.make_optimizer or "adamw")
-
-
-def _job(**flags):
-    """The ``Job`` the flags describe (a bad one named as its flag), checked before the model
-    file runs: a bad flag is reported as itself, never hidden behind the model's errors."""
-    from memcheck.errors import UsageError
-    from memcheck.job import Job, SettingError
-
-    try:
-        return Job(**flags)
-    except SettingError as exc:
-        raise UsageError(exc.worded("flag")) from None
+    return work, work.job_for(job, optimizer)
 
 
 def _quiet_transformers() -> None:
@@ -203,6 +190,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
     from memcheck.engine.compare import compare as run_compare
     from memcheck.engine.estimate import estimate as run_estimate
     from memcheck.errors import UsageError
+    from memcheck.job import Job
     from memcheck.pictures import check_pictures, write_pictures
     from memcheck.report.text import render_json
     from memcheck.units import parse_size
@@ -216,7 +204,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
         if compare and (strategy != "single" or bucket_view or bucket_cap_mb is not None or offload != "none"):
             raise UsageError("--compare lists every strategy with its defaults; drop --strategy and its settings")
         check_pictures(snapshot_path, plot_path)  # before anything is traced
-        job = _job(device=device, gpu=gpu, budget_bytes=budget, batch_size=batch_size, max_len=max_len,
+        # checked before the model file runs, so a bad flag is never hidden behind the model's errors
+        job = Job(device=device, gpu=gpu, budget_bytes=budget, batch_size=batch_size, max_len=max_len,
                    target_len=target_len, precision=precision, optimizer=optimizer or "adamw", steps=steps,
                    accumulate=accumulate, checkpointing=checkpointing, use_reentrant=reentrant,
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
@@ -273,6 +262,7 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
     from memcheck.engine.estimate import estimate as run_estimate
     from memcheck.engine.plan import plan as run_plan
     from memcheck.errors import UsageError, require_int
+    from memcheck.job import Job
     from memcheck.pictures import check_pictures, write_pictures
     from memcheck.report.text import render_json
     from memcheck.units import parse_size
@@ -290,7 +280,8 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
                 if not torch.cuda.is_available():
                     raise UsageError("--measure on the cuda target needs a CUDA GPU, and torch sees none here")
         check_pictures(snapshot_path, plot_path)  # before anything is traced
-        job = _job(device=device, gpu=gpu, budget_bytes=budget, max_len=max_len, target_len=target_len,
+        # checked before the model file runs, so a bad flag is never hidden behind the model's errors
+        job = Job(device=device, gpu=gpu, budget_bytes=budget, max_len=max_len, target_len=target_len,
                    precision="fp32" if precision_options else precision,  # the plan checks --precision-options
                    optimizer=optimizer or "adamw", steps=steps, use_reentrant=reentrant, strategy=strategy,
                    gpus=gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload, margin=margin,

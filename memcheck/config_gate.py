@@ -151,17 +151,16 @@ class JobConfig:
                                  f"{pattern!r}{closest(pattern, names)} (names look like {', '.join(names[:3])}, ...)")
 
     def check_job(self, work) -> Job:
-        """The job ``memcheck.check`` judges, completed from the loaded workload ``work``: its
-        lengths, the model file's ``make_optimizer`` unless the config names one, and, on the
-        cuda target without a GPU named, an unnamed GPU of ``gpu_memory``."""
+        """The job ``memcheck.check`` judges, completed from the loaded workload ``work``
+        (``Workload.job_for``: its micro-batch and lengths, the model file's ``make_optimizer``
+        unless the config names one) and, on the cuda target without a GPU named, given an
+        unnamed GPU of ``gpu_memory``."""
         from memcheck.cuda.gpus import sized_gpu
 
-        job = self.job
-        gpu = job.gpu
-        if gpu is None and job.device is Device.CUDA:
-            gpu = sized_gpu(job.budget_bytes)
-        return job.replace(gpu=gpu, max_len=work.max_len, target_len=work.target_len,
-                           optimizer=self.optimizer or work.make_optimizer or "adamw")
+        job = work.job_for(self.job, self.optimizer)
+        if job.gpu is None and job.device is Device.CUDA:
+            job = job.replace(gpu=sized_gpu(job.budget_bytes))
+        return job
 
 
 def load_configs(paths) -> tuple[list[JobConfig], list[str]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import json
-from types import SimpleNamespace
 import os
 import re
 import sys
@@ -29,7 +28,7 @@ from memcheck.errors import UsageError
 from memcheck.cuda.gpus import GpuSpec
 from memcheck.config_gate import JobConfig, load_config, load_configs
 from memcheck.measure.local import measure_cpu
-from memcheck.workloads.source import load_workload
+from memcheck.workloads.source import Workload, load_workload
 from memcheck.units import GiB, MiB
 
 MODEL = """\
@@ -163,6 +162,17 @@ def test_json_prints_one_object_with_a_result_per_job(repo):
     assert one["file"].endswith("memcheck.toml") and one["job"] is None and one["fits"] is True
     assert one["capacity_bytes"] == GiB and one["limit_bytes"] == int(GiB * 0.95) == 1_020_054_732
     assert one["fix_line"] is None and one["verdict_line"].startswith("fits: ")
+
+
+def test_a_job_without_micro_batch_is_checked_at_micro_batch_1(repo):
+    # micro_batch is optional in a config; the model's batch is then built with 1 row, as the
+    # CLI's --batch-size defaults to 1 (a regression: the Job left it None and check() refused)
+    (repo / "memcheck.toml").write_text(SMALL_JOB.replace("micro_batch = 2\n", ""))
+    result = run(repo / "memcheck.toml", "--json")
+    assert result.exit_code == 0, result.output
+    (one,) = json.loads(result.stdout)["results"]
+    assert one["estimate"]["batch"]["micro_batch_size"] == 1
+    assert one["estimate"]["batch"]["input_shapes"]["input_ids"] == [1, MAX_LEN]
 
 
 def test_pyproject_tool_memcheck_and_yaml_are_read(repo):
@@ -325,7 +335,8 @@ def test_top_level_keys_are_defaults_each_job_overrides(repo):
 def test_gpu_memory_alone_on_cuda_is_a_gpu_of_that_size_never_the_local_one(repo):
     (repo / "memcheck.json").write_text(json.dumps({"model": "model.py", "gpu_memory": "24GiB"}))
     (job,) = load_config(repo / "memcheck.json")
-    work = SimpleNamespace(max_len=None, target_len=None, make_optimizer=None)  # what check_job reads of a workload
+    work = Workload(name="m", model=None, batch=None, loss_fn=None, make_optimizer=None, batch_size=1, max_len=None,
+                    target_len=None)  # what check_job reads of a loaded workload
     checked = job.check_job(work)
     assert isinstance(checked.gpu, GpuSpec) and checked.gpu.capacity_bytes == 24 * GiB
     assert checked.budget_bytes == 24 * GiB and job.name is None and job.label.endswith("memcheck.json")

@@ -210,7 +210,7 @@ def estimate(
 
 def _validate(model, job: Job, eval_batch, top_modules) -> GpuSpec | None:
     """What the job alone cannot check (the call's other arguments); returns the CUDA target."""
-    target = target_gpu(job.gpu, job.device)
+    target = target_gpu(job)
     if job.eval_accumulate_predictions and eval_batch is None:
         raise UsageError("eval_accumulate_predictions needs an eval batch (eval_batch= / --eval-batch-size)")
     require_int(top_modules, "top_modules", minimum=0,
@@ -357,17 +357,12 @@ def _work(log: TraceLog, *, step: int, micro_steps: int) -> Work:
 DEFAULT_ARCH = (8, 0)  # A100-class, when no GPU is named and none is local
 
 
-def target_gpu(gpu, device: Device) -> GpuSpec | None:
-    """The CUDA target's GpuSpec from a name, a size or a spec (the local GPU by default);
-    None on the CPU target, where naming a GPU is an error (the budget is ``budget_bytes``)."""
-    if gpu is not None and not isinstance(gpu, (str, GpuSpec)):
-        raise UsageError(f"gpu must be a name such as 'H100-80GB', a size such as '24GiB', or a GpuSpec; got {gpu!r}")
-    if device is not Device.CUDA:
-        if gpu is not None:
-            raise UsageError(f"gpu={gpu!r} applies to the cuda target only; the target is {device.value} "
-                             "(give the budget as --gpu-memory)")
+def target_gpu(job: Job) -> GpuSpec | None:
+    """The CUDA target's GpuSpec: the job's GPU (a name, a size or a spec, checked by the
+    Job, which also refuses one on the CPU target), else the local GPU; None on the CPU."""
+    if job.device is not Device.CUDA:
         return None
-    return gpu if isinstance(gpu, GpuSpec) else resolve_gpu(gpu)
+    return job.gpu if isinstance(job.gpu, GpuSpec) else resolve_gpu(job.gpu)
 
 
 def _with_workspaces(events: list[tuple], arch, start: int) -> tuple[list[tuple], int]:

@@ -187,7 +187,7 @@ def _validate(model, make_batch, job: Job, precision_options, checkpointing_opti
                          f"batch, got {type(make_batch).__name__}")
     if max_len_limit is not None:
         require_int(max_len_limit, "max_len_limit")
-    target = target_gpu(job.gpu, job.device)
+    target = target_gpu(job)
     budget = job.budget_bytes
     if budget is None:
         if target is None:

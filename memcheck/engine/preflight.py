@@ -67,7 +67,7 @@ def check(
     device, config, margin = job.device, job.strategy_config, job.effective_margin
     batch_size, max_len, target_len = job.batch_size, job.max_len, job.target_len
     eval_batch_size = job.eval_batch_size
-    target = target_gpu(job.gpu, device)
+    target = target_gpu(job)
     capacity = job.budget_bytes if job.budget_bytes is not None else (target.capacity_bytes if target else None)
     if capacity is None:
         raise UsageError("a pre-flight check needs a capacity: name the GPU (gpu='H100-80GB' or gpu='24GiB') "
@@ -80,15 +80,13 @@ def check(
         make = _with_lengths(make, max_len, target_len)
         rows = batch_size * config.gpus if config.strategy in (Strategy.DP, Strategy.DP_BALANCED) else batch_size
         batch = make(rows)
-        if eval_batch is None and eval_batch_size is not None:
-            eval_batch = make(require_int(eval_batch_size, "eval_batch_size"))
     else:
         make = resizer(batch)
         rows = leading_size(batch)
         if batch_size is None:
             batch_size = rows // config.gpus if config.strategy in (Strategy.DP, Strategy.DP_BALANCED) else rows
-        if eval_batch is None and eval_batch_size is not None:
-            eval_batch = make(require_int(eval_batch_size, "eval_batch_size"))
+    if eval_batch is None and eval_batch_size is not None:  # eval_batch_size: checked by the Job
+        eval_batch = make(eval_batch_size)
     name = model_name or type(model).__name__
     job = job.replace(gpu=target if device is Device.CUDA else None, budget_bytes=capacity, batch_size=batch_size)
     if progress is not None:

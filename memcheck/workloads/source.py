@@ -20,7 +20,7 @@ import torch
 
 from memcheck.enums import Attention, Task
 from memcheck.errors import MemcheckError, ModelLoadError, UsageError, require_int
-from memcheck.job import SettingError, check_setting, escape
+from memcheck.job import Job, SettingError, check_setting, escape
 from memcheck.trace.device_redirect import on_meta
 from memcheck.workloads import hf
 
@@ -40,6 +40,13 @@ class Workload:
     # make(batch_size, max_len, target_len): the worst-case batch at other sizes or lengths
     make: Callable[[int, int | None, int | None], Any] | None = None
     max_len_limit: int | None = None  # the position limit, when the model has one
+
+    def job_for(self, job: Job, optimizer: str | None = None) -> Job:
+        """``job`` completed from this workload: its batch size and lengths as loaded (an hf:
+        model's position limit by default) and the model file's ``make_optimizer`` unless
+        ``optimizer`` names one (else adamw)."""
+        return job.replace(batch_size=self.batch_size, max_len=self.max_len, target_len=self.target_len,
+                           optimizer=optimizer or self.make_optimizer or "adamw")
 
     def batch_at(self, batch_size: int, max_len: int | None = None, target_len: int | None = None) -> Any:
         """The worst-case batch with ``batch_size`` rows, padded to ``max_len`` (default: the

@@ -14,7 +14,7 @@ from memcheck.rules import registry
 from memcheck.trace.tracer import MemoryTracer
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-import vit_l16  # noqa: E402
+import vit_l16
 
 B, H, T, D, MLP, LAYERS = 2, 16, 197, 1024, 4096, 24  # ViT-L/16 at 224 x 224: 14 x 14 patches + 1 class token
 SCORES_FP32 = B * H * T * T * 4  # the math path's (B, H, T, T) fp32 scores: 2 x 16 x 197 x 197 x 4 = 4,967,552 B

@@ -490,3 +490,64 @@ def test_random_sequences_keep_the_allocator_consistent(ops, config, capacity):
         alloc.free(s)
     _check_invariants(alloc)
     assert alloc.allocated == 0
+
+
+# -- the allocator over a process's life (issue 22) ----------------------------------------------
+# A step that keeps one tensor (k, 2 MiB, made in the step before, freed and made again, as a
+# gradient kept across steps would be) among three transients of 5, 12 and 12 MiB.
+LIFE = [
+    ev(ALLOC, "k", 2 * MiB),  # before the step: 2 MiB > 1 MiB, large pool, < 10 MiB: a 20 MiB segment A
+    ev(ALLOC, "t0", 5 * MiB), ev(ALLOC, "t1", 12 * MiB), ev(FREE, "k", 2 * MiB), ev(ALLOC, "k", 2 * MiB),
+    ev(ALLOC, "t2", 12 * MiB), ev(FREE, "t0", 5 * MiB), ev(FREE, "t2", 12 * MiB), ev(FREE, "t1", 12 * MiB),
+]
+
+
+def test_a_step_replayed_until_the_layout_repeats_finds_the_reserved_peak_of_a_long_run():
+    # The log's own pass (step 1): k at A[0:2]; t0 splits A[2:7]; t1 12 MiB takes the 13 MiB rest
+    # whole (a 1 MiB remainder is not split off in the large pool); k is freed and made again at
+    # A[0:2]; t2 finds nothing free: new segment B of 12 MiB (>= 10 MiB: rounded to 2 MiB).
+    # Reserved 20 + 12 = 32 MiB. At its end: k A[0:2], free A[2:20] (18), free B (12).
+    one = simulate(LIFE)
+    assert one.peak_reserved_bytes == 32 * MiB
+    # Replay 1 (step 2): t0 5 MiB best-fits B (12 < 18): B[20:25]; t1 splits A[2:14]; k back at
+    # A[0:2]; t2 12 MiB: free are A[14:20] (6) and B[25:32] (7): new segment C of 12 MiB: 44 MiB.
+    # End: k, free A[2:20] (18), B (12), C (12).
+    # Replay 2 (step 3): t0 takes B[20:25] (12-tie, lower address); t1 takes C whole; freeing k
+    # merges A[0:20] free, so k's 2 MiB best-fits B's 7 MiB rest: B[25:27]; t2 splits A[0:12].
+    # End: A free (20), B: free [20:25], k [25:27], free [27:32], C free (12).
+    # Replay 3 (step 4): t0 takes B[20:25] exactly; t1 C; k freed (merges with [27:32]) and made
+    # again at B[25:27]; t2 A[0:12]: the same layout as after replay 2. Settled after 3 replays.
+    life = simulate(LIFE, repeat=(1, len(LIFE)))
+    assert life.peak_reserved_bytes == 44 * MiB
+    assert (life.reserved_peak_event, life.reserved_peak_repeat) == (5, 1)  # t2's request, in replay 1
+    assert life.steady_repeats == 3
+    assert life.granted == one.granted  # per-event grants are those of the log's own pass
+
+
+def test_a_step_that_leaves_tensors_behind_is_not_repeated():
+    # t0 is made in the step and never freed: each replay would add 5 MiB, so there is no steady state
+    leak = [ev(ALLOC, "t0", 5 * MiB), ev(ALLOC, "t1", 12 * MiB), ev(FREE, "t1", 12 * MiB)]
+    stats = simulate(leak, repeat=(0, len(leak)))
+    assert stats.steady_repeats is None
+    # the log's own pass only: t0 opens a 20 MiB segment A at [0:5]; t1 12 MiB splits the 15 MiB rest
+    assert stats.peak_reserved_bytes == 20 * MiB
+
+
+def test_a_step_whose_kept_tensor_changes_size_is_not_repeated():
+    # the step frees a 2 MiB tensor made before it and keeps a 4 MiB one: they cannot be matched
+    grow = [ev(ALLOC, "k", 2 * MiB), ev(FREE, "k", 2 * MiB), ev(ALLOC, "k", 4 * MiB)]
+    assert simulate(grow, repeat=(1, len(grow))).steady_repeats is None
+
+
+def test_near_capacity_cached_segments_are_released_and_the_request_retried():
+    # A 12 MiB request gets its own 12 MiB segment; freed, it stays cached. A 16 MiB request
+    # cannot use it: unbounded, a second segment makes 28 MiB reserved. With 20 MiB of room,
+    # cudaMalloc of 16 MiB would exceed it, so release_cached_blocks frees the unsplit cached
+    # 12 MiB segment and the retry succeeds: 16 MiB reserved, peak max(12, 16) = 16 MiB.
+    seq = [ev(ALLOC, "x", 12 * MiB), ev(FREE, "x"), ev(ALLOC, "y", 16 * MiB), ev(FREE, "y")]
+    free = simulate(seq)
+    assert (free.peak_reserved_bytes, free.released) == (28 * MiB, False)
+    tight = simulate(seq, capacity=20 * MiB)
+    assert (tight.peak_reserved_bytes, tight.released, tight.first_oom) == (16 * MiB, True, None)
+    # with 15 MiB of room even the retry fails: an out-of-memory at the 16 MiB request (event 2)
+    assert simulate(seq, capacity=15 * MiB).first_oom == 2

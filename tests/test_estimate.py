@@ -186,3 +186,46 @@ def test_fragmentation_is_what_is_reserved_beyond_the_allocated_peak():
     model, x = _tiny_linear()
     est = memcheck.estimate(model, x, device="cuda", optimizer="sgd", gpu="H100-80GB")
     assert est.fragmentation_bytes == est.reserved_bytes - est.peak_bytes >= 0
+
+
+def test_the_allocator_life_releases_cached_segments_when_the_gpu_is_full():
+    # Setup (phase SETUP, step 0) then one training step whose events are those of
+    # tests/test_allocator.py's release test: a 12 MiB segment cached, then a 16 MiB request.
+    # Unbounded the allocator reserves 12 + 16 = 28 MiB. On a GPU with 20 MiB of room beside its
+    # context it gives the cached 12 MiB segment back and retries: 16 MiB; with 15 MiB the retry
+    # fails too, and the unbounded figures stand (the job does not fit).
+    from memcheck.cuda.gpus import GpuSpec
+    from memcheck.engine.estimate import _allocator_life
+    from memcheck.enums import ALLOC, FREE, Category, Phase
+
+    MiB = 2**20
+    act = (Category.ACTIVATION, None)
+    events = [(ALLOC, "x", 12 * MiB, *act, Phase.FORWARD, 0, 0), (FREE, "x", 12 * MiB, *act, Phase.FORWARD, 0, 0),
+              (ALLOC, "y", 16 * MiB, *act, Phase.BACKWARD, 0, 0), (FREE, "y", 16 * MiB, *act, Phase.BACKWARD, 0, 0)]
+
+    def gpu(room):
+        return GpuSpec("test", capacity_bytes=room + 64 * MiB, arch=(8, 0), context_bytes=64 * MiB)
+
+    fits = _allocator_life(events, 0, len(events), gpu(20 * MiB))
+    assert (fits.peak_reserved_bytes, fits.released) == (16 * MiB, True)
+    full = _allocator_life(events, 0, len(events), gpu(15 * MiB))
+    assert (full.peak_reserved_bytes, full.released) == (28 * MiB, False)
+    assert _allocator_life(events, 0, len(events), None).peak_reserved_bytes == 28 * MiB
+
+
+def test_the_report_says_where_reserved_peaked_and_when_the_allocator_settles():
+    # a rendering test: the report and the JSON carry the allocator's life as the Estimate has it
+    from torch import nn
+
+    from memcheck.report.text import render_estimate
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    est = memcheck.estimate(model, torch.empty(256, 1024, device="meta"), memcheck.Job(gpu="A100-80GB",
+                                                                                        optimizer="sgd"))
+    assert est.steady_step is not None and est.reserved_peak_step is not None
+    text = render_estimate(est)
+    data = est.to_dict()
+    assert data["allocator_steady_step"] == est.steady_step
+    assert data["reserved_peak"] == {"phase": est.reserved_peak_phase.value, "step": est.reserved_peak_step}
+    assert f"the allocator settles after step {est.steady_step}" in text

@@ -384,6 +384,16 @@ class AllocatorStats:
     handed out: the rounded request, or the whole cached block when the remainder was
     not worth splitting off (what ``torch.cuda.memory_allocated()`` grows by); 0 for
     other events and for an allocation that did not fit in ``capacity``.
+
+    With ``simulate(..., repeat=(start, end))`` the training step ``events[start:end]``
+    is replayed again after its first pass until the allocator's layout repeats:
+    ``steady_repeats`` is the number of extra replays it took to see every segment and
+    block end a step where the step before left it (1: the log's own last step had
+    already settled; k: it settled k - 1 steps after the log's last). None: it had not
+    settled within ``MAX_REPEATS`` replays, or the step leaves tensors behind that the
+    next one does not free. ``reserved_peak_event`` is the index in ``events`` of the request that
+    grew ``reserved`` to its peak and ``reserved_peak_repeat`` how many extra replays of
+    the step came before it (0: the peak was reached in the log's own pass).
     """
 
     peak_allocated_bytes: int  # max over time of granted live blocks (max_memory_allocated)
@@ -392,6 +402,10 @@ class AllocatorStats:
     segments_at_peak: int  # cudaMalloc'd segments plus expandable segments, at the reserved peak
     granted: tuple[int, ...] = field(default=(), repr=False)
     first_oom: int | None = None  # index of the first ALLOC that did not fit in ``capacity``
+    reserved_peak_event: int | None = None
+    reserved_peak_repeat: int = 0
+    steady_repeats: int | None = None
+    released: bool = False  # cached blocks were given back to the driver to make room (near capacity)
 
 
 class _Segment:
@@ -455,7 +469,17 @@ class CachingAllocator:
         self.live: dict[object, _Block] = {}
         self.reserved = self.allocated = self.segments = 0
         self.peak_reserved = 0
+        self.released = False  # cached memory went back to the driver to make room
         self._next_addr = 0
+
+    def layout(self) -> tuple:
+        """Every block, free or allocated, as ``(address, size, allocated, mapped)``, in address
+        order: two equal layouts replay any request sequence the same way."""
+        blocks = [(b.addr, b.size, True, True) for b in self.live.values()]
+        for pool in self.pools.values():
+            blocks += [(b.addr, b.size, False, True) for b in pool.free.values()]
+            blocks += [(b.addr, b.size, False, False) for b in pool.unmapped.values()]
+        return tuple(sorted(blocks))
 
     # -- malloc / free ---------------------------------------------------------------
     def malloc(self, key, nbytes: int) -> int:
@@ -612,6 +636,7 @@ class CachingAllocator:
         end = es.base + (b.addr + b.size - es.base) // es.page * es.page
         if begin >= end:
             return
+        self.released = True
         pool.remove(b)
         if begin > b.addr:
             before = _Block(b.addr, begin - b.addr, b.small, es)
@@ -654,6 +679,7 @@ class CachingAllocator:
 
     # -- giving memory back (only on the way to an OOM) ------------------------------------------
     def _release_block(self, pool: _Pool, b: _Block):
+        self.released = True
         pool.remove(b)
         self.reserved -= b.size
         self.segments -= 1
@@ -699,7 +725,11 @@ def _expandable_size(b: _Block) -> int:
     return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
 
 
-def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | None = None) -> AllocatorStats:
+MAX_REPEATS = 32  # extra replays of the training step looked at for a steady layout
+
+
+def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | None = None,
+             repeat: tuple[int, int] | None = None) -> AllocatorStats:
     """Replay a ``TraceLog.events`` list through the caching allocator.
 
     Args:
@@ -708,9 +738,18 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
         config: allocator settings; None means torch's defaults (use
             ``AllocatorConfig.from_env()`` to honour ``PYTORCH_CUDA_ALLOC_CONF``).
         capacity: device memory in bytes; see ``CachingAllocator``.
+        repeat: ``(start, end)``: ``events[start:end]`` is one training step. After the
+            log's pass up to ``end``, that step is replayed again, as a long run would,
+            until the layout of segments and blocks at the step's end is the one the step
+            before left (a fixed point: every later step replays the same), and only then
+            ``events[end:]`` (an evaluation pass). A tensor freed in the step but made
+            before it (made in the step before and kept) is matched, by size and order, to
+            the tensors the step makes and keeps; when they do not match, the step is not
+            repeated and ``steady_repeats`` is None.
 
     Returns:
-        AllocatorStats with the peaks and, per event, the granted block size.
+        AllocatorStats with the peaks over the whole replay and, per event of the log's
+        own pass, the granted block size.
 
     Example:
         >>> from memcheck.enums import ALLOC
@@ -726,31 +765,95 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
         cached blocks go to the lower simulated address, and new segments get ever higher
         addresses, which real ``cudaMalloc`` does not promise.
     """
-    alloc = CachingAllocator(config, capacity=capacity)
-    granted = []
-    peak_alloc = frag = segs = 0
-    seen_reserved = 0
-    first_oom = None
-    empty = set()  # zero-byte storages: torch's allocate() hands out a null pointer, no block
-    for n, ev in enumerate(events):
-        kind = ev[0]
+    run = _Run(CachingAllocator(config, capacity=capacity))
+    end = len(events) if repeat is None else repeat[1]
+    for n in range(end):
+        run.replay(n, events[n], events[n][1])
+    steady = None
+    if repeat is not None:
+        steady = run.repeat(events, *repeat)
+    for n in range(end, len(events)):
+        run.replay(n, events[n], events[n][1])
+    a = run.alloc
+    return AllocatorStats(run.peak_alloc, a.peak_reserved, run.frag, run.segs, tuple(run.granted), run.first_oom,
+                          run.peak_event, run.peak_repeat, steady, a.released)
+
+
+class _Run:
+    """The replay's bookkeeping: peaks, the first OOM, where ``reserved`` peaked."""
+
+    def __init__(self, alloc: CachingAllocator):
+        self.alloc = alloc
+        self.granted: list[int] = []
+        self.peak_alloc = self.frag = self.segs = self.seen_reserved = 0
+        self.first_oom = self.peak_event = None
+        self.peak_repeat = 0
+        self.repeat_no = 0  # 0 in the log's own pass, r in the r-th extra replay of the step
+        self.empty: set = set()  # zero-byte storages: torch's allocate() hands out a null pointer, no block
+
+    def replay(self, n: int, ev, key) -> None:
+        kind, first = ev[0], self.repeat_no == 0
+        got = 0
         if kind == ALLOC and ev[2] == 0:
-            empty.add(ev[1])
-            granted.append(0)
-        elif kind == FREE and ev[1] in empty:
-            empty.discard(ev[1])
-            granted.append(0)
+            self.empty.add(key)
+        elif kind == FREE and key in self.empty:
+            self.empty.discard(key)
         elif kind == ALLOC:
-            got = alloc.malloc(ev[1], ev[2])
-            granted.append(got)
-            if not got and first_oom is None:
-                first_oom = n
-            if alloc.allocated > peak_alloc:
-                peak_alloc = alloc.allocated
-            if alloc.reserved > seen_reserved:
-                seen_reserved, frag, segs = alloc.reserved, alloc.reserved - alloc.allocated, alloc.segments
-        else:
-            if kind == FREE:
-                alloc.free(ev[1])
-            granted.append(0)
-    return AllocatorStats(peak_alloc, alloc.peak_reserved, frag, segs, tuple(granted), first_oom)
+            got = self.alloc.malloc(key, ev[2])
+            if not got and self.first_oom is None:
+                self.first_oom = n
+            self.peak_alloc = max(self.peak_alloc, self.alloc.allocated)
+            if self.alloc.reserved > self.seen_reserved:
+                self.seen_reserved, self.frag = self.alloc.reserved, self.alloc.reserved - self.alloc.allocated
+                self.segs, self.peak_event, self.peak_repeat = self.alloc.segments, n, self.repeat_no
+        elif kind == FREE:
+            self.alloc.free(key)
+        if first:
+            self.granted.append(got)
+
+    def repeat(self, events, start: int, end: int) -> int | None:
+        """Replay ``events[start:end]`` until the layout repeats; how many replays that took."""
+        step = [(n, events[n]) for n in range(start, end)]
+        # The step's own tensors get fresh keys in every replay; a FREE of a tensor made before
+        # the step refers, from the second replay on, to the tensor the previous replay kept.
+        made, outside, kept = {}, [], {}
+        for n, ev in step:
+            if ev[0] == ALLOC:
+                made[ev[1]] = n
+            elif ev[0] == FREE:
+                if ev[1] in made:
+                    del made[ev[1]]
+                else:
+                    outside.append((n, ev))
+        survivors = sorted(made.values())
+        pool = list(survivors)
+        for n, ev in outside:  # match by size, in order
+            match = next((m for m in pool if events[m][2] == ev[2]), None)
+            if match is None:
+                return None
+            pool.remove(match)
+            kept[n] = match
+        if pool:  # the step keeps tensors no later step frees: reserved can grow without end
+            return None
+        before = self.alloc.layout()
+        for r in range(1, MAX_REPEATS + 1):
+            self.repeat_no = r
+            keys = {}
+            for n, ev in step:
+                if ev[0] == ALLOC:
+                    keys[ev[1]] = (r, n)
+                    self.replay(n, ev, (r, n))
+                elif ev[0] == FREE:
+                    key = keys.pop(ev[1], None)
+                    if key is None:  # made before this replay: what the previous pass kept
+                        key = (r - 1, kept[n]) if r > 1 else events[kept[n]][1]
+                    self.replay(n, ev, key)
+                else:
+                    self.replay(n, ev, ev[1])
+            after = self.alloc.layout()
+            if after == before:  # replay r left the layout the pass before it left
+                self.repeat_no = 0
+                return r
+            before = after
+        self.repeat_no = 0
+        return None

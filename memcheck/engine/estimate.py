@@ -428,14 +428,14 @@ def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch
     """The steady-state peak of one traced GPU (or the CPU), what was live at it, and on CUDA
     what the caching allocator reserves and the device shows in use."""
     events, start = _device_events(log, traced, device, arch)
+    eval_start = next((i for i, ev in enumerate(events) if ev[5] is Phase.EVAL), len(events))
     cuda = None
     if device is Device.CUDA:
-        sim = simulate(events, config=AllocatorConfig.from_env())
+        sim = _allocator_life(events, start, eval_start, gpu)
         sizes = sim.granted
-        cuda = (sim.peak_reserved_bytes, context_bytes(gpu))
+        cuda = (sim, events, context_bytes(gpu))
     else:
         sizes = [ev[2] for ev in events]
-    eval_start = next((i for i, ev in enumerate(events) if ev[5] is Phase.EVAL), len(events))
 
     live = 0
     best = train_best = eval_best = -1
@@ -492,14 +492,40 @@ def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch
     )
 
 
+def _allocator_life(events: list, start: int, eval_start: int, gpu: GpuSpec | None):
+    """The caching allocator over the process's life: the setup (weights, batch), the traced
+    steps, the last step replayed until the allocator's layout repeats, then the evaluation.
+
+    First with unbounded memory, as the allocator behaves while nothing fails. When that
+    reserves more than the GPU holds besides its context, a real run's ``cudaMalloc``
+    fails and the allocator gives cached segments back and retries
+    (``CUDACachingAllocator.cpp``, ``release_cached_blocks``), so the life is replayed at
+    the GPU's capacity; if it then fits, its figures are the run's."""
+    config = AllocatorConfig.from_env()
+    sim = simulate(events, config=config, repeat=(start, eval_start))
+    if gpu is None:
+        return sim
+    room = gpu.capacity_bytes - context_bytes(gpu)
+    if sim.peak_reserved_bytes <= room:
+        return sim
+    bounded = simulate(events, config=config, capacity=room, repeat=(start, eval_start))
+    return sim if bounded.first_oom is not None else bounded
+
+
 def _device_totals(allocated_peak: int, cuda) -> dict:
     if cuda is None:
         return {}
-    reserved, context = cuda
-    reserved = max(reserved, allocated_peak)
+    sim, events, context = cuda
+    reserved = max(sim.peak_reserved_bytes, allocated_peak)
+    at = events[sim.reserved_peak_event] if sim.reserved_peak_event is not None else None
+    last_step = max((ev[6] for ev in events if ev[5] is not Phase.EVAL), default=0) + 1  # 1-based
     return {
         # What the cache holds beyond the allocated peak: blocks too fragmented, or in the
         # wrong pool, to serve the peak's requests, so new segments had to be reserved.
         "reserved_bytes": reserved, "fragmentation_bytes": reserved - allocated_peak, "context_bytes": context,
         "device_total_bytes": reserved + context,
+        "reserved_peak_phase": None if at is None else at[5],
+        "reserved_peak_step": None if at is None else at[6] + 1 + sim.reserved_peak_repeat,
+        "steady_step": None if sim.steady_repeats is None else last_step + sim.steady_repeats - 1,
+        "released_cached": sim.released,
     }

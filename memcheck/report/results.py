@@ -107,6 +107,11 @@ class DeviceMemory:
     fragmentation_bytes: int | None = None
     context_bytes: int | None = None
     device_total_bytes: int | None = None
+    # CUDA: the caching allocator over the process's life (memcheck.cuda.allocator.simulate)
+    reserved_peak_phase: Phase | None = None  # Phase.SETUP: loading the weights and batch set it
+    reserved_peak_step: int | None = None  # 1-based; steps after the traced ones are replays
+    steady_step: int | None = None  # after this step every step leaves the allocator as it found it
+    released_cached: bool = False  # near capacity, cached segments went back to the driver to fit
 
     @property
     def total_bytes(self) -> int:
@@ -173,6 +178,13 @@ class Estimate:
     context_bytes = property(lambda self: self.busiest.context_bytes, doc="CUDA context and libraries.")
     device_total_bytes = property(lambda self: self.busiest.device_total_bytes,
                                   doc="Reserved + context: what nvidia-smi shows as used.")
+    reserved_peak_phase = property(lambda self: self.busiest.reserved_peak_phase,
+                                   doc="Where reserved peaked: Phase.SETUP is loading the weights and batch.")
+    reserved_peak_step = property(lambda self: self.busiest.reserved_peak_step, doc="1-based.")
+    steady_step = property(lambda self: self.busiest.steady_step,
+                           doc="After this step every step leaves the allocator as it found it (None: not seen).")
+    released_cached = property(lambda self: self.busiest.released_cached,
+                               doc="Near capacity, cached segments went back to the driver so the job fit.")
 
     @property
     def device(self) -> Device:
@@ -237,6 +249,10 @@ class Estimate:
             "fragmentation_bytes": self.fragmentation_bytes,
             "context_bytes": self.context_bytes,
             "device_total_bytes": self.device_total_bytes,
+            "reserved_peak": None if self.reserved_peak_phase is None else {
+                "phase": self.reserved_peak_phase.value, "step": self.reserved_peak_step},
+            "allocator_steady_step": self.steady_step,
+            "released_cached": self.released_cached if self.reserved_bytes is not None else None,
             "breakdown_at_peak": self.breakdown_at_peak.to_dict(),
             "peak_phase": self.peak_phase.value,
             "peak_in": self.peak_in,

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
+from memcheck.enums import Phase
 from memcheck.training.checkpointing import half_of
 from memcheck.units import format_bytes
 
@@ -46,6 +47,29 @@ def _gpu_label(est: Estimate) -> str:
     if gpu is None:
         return "no GPU named"
     return f"{gpu.name}, {format_bytes(gpu.capacity_bytes)}, sm{gpu.arch[0]}{gpu.arch[1]}"
+
+
+def allocator_life_line(est: Estimate) -> str:
+    """Where the caching allocator's reserved memory peaked over the process's life, and
+    after which step it stops growing."""
+    phase, step = est.reserved_peak_phase, est.reserved_peak_step
+    if phase is None:
+        where = "reserved peak: none recorded"
+    elif phase is Phase.SETUP:
+        where = "reserved peak while loading the weights and batch"
+    elif phase is Phase.EVAL:
+        where = "reserved peak in the evaluation pass"
+    else:
+        where = f"reserved peak in step {step}, phase {phase.value}"
+    if est.steady_step is not None:
+        settled = f"the allocator settles after step {est.steady_step} (each later step reuses the same blocks)"
+    else:
+        settled = "the allocator had not settled when the replay stopped: reserved may grow further in a long run"
+    line = f"{where}; {settled}"
+    if est.released_cached:
+        line += ("\nnear capacity the allocator gave cached segments back to the driver and retried "
+                 "(cudaFree synchronises: slower steps, but no out-of-memory)")
+    return line
 
 
 def render_estimate(est: Estimate) -> str:
@@ -92,6 +116,8 @@ def render_estimate(est: Estimate) -> str:
     lines.append(
         f"peak {where}in step {est.peak_step}, phase {est.peak_phase.value}, module {est.peak_module}"
     )
+    if est.reserved_bytes is not None:
+        lines.append(allocator_life_line(est))
     if est.eval_peak_bytes is not None:
         lines.append(
             f"the job's peak is in {'evaluation' if est.peak_in == 'eval' else 'training'}: "

@@ -103,3 +103,28 @@ def test_trace_cost_does_not_grow_with_batch_or_length():
             model(input_ids=ids, labels=ids).loss.backward()
         counts.append(len(tracer.log.events))
     assert counts[0] == counts[1]
+
+
+def test_weights_are_created_in_the_order_model_to_cuda_moves_them():
+    # The load phase (issue 22): the caching allocator packs the weights as model.to("cuda")
+    # creates them. torch's own Module._apply, given a function that records its argument,
+    # says which order that is: children first, then a module's own parameters, then buffers.
+    from torch import nn
+
+    from memcheck.enums import ALLOC, Device
+    from memcheck.trace.tracer import MemoryTracer
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(1))  # 4 B, the root's own: last
+            self.a = nn.Linear(2, 3)  # weight 6 x 4 = 24 B, bias 3 x 4 = 12 B
+            self.b = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))  # 48 B, 16 B; BN 16, 16 B + 8 B buffers
+
+    with torch.device("meta"):
+        model = Model()
+    moved = []
+    model._apply(lambda t: moved.append(t.untyped_storage().nbytes()) or t)
+    tracer = MemoryTracer(Device.CUDA)
+    tracer.watch(model=model)
+    assert [e[2] for e in tracer.log.events if e[0] == ALLOC] == moved == [24, 12, 48, 16, 16, 16, 16, 16, 8, 4]

@@ -74,6 +74,22 @@ _GLOBAL = "Global"  # ModuleTracker's name for "outside every module"
 LOSS_BACKWARD = "(loss, backward)"
 
 
+def _apply_order(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s modules in the order ``Module._apply`` converts them: children first
+    (each once), then the module itself."""
+    order, seen = [], set()
+
+    def visit(module):
+        seen.add(id(module))
+        for child in module.children():
+            if id(child) not in seen:
+                visit(child)
+        order.append(module)
+
+    visit(model)
+    return order
+
+
 @dataclass
 class TraceLog:
     """The ordered allocation events of a trace and what the tracer assumed.
@@ -314,13 +330,23 @@ class MemoryTracer(TorchDispatchMode):
         if model is not None:
             root = type(model).__name__
             self._roots.append(model)
+            owners, fresh = {}, {}  # id(module) -> its name; id(param) -> param, not yet registered
             for mod_name, mod in model.named_modules():
-                fqn = f"{root}.{mod_name}" if mod_name else root
+                owners[id(mod)] = f"{root}.{mod_name}" if mod_name else root
                 for p in mod.parameters(recurse=False):
-                    if id(p) in self._owner:  # a tied weight belongs to its first owner
+                    if id(p) not in self._owner:  # a tied weight belongs to its first owner
+                        self._owner[id(p)] = owners[id(mod)]
+                        fresh[id(p)] = p
+            # The weights reach the GPU as ``model.to("cuda")`` (the HF Trainer's and Lightning's
+            # move) makes them: Module._apply converts the children first, then the module's own
+            # parameters, then its buffers (torch/nn/modules/module.py, ``_apply``). The order
+            # decides how the caching allocator packs them into segments.
+            for mod in _apply_order(model):
+                fqn = owners[id(mod)]
+                for p in mod.parameters(recurse=False):
+                    if fresh.pop(id(p), None) is None:
                         continue
-                    self._owner[id(p)] = fqn
-                    self.register(p, Category.PARAMETER, fqn)
+                    self.register(p, Category.PARAMETER, self._owner[id(p)])
                     if p.requires_grad:
                         self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
                 for b in mod.buffers(recurse=False):

@@ -99,3 +99,83 @@ def test_multihead_attention_weights_dropout_is_fused_on_cuda():
     assert cpu.count(524_288) - cuda.count(524_288) == 1  # the noise tensor, gone
     assert cuda.count(131_072) - cpu.count(131_072) == 1  # the mask, instead
     assert F.dropout.__name__ == "dropout"  # the functional name is restored
+
+
+@pytest.mark.parametrize("dtype,head_dim,arch", [(torch.float32, 6, (8, 0)), (torch.bfloat16, 16, (7, 0))],
+                         ids=["fp32-d6-sm80", "bf16-sm70"])
+def test_sdpa_math_backend_dropout_on_cuda_keeps_a_bool_mask(dtype, head_dim, arch):
+    # SDPA's math backend is chosen on CUDA for fp32 with a head dim the efficient kernel cannot
+    # align (6 % 4 != 0 on sm80) and for bf16 below sm80. Its at::dropout(attn, p, true)
+    # (attention.cpp _scaled_dot_product_attention_math) is native_dropout on a CUDA tensor.
+    # The attention (B, H, L, S) = 2 x 4 x 128 x 128 = 131,072 elements is fp32 in both cases (the
+    # math path upcasts bf16 q, k, v): the meta path's noise tensor is 131,072 x 4 B = 524,288 B,
+    # the CUDA mask 131,072 x 1 B = 131,072 B; after forward 131,072 x (4 - 1) = 393,216 B less is live.
+    def trace(device):
+        q = torch.empty(2, 4, 128, head_dim, device="meta", dtype=dtype, requires_grad=True)
+        tracer = MemoryTracer(device, arch=arch)
+        with tracer:
+            out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)  # noqa: F841
+            return tracer, tracer.live_bytes
+
+    (cuda, cuda_live), (cpu, cpu_live) = trace(Device.CUDA), trace(Device.CPU)
+    assert f"SDPA on CUDA: math kernel (sm{arch[0]}{arch[1]})" in cuda.log.assumptions
+    assert cpu_live - cuda_live == 393_216
+    cuda_allocs = [(e[1], e[2]) for e in cuda.log.events if e[0] == ALLOC]
+    mask_ids = [sid for sid, n in cuda_allocs if n == 131_072]
+    assert len(mask_ids) == 1  # the mask, saved for NativeDropoutBackward
+    assert (RECAT, mask_ids[0], Category.ACTIVATION) in [(e[0], e[1], e[3]) for e in cuda.log.events]
+    assert 131_072 not in [e[2] for e in cpu.log.events if e[0] == ALLOC]  # the CPU target keeps the noise
+    # four fp32 (B, H, L, S) tensors on the CPU path (scores, softmax, noise, scores * noise), three on CUDA
+    assert [e[2] for e in cpu.log.events if e[0] == ALLOC].count(524_288) == 4
+    assert [n for _, n in cuda_allocs].count(524_288) == 3
+
+
+class _NoDropout:
+    """Stands in for ``torch.ops.aten`` in cuda_attention with dropout left out, so the Python math
+    path can be compared with torch's own at dropout_p=0."""
+
+    _safe_softmax = torch.ops.aten._safe_softmax
+    mul = torch.ops.aten.mul
+
+    @staticmethod
+    def native_dropout(x, p, train):
+        return x, None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", ["plain", "causal", "float-mask", "bool-mask", "negative-scale", "gqa"])
+def test_sdpa_math_path_in_python_runs_the_ops_torch_runs(monkeypatch, dtype, case):
+    # memcheck.rules.cuda_attention.math_attention_native_dropout replays attention.cpp's math path to
+    # swap its dropout; without the dropout, every op (name, output shapes, dtypes, strides) of its
+    # forward and backward is the one F.scaled_dot_product_attention(dropout_p=0) runs on meta.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memcheck.rules import cuda_attention
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            self.seen.append((func, [(t.shape, t.dtype, t.stride()) for t in outs if isinstance(t, torch.Tensor)]))
+            return out
+
+    heads_kv = 2 if case == "gqa" else 4
+    mask = {"float-mask": torch.zeros(8, 8, dtype=dtype, device="meta"),
+            "bool-mask": torch.ones(2, 1, 8, 8, dtype=torch.bool, device="meta")}.get(case)
+    kw = {"attn_mask": mask, "is_causal": case == "causal", "scale": -0.3 if case == "negative-scale" else None,
+          "enable_gqa": case == "gqa"}
+
+    def ops(attention):
+        q = torch.empty(2, 4, 8, 16, device="meta", dtype=dtype, requires_grad=True)
+        k, v = (torch.empty(2, heads_kv, 8, 16, device="meta", dtype=dtype, requires_grad=True) for _ in "kv")
+        mode = Ops()
+        mode.seen = []
+        with mode:
+            attention(q, k, v).float().sum().backward()
+        return mode.seen
+
+    torch_ops = ops(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, **kw))
+    monkeypatch.setattr(cuda_attention, "aten", _NoDropout)
+    mine = ops(lambda q, k, v: cuda_attention.math_attention_native_dropout(
+        q, k, v, kw["attn_mask"], 0.5, kw["is_causal"], kw["scale"], kw["enable_gqa"]))
+    assert mine == torch_ops

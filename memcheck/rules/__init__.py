@@ -6,8 +6,9 @@ below registers its own rules when imported; importing this package imports them
 * ``sdpa``: ``scaled_dot_product_attention``'s kernel choice on each target, and the CPU
   flash-attention kernels' buffers;
 * ``cpu_kernels``: CPU kernels whose buffers differ from the meta kernel's (oneDNN, LSTM, ...);
-* ``cuda_kernels`` and ``cuda_attention``: CUDA kernels whose memory differs from the meta
-  kernel's (softmax, cuDNN convolutions; flash / efficient / cuDNN attention);
+* ``cuda_kernels``, ``cuda_attention`` and ``cuda_norms``: CUDA kernels whose memory differs
+  from the meta kernel's (softmax, cuDNN convolutions; flash / efficient / cuDNN attention and
+  the math backend's fused dropout; the fused RMSNorm);
 * ``data_dependent``: ops whose output size depends on values take the worst case;
 * ``dropout``: the fused CUDA dropout kernel (a bool mask) instead of the CPU's noise tensor;
 * ``autocast``: ``torch.autocast``'s casts, emulated on meta tensors;
@@ -19,6 +20,7 @@ from memcheck.rules import (  # noqa: F401  (each registers its rules)
     cpu_kernels,
     cuda_attention,
     cuda_kernels,
+    cuda_norms,
     data_dependent,
     dropout,
     extensions,

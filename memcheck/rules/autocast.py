@@ -78,10 +78,10 @@ _CUDA = {
         "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
         "rsqrt", "sinh", "tan", "pow", "dist", "renorm", "logsumexp",
     )
-    + " Tensor.__pow__ Tensor.__rpow__ torch.layer_norm torch.group_norm torch.cosine_similarity"
+    + " Tensor.__pow__ Tensor.__rpow__ torch.layer_norm torch.group_norm torch.rms_norm torch.cosine_similarity"
     " torch.poisson_nll_loss torch.cosine_embedding_loss torch.hinge_embedding_loss torch.kl_div"
     " torch.margin_ranking_loss torch.triplet_margin_loss torch.cdist torch.pdist"
-    " torch.binary_cross_entropy_with_logits F.softplus F.layer_norm F.group_norm F.cosine_similarity"
+    " torch.binary_cross_entropy_with_logits F.softplus F.layer_norm F.group_norm F.rms_norm F.cosine_similarity"
     " F.poisson_nll_loss F.cosine_embedding_loss F.nll_loss F.hinge_embedding_loss F.kl_div F.l1_loss"
     " F.smooth_l1_loss F.huber_loss F.mse_loss F.margin_ranking_loss F.multilabel_margin_loss"
     " F.soft_margin_loss F.triplet_margin_loss F.multi_margin_loss F.binary_cross_entropy_with_logits"

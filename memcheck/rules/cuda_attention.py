@@ -5,6 +5,9 @@ module picks the kernel torch 2.11-2.13 would pick on a GPU of a given compute
 capability (``cuda_sdpa_backend``), traces that kernel's aten op on meta
 (``trace_cuda_sdpa``), and adds, through DISPATCH rules, the buffers the CUDA
 kernels allocate inside the op that the meta kernels do not show (``ctx.scratch``).
+When the math backend is chosen with dropout, its C++ ``at::dropout`` would run the
+meta path's noise tensor; ``math_attention_native_dropout`` replays the math path with
+the ``native_dropout`` (a bool mask) that a CUDA tensor takes.
 
 Sources (pytorch/pytorch, read through the code search; the CUTLASS headers are
 the ones shipped in the installed torch 2.13 wheel, ``torch/include``):
@@ -335,6 +338,75 @@ def _compute_logsumexp(q, k, v) -> bool:
     return _input_requires_grad(q, k, v)
 
 
+def _math_dropout_is_fused(q, k, v, attn_mask, dropout_p, enable_gqa) -> bool:
+    """Whether the math backend's ``at::dropout(attn, dropout_p, true)`` takes ``native_dropout``
+    on a CUDA tensor (Dropout.cpp ``is_fused_kernel_acceptable``: 0 < p < 1, a non-empty
+    input), for inputs ``math_attention_native_dropout`` reproduces; anything else (nested
+    tensors, mixed dtypes, heads that do not divide) is left to torch and its own checks."""
+    if not 0.0 < dropout_p < 1.0:
+        return False
+    if any(t.is_nested for t in (q, k, v)) or q.dim() < 2 or not (q.dtype == k.dtype == v.dtype):
+        return False
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
+        return False
+    if enable_gqa and q.dim() >= 3 and (q.shape[-3] % k.shape[-3] or q.shape[-3] % v.shape[-3]):
+        return False
+    return q.numel() > 0 and k.numel() > 0 and q.shape[-2] > 0 and k.shape[-2] > 0
+
+
+def _additive_mask(mask, dtype):
+    """``convert_boolean_attn_mask`` as torch 2.13 runs it: two scalars and a ``where``
+    (traced on meta: ``scalar_tensor`` x 2, ``where.self``), in the query's dtype."""
+    zero = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
+    neg_inf = torch.scalar_tensor(-math.inf, dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, neg_inf)
+
+
+def math_attention_native_dropout(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """SDPA's math backend as a CUDA run takes it: attention.cpp ``_scaled_dot_product_attention_math``,
+    op for op as torch 2.13 runs it on meta, except ``at::dropout(attn, dropout_p, true)``.
+
+    On a CUDA tensor that call is ``native_dropout`` (Dropout.cpp:139, see ``memcheck.rules.dropout``):
+    the (B, H, L, S) attention in its dtype and a bool mask, the mask alone saved for backward.
+    On meta it is ``_dropout_impl``, whose noise tensor in the attention's dtype (fp32 for
+    bf16/fp16 inputs: the math path upcasts them) is saved instead. The C++ math op is
+    CompositeImplicitAutograd, so autograd records the ops below on CUDA too.
+
+    The steps (attention.cpp ``scaled_dot_product_attention``, case math, then
+    ``_scaled_dot_product_attention_math``; the TORCH_WARN_ONCE next to the dropout call is
+    attention.cpp:906 in 2.13, as its warning reports): a bool mask made additive; q, k, v
+    upcast to fp32 when half and ``allow_fp16_bf16_reduction_math_sdp`` is off; q and k^T each
+    scaled by sqrt(scale); a causal mask built as ones(L, S).tril() made additive; grouped
+    key/value heads repeated (``repeat_interleave``); ``matmul``, ``add`` of the mask,
+    ``_safe_softmax``, the dropout; then the attention weights cast back to the input dtype
+    (the second element of the returned tuple, which SDPA drops; traced before the last
+    ``matmul``) and ``matmul(attn, v).to(dtype)``.
+    """
+    origin = q.dtype
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = _additive_mask(attn_mask, origin)
+    upcast = not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    q, k, v = (t.to(torch.float32) if upcast and t.dtype in _HALF else t for t in (q, k, v))
+    negative = scale is not None and scale < 0
+    factor = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]))  # calculate_scale(..).sqrt()
+    query = aten.mul.Scalar(q, -factor if negative else factor)
+    if is_causal:
+        causal = torch.ones(query.shape[-2], k.shape[-2], dtype=torch.bool, device=query.device).tril()
+        attn_mask = _additive_mask(causal, query.dtype)
+    if enable_gqa and q.dim() >= 3 and not (q.shape[-3] == k.shape[-3] == v.shape[-3]):
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)  # pre_process_group_query_attention_input
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    attn = torch.matmul(query, aten.mul.Scalar(k.transpose(-2, -1), factor))
+    if attn_mask is not None:
+        attn = attn.add(attn_mask)
+    attn = aten._safe_softmax(attn, -1)
+    attn = aten.native_dropout(attn, dropout_p, True)[0]
+    weights = attn.to(origin)  # make_tuple's second element: 2.13's trace evaluates it first (GCC: right to left)
+    out = torch.matmul(attn, v).to(origin)
+    del weights
+    return out
+
+
 def trace_cuda_sdpa(backend, func, args, kwargs, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """Run ``backend``'s aten op on meta the way attention.cpp calls it; return SDPA's output.
 
@@ -365,6 +437,8 @@ def trace_cuda_sdpa(backend, func, args, kwargs, q, k, v, attn_mask, dropout_p, 
             q, k, v, mask, _compute_logsumexp(q, k, v), dropout_p, is_causal, False, scale=scale
         )[0]
     if backend == MATH:
+        if _math_dropout_is_fused(q, k, v, attn_mask, dropout_p, enable_gqa):
+            return math_attention_native_dropout(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         return func(*args, **kwargs)
     raise ValueError(f"unknown SDPA backend {backend!r}; allowed: {', '.join(BACKENDS)}")
 
@@ -379,6 +453,12 @@ def _cuda_target(ctx, t) -> bool:
 
 def _arch(ctx) -> tuple[int, int]:
     return _parse_arch(getattr(ctx, "arch", (8, 0)))
+
+
+def sm_count(ctx) -> int:
+    """The target GPU's multiprocessor count: the tracer's ``sm_count`` when set, else that of
+    the representative card of its compute capability (``SM_COUNT``)."""
+    return getattr(ctx, "sm_count", None) or SM_COUNT.get(_arch(ctx), _DEFAULT_SM_COUNT)
 
 
 def _num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int, max_splits: int) -> int:

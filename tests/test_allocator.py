@@ -551,3 +551,20 @@ def test_near_capacity_cached_segments_are_released_and_the_request_retried():
     assert (tight.peak_reserved_bytes, tight.released, tight.first_oom) == (16 * MiB, True, None)
     # with 15 MiB of room even the retry fails: an out-of-memory at the 16 MiB request (event 2)
     assert simulate(seq, capacity=15 * MiB).first_oom == 2
+
+
+def test_a_block_freed_on_one_stream_serves_only_that_stream():
+    # CUDACachingAllocator.cpp get_free_block: the pools are ordered by (stream, size, address)
+    # and a block found for another stream is refused, so each stream caches its own segments.
+    # x, 8 MiB on stream 0: a 20 MiB segment (1-10 MiB requests), freed and cached.
+    # y, 8 MiB on stream 0 again: reuses it, 20 MiB reserved.
+    # y on stream 1 instead: cannot, a second 20 MiB segment: 40 MiB.
+    def on(stream, sid):  # an ALLOC event with its stream in the ninth field
+        return (ALLOC, sid, 8 * MiB, None, None, None, 0, 0, stream)
+
+    same = [on(0, "x"), ev(FREE, "x"), on(0, "y")]
+    other = [on(0, "x"), ev(FREE, "x"), on(1, "y")]
+    assert simulate(same).peak_reserved_bytes == 20 * MiB
+    assert simulate(other).peak_reserved_bytes == 40 * MiB
+    # near capacity the retry gives back the other stream's cached segment too (all pools): 20 MiB
+    assert simulate(other, capacity=30 * MiB).peak_reserved_bytes == 20 * MiB

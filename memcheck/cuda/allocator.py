@@ -420,10 +420,12 @@ class _Segment:
 class _Block:
     """A ``Block``: a piece of a segment, linked to its address neighbours."""
 
-    __slots__ = ("addr", "size", "allocated", "prev", "next", "small", "es", "mapped")
+    __slots__ = ("addr", "size", "allocated", "prev", "next", "small", "es", "mapped", "stream")
 
-    def __init__(self, addr: int, size: int, small: bool, es: _Segment | None = None, mapped: bool = True):
+    def __init__(self, addr: int, size: int, small: bool, es: _Segment | None = None, mapped: bool = True,
+                 stream=0):
         self.addr, self.size, self.small, self.es, self.mapped = addr, size, small, es, mapped
+        self.stream = stream
         self.allocated = False
         self.prev: _Block | None = None
         self.next: _Block | None = None
@@ -432,10 +434,10 @@ class _Block:
 class _Pool:
     """A ``BlockPool``: free mapped blocks by (size, address), unmapped ones by address."""
 
-    __slots__ = ("small", "keys", "free", "unmapped")
+    __slots__ = ("small", "stream", "keys", "free", "unmapped")
 
-    def __init__(self, small: bool):
-        self.small = small
+    def __init__(self, small: bool, stream=0):
+        self.small, self.stream = small, stream
         self.keys: list[tuple[int, int]] = []  # sorted (size, addr) of the free mapped blocks
         self.free: dict[int, _Block] = {}  # addr -> free mapped block
         self.unmapped: dict[int, _Block] = {}  # addr -> unmapped block of an expandable segment
@@ -465,7 +467,10 @@ class CachingAllocator:
             raise UsageError(f"backend:{self.config.backend} is not simulated, only the native caching allocator")
         self.max_split = self.config.max_split_size if self.config.max_split_size is not None else float("inf")
         self.capacity = capacity
-        self.pools = {True: _Pool(True), False: _Pool(False)}
+        # One pool per size class and stream: the real BlockPools order blocks by (stream, size,
+        # address) and get_free_block only takes a block of the requesting stream, and a segment
+        # belongs to the stream it was cudaMalloc'd for, so each (class, stream) is a pool of its own.
+        self.pools: dict[tuple[bool, object], _Pool] = {}
         self.live: dict[object, _Block] = {}
         self.reserved = self.allocated = self.segments = 0
         self.peak_reserved = 0
@@ -482,10 +487,17 @@ class CachingAllocator:
         return tuple(sorted(blocks))
 
     # -- malloc / free ---------------------------------------------------------------
-    def malloc(self, key, nbytes: int) -> int:
-        """Allocate; return the granted block size, or 0 when ``capacity`` is exceeded (an OOM)."""
+    def _pool(self, small: bool, stream) -> _Pool:
+        pool = self.pools.get((small, stream))
+        if pool is None:
+            pool = self.pools[small, stream] = _Pool(small, stream)
+        return pool
+
+    def malloc(self, key, nbytes: int, stream=0) -> int:
+        """Allocate on ``stream``; return the granted block size, or 0 when ``capacity`` is
+        exceeded (an OOM). A block freed on one stream serves only requests on that stream."""
         size = round_size(nbytes, self.config)
-        pool = self.pools[size <= SMALL_SIZE]
+        pool = self._pool(size <= SMALL_SIZE, stream)
         b = self._get_free_block(pool, size)
         if b is None:
             b = self._alloc_block(pool, size)
@@ -497,7 +509,7 @@ class CachingAllocator:
             if b is None:
                 return 0
         if self._should_split(b, size):  # alloc_found_block: b keeps the front, the rest stays cached
-            rest = _Block(b.addr + size, b.size - size, b.small, b.es)
+            rest = _Block(b.addr + size, b.size - size, b.small, b.es, stream=b.stream)
             rest.prev, rest.next = b, b.next
             if b.next is not None:
                 b.next.prev = rest
@@ -516,7 +528,7 @@ class CachingAllocator:
             return
         self.allocated -= b.size
         b.allocated = False
-        pool = self.pools[b.small]
+        pool = self._pool(b.small, b.stream)
         self._try_merge(b, b.prev, pool)
         self._try_merge(b, b.next, pool)
         pool.insert(b)
@@ -562,7 +574,7 @@ class CachingAllocator:
         seg_size = segment_size(size, self.config)
         if self.capacity is not None and self.reserved + seg_size > self.capacity:
             return None
-        b = _Block(self._take_addresses(seg_size), seg_size, pool.small)
+        b = _Block(self._take_addresses(seg_size), seg_size, pool.small, stream=pool.stream)
         self.segments += 1
         self._grow(seg_size)
         return b
@@ -602,7 +614,7 @@ class CachingAllocator:
                 return c
         page = SMALL_BUFFER if pool.small else self.config.large_segment_size
         base = self._take_addresses(EXPANDABLE_ADDRESS_SPACE)
-        c = _Block(base, EXPANDABLE_ADDRESS_SPACE, pool.small, _Segment(base, page), mapped=False)
+        c = _Block(base, EXPANDABLE_ADDRESS_SPACE, pool.small, _Segment(base, page), mapped=False, stream=pool.stream)
         pool.unmapped[base] = c
         self.segments += 1
         return c
@@ -616,7 +628,7 @@ class CachingAllocator:
         del pool.unmapped[b.addr]
         b.mapped = True
         if mapped < b.size:
-            rest = _Block(b.addr + mapped, b.size - mapped, b.small, b.es, mapped=False)
+            rest = _Block(b.addr + mapped, b.size - mapped, b.small, b.es, mapped=False, stream=b.stream)
             rest.prev, rest.next = b, b.next
             if b.next is not None:
                 b.next.prev = rest
@@ -639,14 +651,14 @@ class CachingAllocator:
         self.released = True
         pool.remove(b)
         if begin > b.addr:
-            before = _Block(b.addr, begin - b.addr, b.small, es)
+            before = _Block(b.addr, begin - b.addr, b.small, es, stream=b.stream)
             before.prev, before.next = b.prev, b
             if b.prev is not None:
                 b.prev.next = before
             b.prev = before
             pool.insert(before)
         if b.addr + b.size > end:
-            after = _Block(end, b.addr + b.size - end, b.small, es)
+            after = _Block(end, b.addr + b.size - end, b.small, es, stream=b.stream)
             after.prev, after.next = b, b.next
             if b.next is not None:
                 b.next.prev = after
@@ -706,7 +718,7 @@ class CachingAllocator:
 
     def _release_cached_blocks(self):
         """``release_cached_blocks``: free unsplit segments, unmap free pages of expandable ones."""
-        for pool in (self.pools[False], self.pools[True]):
+        for pool in sorted(self.pools.values(), key=lambda p: p.small):  # the large pool, then the small
             to_unmap = []
             for _, addr in list(pool.keys):
                 b = pool.free[addr]
@@ -734,7 +746,8 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
 
     Args:
         events: tuples ``(kind, storage_id, nbytes, ...)`` with kind ALLOC, FREE or RECAT
-            (from ``memcheck.enums``); a storage id may be reused after its FREE.
+            (from ``memcheck.enums``); a storage id may be reused after its FREE. An event's
+            ninth field, when present, names the stream an ALLOC is made on (default 0).
         config: allocator settings; None means torch's defaults (use
             ``AllocatorConfig.from_env()`` to honour ``PYTORCH_CUDA_ALLOC_CONF``).
         capacity: device memory in bytes; see ``CachingAllocator``.
@@ -757,7 +770,9 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
         (1572864,)
 
     Known limitations:
-        One device, one stream (no ``record_stream``, no cross-stream reuse), no CUDA
+        One device. Streams keep their blocks apart, but a block freed while another
+        stream still uses it (``record_stream``) is freed at once, not when that stream's
+        work is done; and memcheck's traces put every allocation on stream 0. No CUDA
         graphs or private memory pools, no ``empty_cache()`` calls and no
         ``garbage_collection_threshold`` / memory-fraction GC. A zero-byte request takes
         no block (``NativeCachingAllocator::allocate`` calls ``malloc`` only for a nonzero
@@ -799,7 +814,7 @@ class _Run:
         elif kind == FREE and key in self.empty:
             self.empty.discard(key)
         elif kind == ALLOC:
-            got = self.alloc.malloc(key, ev[2])
+            got = self.alloc.malloc(key, ev[2], ev[8] if len(ev) > 8 else 0)
             if not got and self.first_oom is None:
                 self.first_oom = n
             self.peak_alloc = max(self.peak_alloc, self.alloc.allocated)

@@ -467,9 +467,11 @@ class CachingAllocator:
             raise UsageError(f"backend:{self.config.backend} is not simulated, only the native caching allocator")
         self.max_split = self.config.max_split_size if self.config.max_split_size is not None else float("inf")
         self.capacity = capacity
-        # One pool per size class and stream: the real BlockPools order blocks by (stream, size,
-        # address) and get_free_block only takes a block of the requesting stream, and a segment
-        # belongs to the stream it was cudaMalloc'd for, so each (class, stream) is a pool of its own.
+        # One pool per size class and stream. CUDACachingAllocator.cpp's header comment: "Allocations
+        # are associated with a stream. Once freed, blocks can be re-allocated on the same stream,
+        # but not on any other stream." (its BlockPools order blocks by stream, then size, then
+        # address, and get_free_block refuses a block of another stream); a segment's blocks all
+        # belong to the stream it was cudaMalloc'd for, so each (class, stream) is a pool of its own.
         self.pools: dict[tuple[bool, object], _Pool] = {}
         self.live: dict[object, _Block] = {}
         self.reserved = self.allocated = self.segments = 0

@@ -165,6 +165,9 @@ def _workload_options(command):
 @click.option("--checkpointing", default="none", show_default=True, metavar="none|full|LIST",
               help="Gradient checkpointing: full wraps every repeated block; or comma-separated module "
                    "names/patterns (transformer.h.*).")
+@click.option("--padding", default="max_length", show_default=True, metavar="max_length|longest",
+              help="longest: batches padded to their longest sample (padding=True), so lengths vary up to "
+                   "--max-len; on cuda the caching allocator replays a run of growing lengths.")
 @click.option("--eval-batch-size", type=int, default=None,
               help="Also trace an evaluation pass (no_grad) at this batch size; the peak is the larger.")
 @click.option("--eval-accumulate-predictions", type=int, default=0, show_default=True, metavar="N",
@@ -176,7 +179,7 @@ def _workload_options(command):
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png",
               help="Draw memory over the steady-state training step, by category (needs matplotlib).")
 def estimate(model, max_len, target_len, batch_size, task, attn, device, precision, optimizer, steps,
-             gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, reentrant, bucket_view, bucket_cap_mb,
+             gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, padding, reentrant, bucket_view, bucket_cap_mb,
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
              snapshot_path, plot_path):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
@@ -207,7 +210,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
         # checked before the model file runs, so a bad flag is never hidden behind the model's errors
         job = Job(device=device, gpu=gpu, budget_bytes=budget, batch_size=batch_size, max_len=max_len,
                    target_len=target_len, precision=precision, optimizer=optimizer or "adamw", steps=steps,
-                   accumulate=accumulate, checkpointing=checkpointing, use_reentrant=reentrant,
+                   accumulate=accumulate, checkpointing=checkpointing, padding=padding, use_reentrant=reentrant,
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
                    bucket_cap_mb=bucket_cap_mb, offload=offload, eval_batch_size=eval_batch_size,
                    eval_accumulate_predictions=eval_accumulate_predictions, task=task, attn=attn)

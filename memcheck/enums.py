@@ -114,6 +114,14 @@ class Offload(_Choice):
     PARAMS = "params"
 
 
+class Padding(_Choice):
+    """How the job's batches are padded: every one to ``max_len``, or each to its longest
+    sample (a tokenizer's or collator's ``padding=True``/``"longest"``), so lengths vary."""
+
+    MAX_LENGTH = "max_length"
+    LONGEST = "longest"
+
+
 class Task(_Choice):
     """What a transformers model is trained for; decides the worst-case batch."""
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from memcheck.cuda.gpus import GpuSpec, resolve_gpu
-from memcheck.enums import Attention, Device, Offload, Precision, Strategy, Task
+from memcheck.enums import Attention, Device, Offload, Padding, Precision, Strategy, Task
 from memcheck.errors import UsageError, closest
 from memcheck.training.checkpointing import parse_checkpointing
 from memcheck.training.optimizers import OPTIMIZERS
@@ -65,6 +65,7 @@ SPELLINGS: tuple[Spelling, ...] = (
              aliases=("per_device_train_batch_size",)),  # HF TrainingArguments
     Spelling("max_len", "--max-len", "max_len", "max_len", aliases=("max_seq_length",)),  # TRL's SFTConfig
     Spelling("target_len", "--target-len", "target_len", "target_len"),
+    Spelling("padding", "--padding", "padding", "padding"),
     Spelling("precision", "--precision", "precision", "precision"),
     Spelling("optimizer", "--optimizer", "optimizer", "optimizer"),
     Spelling("steps", "--steps", None, "steps"),
@@ -157,6 +158,10 @@ class Job:
     """Every sequence padded to this length: the worst case."""
     target_len: int | None = None
     """The label length of seq2seq models."""
+    padding: Padding = Padding.MAX_LENGTH
+    """``max_length``: every batch padded to ``max_len``; ``longest`` (``padding=True``): each batch
+    to its longest sample, so on the CUDA target the allocator replays a run whose lengths grow
+    to ``max_len``. The peak is ``max_len``'s either way."""
     precision: Precision = Precision.FP32
     """``fp32``; ``amp-bf16``/``amp-fp16`` (torch.autocast); pure ``bf16``/``fp16`` weights."""
     optimizer: Any = "adamw"
@@ -334,6 +339,7 @@ _CHECKS = {
     "batch_size": lambda v: _int("batch_size", v),
     "max_len": lambda v: _int("max_len", v),
     "target_len": lambda v: _int("target_len", v),
+    "padding": lambda v: _choice("padding", Padding, v),
     "precision": lambda v: _choice("precision", Precision, v),
     "optimizer": _optimizer,
     "steps": lambda v: _int("steps", v, minimum=2, optional=False,

@@ -568,3 +568,34 @@ def test_a_block_freed_on_one_stream_serves_only_that_stream():
     assert simulate(other).peak_reserved_bytes == 40 * MiB
     # near capacity the retry gives back the other stream's cached segment too (all pools): 20 MiB
     assert simulate(other, capacity=30 * MiB).peak_reserved_bytes == 20 * MiB
+
+
+def test_a_run_of_growing_lengths_strands_the_segments_of_the_shorter_steps():
+    # One step, one transient whose size is 12 MiB a unit of length: 12, 24 and 36 MiB at lengths
+    # 1, 2 and 3 (each >= 10 MiB: a segment of its own, rounded to 2 MiB). Growing 1 -> 2 -> 3,
+    # each step finds only smaller cached segments: 12 + 24 + 36 = 72 MiB reserved; three steps
+    # at length 3 reserve one 36 MiB segment. With 50 MiB of room the third step's cudaMalloc
+    # fails, the unsplit cached 12 and 24 MiB segments go back, and the retry fits: 36 MiB.
+    from memcheck.cuda.allocator import growing_run
+
+    step = [ev(ALLOC, "a", 36 * MiB), ev(FREE, "a", 36 * MiB)]
+    log = step + [ev(ALLOC, "b", 36 * MiB), ev(FREE, "b", 36 * MiB)]  # a traced log: step 1, then step 2 at [2:4]
+    sizes = {1: [12 * MiB] * 4, 2: [24 * MiB] * 4, 3: [36 * MiB] * 4}
+    # step 1 (the log's [0:2]) at length 1, then its step 2 at lengths 2 and 3
+    run, last = growing_run(log, 2, 4, lambda length: sizes[length], [1, 2, 3])
+    assert [e[2] for e in run] == [12 * MiB, 12 * MiB, 24 * MiB, 24 * MiB, 36 * MiB, 36 * MiB] and last == 4
+    assert [e[1] for e in run][:4] == ["a", "a", ("step", 1, 2), ("step", 1, 2)]  # each step's own keys
+    assert simulate(run).peak_reserved_bytes == 72 * MiB
+    assert simulate(step + step + step).peak_reserved_bytes == 36 * MiB
+    tight = simulate(run, capacity=50 * MiB)
+    assert (tight.peak_reserved_bytes, tight.released, tight.first_oom) == (36 * MiB, True, None)
+
+
+def test_a_growing_run_frees_what_the_step_before_kept():
+    # k (4 MiB) is made in each step and freed by the next: step r's FREE of k frees step r-1's k
+    from memcheck.cuda.allocator import growing_run
+
+    log = [ev(ALLOC, "k", 4 * MiB), ev(FREE, "k", 4 * MiB), ev(ALLOC, "k", 4 * MiB)]
+    run, _ = growing_run(log, 1, 3, lambda length: [4 * MiB] * 3, [1, 2, 3])
+    assert [(e[0], e[1]) for e in run] == [(ALLOC, "k"), (FREE, "k"), (ALLOC, ("step", 1, 2)),
+                                           (FREE, ("step", 1, 2)), (ALLOC, ("step", 2, 2))]

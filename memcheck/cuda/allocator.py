@@ -796,6 +796,67 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
                           run.peak_event, run.peak_repeat, steady, a.released)
 
 
+def carried(events, start: int, end: int) -> dict[int, int] | None:
+    """For the step ``events[start:end]``: which tensor the next step's FREE at position ``n``
+    frees, as the position of the ALLOC in this step that made it.
+
+    A step may free tensors made before it (a gradient kept from the previous step) and
+    keep tensors it made; replayed again, each such FREE frees what the previous replay
+    kept. They are matched by size, in order. None when they do not match (the step keeps
+    more than the next one frees, or of other sizes): its replays would grow without end.
+    """
+    made, outside = {}, []
+    for n in range(start, end):
+        ev = events[n]
+        if ev[0] == ALLOC:
+            made[ev[1]] = n
+        elif ev[0] == FREE:
+            if ev[1] in made:
+                del made[ev[1]]
+            else:
+                outside.append(n)
+    pool = sorted(made.values())
+    kept = {}
+    for n in outside:
+        match = next((m for m in pool if events[m][2] == events[n][2]), None)
+        if match is None:
+            return None
+        pool.remove(match)
+        kept[n] = match
+    return None if pool else kept
+
+
+def growing_run(events, start: int, end: int, sizes_at, lengths: list[int]) -> tuple[list, int]:
+    """The event log of a run whose batches grow: ``events[:start]`` (the setup and first
+    step) at ``lengths[0]``, then the step ``events[start:end]`` once at each later length.
+
+    ``sizes_at(length)`` gives every event's size in ``events[:end]`` at that length (the
+    events are those of one trace; only the sizes change with the length). Each replayed
+    step's own tensors get keys of their own, and a FREE of a tensor made before the step
+    frees what the step before kept (``carried``). Returns the log and where its last step
+    starts; its steps are numbered in the seventh field (0: the setup and first step).
+    """
+    kept = carried(events, start, end)
+    if kept is None:
+        raise ValueError("the step keeps tensors the next step does not free; it cannot be replayed")
+    sizes = sizes_at(lengths[0])
+    out = [(ev[0], ev[1], sizes[n], *ev[3:]) for n, ev in enumerate(events[:start])]
+    last = start
+    for r, length in enumerate(lengths[1:], 1):
+        sizes, keys, last = sizes_at(length), {}, len(out)
+        for n in range(start, end):
+            ev = events[n]
+            key = ev[1]
+            if ev[0] == ALLOC:
+                key = keys[ev[1]] = ("step", r, n)
+            elif ev[0] == FREE:
+                key = keys.pop(ev[1], None)
+                if key is None:  # made before this step: what the step before kept (the first step: as traced)
+                    key = ("step", r - 1, kept[n]) if r > 1 else ev[1]
+            out.append((ev[0], key, sizes[n], *ev[3:6], r, *ev[7:]))
+    return out, last
+
+
 class _Run:
     """The replay's bookkeeping: peaks, the first OOM, where ``reserved`` peaked."""
 
@@ -831,26 +892,8 @@ class _Run:
     def repeat(self, events, start: int, end: int) -> int | None:
         """Replay ``events[start:end]`` until the layout repeats; how many replays that took."""
         step = [(n, events[n]) for n in range(start, end)]
-        # The step's own tensors get fresh keys in every replay; a FREE of a tensor made before
-        # the step refers, from the second replay on, to the tensor the previous replay kept.
-        made, outside, kept = {}, [], {}
-        for n, ev in step:
-            if ev[0] == ALLOC:
-                made[ev[1]] = n
-            elif ev[0] == FREE:
-                if ev[1] in made:
-                    del made[ev[1]]
-                else:
-                    outside.append((n, ev))
-        survivors = sorted(made.values())
-        pool = list(survivors)
-        for n, ev in outside:  # match by size, in order
-            match = next((m for m in pool if events[m][2] == ev[2]), None)
-            if match is None:
-                return None
-            pool.remove(match)
-            kept[n] = match
-        if pool:  # the step keeps tensors no later step frees: reserved can grow without end
+        kept = carried(events, start, end)
+        if kept is None:
             return None
         before = self.alloc.layout()
         for r in range(1, MAX_REPEATS + 1):

@@ -12,10 +12,10 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from memcheck.cuda.allocator import AllocatorConfig, simulate
+from memcheck.cuda.allocator import AllocatorConfig, growing_run, simulate
 from memcheck.cuda.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.cuda.overhead import context_bytes, workspace_allocations
-from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Phase, Precision
+from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Padding, Phase, Precision
 from memcheck.errors import (
     MemcheckError,
     TraceError,
@@ -24,7 +24,7 @@ from memcheck.errors import (
     model_frame,
     require_int,
 )
-from memcheck.job import Job, as_job
+from memcheck.job import Job, SettingError, as_job
 from memcheck.report.results import (
     BatchInfo,
     Breakdown,
@@ -42,6 +42,7 @@ from memcheck.training.checkpointing import apply_checkpointing
 from memcheck.training.loop import LossFn, default_loss, run_eval, to_precision
 from memcheck.training.optimizers import resolve_optimizer
 from memcheck.training.strategies import train
+from memcheck.units import format_bytes
 
 _STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER, Category.COMMUNICATION)
 
@@ -200,17 +201,24 @@ def estimate(
         hide the ops inside them from the autocast emulation (see memcheck.rules.autocast).
     """
     job = as_job(job, settings, caller="estimate()")
-    target = _validate(model, job, eval_batch, top_modules)
+    target = _validate(model, batch, job, eval_batch, top_modules)
     name = model_name or type(model).__name__
     run = _set_up(model, batch, eval_batch, job, target, name, progress)
     gpu_map = _trace(run, job, target, loss_fn or default_loss, name)
-    devices = _summarise(run, gpu_map, job, target, name, top_modules)
+    shorter = _shorter_traces(model, batch, job, target, loss_fn or default_loss, name, run.tracer.assume)
+    devices = _summarise(run, gpu_map, job, target, name, top_modules, shorter)
     return _result(run, gpu_map, devices, job, target, name, timeline)
 
 
-def _validate(model, job: Job, eval_batch, top_modules) -> GpuSpec | None:
+def _validate(model, batch, job: Job, eval_batch, top_modules) -> GpuSpec | None:
     """What the job alone cannot check (the call's other arguments); returns the CUDA target."""
     target = target_gpu(job)
+    if job.padding is Padding.LONGEST and job.device is Device.CUDA:
+        if job.max_len is None:
+            raise SettingError("padding", "{name} longest needs max_len, the length the longest batch is padded to")
+        if not _at_length(batch, job.max_len, 1)[1]:
+            raise SettingError("padding", f"{{name}} longest shortens the batch's dimensions of max_len={job.max_len}, "
+                                          "but no tensor of the batch has one")
     if job.eval_accumulate_predictions and eval_batch is None:
         raise UsageError("eval_accumulate_predictions needs an eval batch (eval_batch= / --eval-batch-size)")
     require_int(top_modules, "top_modules", minimum=0,
@@ -302,8 +310,49 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
         raise _translate(exc, name) from exc
 
 
+def _shorter_traces(model, batch, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: str,
+                    assume: Callable[[str], None]) -> list | None:
+    """For ``padding="longest"`` on the CUDA target: the job traced again at a half and a
+    quarter of ``max_len`` (every batch dimension of that size shortened), so the allocator
+    can replay steps of any length between; with the traced length first. None otherwise."""
+    if job.padding is not Padding.LONGEST:
+        return None
+    if job.device is not Device.CUDA:
+        assume("padding=longest changes nothing on the cpu target: its allocator caches no blocks")
+        return None
+    length = job.max_len
+    lengths = [length, -(-length // 2), -(-length // 4)]
+    if len(set(lengths)) < 3:
+        assume(f"padding=longest: max_len {length} is too short for lengths to vary; traced at {length} only")
+        return None
+    traces = [(length, None)]
+    for short in lengths[1:]:
+        shortened, _ = _at_length(batch, length, short)  # _validate checked it has such a dimension
+        sub = job.replace(padding=Padding.MAX_LENGTH, max_len=short, eval_batch_size=None, eval_accumulate_predictions=0)
+        again = _set_up(model, shortened, None, sub, target, name, None)
+        _trace(again, sub, target, loss_fn, name)
+        traces.append((short, again.tracer.log))
+    return traces
+
+
+def _at_length(batch: Any, length: int, short: int) -> tuple[Any, bool]:
+    """``batch`` with every dimension (after the first) of size ``length`` cut to ``short``;
+    a tensor that appears twice (``input_ids`` as ``labels``) stays one tensor."""
+    cut_to: dict[int, torch.Tensor] = {}
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if length not in t.shape[1:]:
+            return t
+        if id(t) not in cut_to:
+            shape = [short if d and n == length else n for d, n in enumerate(t.shape)]
+            cut_to[id(t)] = torch.empty(shape, dtype=t.dtype, device="meta")
+        return cut_to[id(t)]
+
+    return tree_map_only(torch.Tensor, cut, batch), bool(cut_to)
+
+
 def _summarise(run: _Run, gpu_map: list[int], job: Job, target: GpuSpec | None, name: str,
-               top_modules: int) -> list[DeviceMemory]:
+               top_modules: int, shorter: list | None = None) -> list[DeviceMemory]:
     """Each real GPU's memory; ranks that look alike are summarised once."""
     traced_summaries: dict[int, DeviceMemory] = {}
     devices = []
@@ -311,7 +360,8 @@ def _summarise(run: _Run, gpu_map: list[int], job: Job, target: GpuSpec | None, 
         if traced not in traced_summaries:
             traced_summaries[traced] = _device_summary(
                 run.tracer.log, traced, index, job.device, run.arch, target, root=type(run.twin).__name__,
-                name=name, top_modules=top_modules,
+                name=name, top_modules=top_modules, shorter=shorter, margin=job.effective_margin,
+                assume=run.tracer.assume,
             )
         devices.append(dataclasses.replace(traced_summaries[traced], index=index))
     if job.device is Device.CUDA:
@@ -424,16 +474,24 @@ def _timeline(log: TraceLog, traced: int, busiest: DeviceMemory, device: Device,
 
 
 def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch, gpu: GpuSpec | None, *,
-                    root: str, name: str, top_modules: int) -> DeviceMemory:
+                    root: str, name: str, top_modules: int, shorter: list | None = None,
+                    margin: float = 0.0, assume: Callable[[str], None] = lambda text: None) -> DeviceMemory:
     """The steady-state peak of one traced GPU (or the CPU), what was live at it, and on CUDA
-    what the caching allocator reserves and the device shows in use."""
+    what the caching allocator reserves and the device shows in use.
+
+    ``shorter``: ``(length, log)`` traces of the same job at shorter lengths, and the
+    traced length first, for a run whose batch lengths vary (``padding="longest"``)."""
     events, start = _device_events(log, traced, device, arch)
     eval_start = next((i for i, ev in enumerate(events) if ev[5] is Phase.EVAL), len(events))
     cuda = None
     if device is Device.CUDA:
         sim = _allocator_life(events, start, eval_start, gpu)
-        sizes = sim.granted
-        cuda = (sim, events, context_bytes(gpu))
+        sizes, life, life_events = sim.granted, sim, events
+        grown = None if shorter is None else _growing_life(events, start, eval_start, gpu, shorter, traced, arch,
+                                                           margin, assume)
+        if grown is not None:
+            life, life_events = grown
+        cuda = (life, life_events, context_bytes(gpu))
     else:
         sizes = [ev[2] for ev in events]
 
@@ -510,6 +568,77 @@ def _allocator_life(events: list, start: int, eval_start: int, gpu: GpuSpec | No
         return sim
     bounded = simulate(events, config=config, capacity=room, repeat=(start, eval_start))
     return sim if bounded.first_oom is not None else bounded
+
+
+GROWING_STEPS = 16  # a padding="longest" run: steps from max_len / 16 up to max_len
+
+
+def growing_lengths(max_len: int, steps: int = GROWING_STEPS) -> list[int]:
+    """The batch lengths of a run whose batches grow to ``max_len`` in ``steps`` even steps."""
+    return sorted({max(1, max_len * i // steps) for i in range(1, steps + 1)})
+
+
+def _lagrange(points: list[tuple[int, int]], x: int) -> int:
+    """The quadratic (or lower) through ``points`` at ``x``, rounded up to whole bytes."""
+    from fractions import Fraction
+
+    total = Fraction(0)
+    for j, (xj, yj) in enumerate(points):
+        term = Fraction(yj)
+        for k, (xk, _) in enumerate(points):
+            if k != j:
+                term *= Fraction(x - xk, xj - xk)
+        total += term
+    return max(0, -(-total.numerator // total.denominator))
+
+
+def _growing_life(events: list, start: int, eval_start: int, gpu: GpuSpec | None, shorter: list, traced: int,
+                  arch, margin: float, assume: Callable[[str], None]):
+    """The caching allocator over a run whose batches grow to the traced length (issue 22).
+
+    Its steps are replayed at ``growing_lengths``; an allocation's size at a length no trace
+    had is the quadratic through its sizes in the three traces (exact for sizes linear or
+    quadratic in the length, as activations and attention scores are). Lengths that grow
+    leave cached segments too small for the next step: the cache fills until the allocator
+    must give segments back, so the run is replayed on the GPU less the margin, and its
+    figures are those of a GPU that keeps the margin free. Falls back to the steady
+    max-length life (with a note) when the traces differ op for op."""
+    (length, _), *others = shorter
+    points = [(length, events)]
+    for l, log in others:
+        evs, s = _device_events(log, traced, Device.CUDA, arch)
+        if s != start or len(evs) < eval_start or any(
+                a[0] != b[0] or a[3] != b[3] or a[5] != b[5] or a[6] != b[6] for a, b in zip(evs, events[:eval_start])):
+            assume(f"padding=longest: the traces at {length} and {l} tokens differ op for op, so the run of "
+                   f"growing lengths was not replayed; reserved is that of steps at {length} tokens")
+            return None
+        points.append((l, evs))
+    lengths = growing_lengths(length)
+
+    def sizes_at(l: int) -> list[int]:
+        known = next((evs for x, evs in points if x == l), None)
+        if known is not None:
+            return [ev[2] for ev in known[:eval_start]]
+        return [_lagrange([(x, evs[n][2]) for x, evs in points], l) for n in range(eval_start)]
+
+    run, last = growing_run(events, start, eval_start, sizes_at, lengths)
+    run += [(*ev[:6], len(lengths), *ev[7:]) for ev in events[eval_start:]]  # the evaluation, after training
+    config = AllocatorConfig.from_env()
+    sim = simulate(run, config=config, repeat=(last, last + eval_start - start))
+    note = (f"padding=longest: the caching allocator replayed {len(lengths)} steps of lengths growing from "
+            f"{lengths[0]} to {length} tokens (sizes between the traced {', '.join(str(x) for x, _ in points)} "
+            f"interpolated per allocation), then {length} until it settled")
+    if gpu is not None:
+        room = int(gpu.capacity_bytes * (1 - margin)) - context_bytes(gpu)
+        if sim.peak_reserved_bytes > room:
+            bounded = simulate(run, config=config, capacity=room, repeat=(last, last + eval_start - start))
+            if bounded.first_oom is None:
+                grown, sim = sim.peak_reserved_bytes, bounded
+                note += (f"; unbounded its cache would grow to {format_bytes(grown)}, so it was "
+                         f"replayed on the {gpu.name} less the {margin:.0%} margin, where it gives cached segments "
+                         "back and completes")
+    assume(note)
+    return sim, run
 
 
 def _device_totals(allocated_peak: int, cuda) -> dict:

@@ -161,6 +161,9 @@ def _workload_options(command):
 @click.option("-b", "--batch-size", type=int, default=1, show_default=True, help="Micro-batch size per step.")
 @click.option("--precision", default="fp32", show_default=True, metavar="PREC",
               help="fp32; amp-bf16 / amp-fp16 (torch.autocast, fp16 with a GradScaler); or pure bf16 / fp16 weights.")
+@click.option("--weights-dtype", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16",
+              help="The weights' dtype under amp-*: auto keeps the model's own (for hf: config.json's dtype, as "
+                   "from_pretrained loads it); fp32 and bf16/fp16 precisions name their own.")
 @click.option("--accumulate", type=int, default=1, show_default=True, help="Gradient accumulation steps.")
 @click.option("--checkpointing", default="none", show_default=True, metavar="none|full|LIST",
               help="Gradient checkpointing: full wraps every repeated block; or comma-separated module "
@@ -179,7 +182,7 @@ def _workload_options(command):
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png",
               help="Draw memory over the steady-state training step, by category (needs matplotlib).")
 def estimate(model, max_len, target_len, batch_size, task, attn, device, precision, optimizer, steps,
-             gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, padding, reentrant, bucket_view, bucket_cap_mb,
+             gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, padding, weights_dtype, reentrant, bucket_view, bucket_cap_mb,
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
              snapshot_path, plot_path):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
@@ -209,7 +212,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
         check_pictures(snapshot_path, plot_path)  # before anything is traced
         # checked before the model file runs, so a bad flag is never hidden behind the model's errors
         job = Job(device=device, gpu=gpu, budget_bytes=budget, batch_size=batch_size, max_len=max_len,
-                   target_len=target_len, precision=precision, optimizer=optimizer or "adamw", steps=steps,
+                   target_len=target_len, precision=precision, weights_dtype=weights_dtype,
+                   optimizer=optimizer or "adamw", steps=steps,
                    accumulate=accumulate, checkpointing=checkpointing, padding=padding, use_reentrant=reentrant,
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
                    bucket_cap_mb=bucket_cap_mb, offload=offload, eval_batch_size=eval_batch_size,

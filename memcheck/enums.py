@@ -89,6 +89,23 @@ class Precision(_Choice):
         return {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(self.value)
 
 
+class WeightsDtype(_Choice):
+    """The dtype the model's weights are created in (``--weights-dtype``); ``auto``: the
+    model's own (for ``hf:``, what ``from_pretrained`` picks by default: config.json's dtype)."""
+
+    AUTO = "auto"
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def torch_dtype(self):
+        """The torch dtype, or None for ``auto``."""
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(self.value)
+
+
 class Strategy(_Choice):
     """How training is spread over GPUs (``--strategy``)."""
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from memcheck.cuda.gpus import GpuSpec, resolve_gpu
-from memcheck.enums import Attention, Device, Offload, Padding, Precision, Strategy, Task
+from memcheck.enums import Attention, Device, Offload, Padding, Precision, Strategy, Task, WeightsDtype
 from memcheck.errors import UsageError, closest
 from memcheck.training.checkpointing import parse_checkpointing
 from memcheck.training.optimizers import OPTIMIZERS
@@ -67,6 +67,7 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("target_len", "--target-len", "target_len", "target_len"),
     Spelling("padding", "--padding", "padding", "padding"),
     Spelling("precision", "--precision", "precision", "precision"),
+    Spelling("weights_dtype", "--weights-dtype", "weights_dtype", "weights_dtype"),
     Spelling("optimizer", "--optimizer", "optimizer", "optimizer"),
     Spelling("steps", "--steps", None, "steps"),
     Spelling("accumulate", "--accumulate", "accumulation", "accumulation_steps",
@@ -164,6 +165,10 @@ class Job:
     to ``max_len``. The peak is ``max_len``'s either way."""
     precision: Precision = Precision.FP32
     """``fp32``; ``amp-bf16``/``amp-fp16`` (torch.autocast); pure ``bf16``/``fp16`` weights."""
+    weights_dtype: WeightsDtype = WeightsDtype.AUTO
+    """The weights' dtype: ``auto`` follows the precision (fp32 weights for ``fp32``, bf16/fp16 for
+    pure ``bf16``/``fp16``) and, under autocast, the model's own dtype (``from_pretrained``'s default:
+    config.json's ``dtype``); or ``fp32``/``bf16``/``fp16`` for autocast over weights of that dtype."""
     optimizer: Any = "adamw"
     """A name from ``memcheck.training.optimizers.OPTIMIZERS``, a factory ``params -> Optimizer`` or an Optimizer."""
     steps: int = 2
@@ -203,6 +208,7 @@ class Job:
         if self.device is Device.CPU and self.gpu is not None:
             raise SettingError("gpu", f"gpu={self.gpu!r} applies to the cuda target only; the target is cpu "
                                       "(give the budget as --gpu-memory)")
+        _check_weights(self.precision, self.weights_dtype)
         config = self.strategy_config  # strategy, gpus, buckets and offload, checked together
         if self.global_batch is not None and self.global_batch % config.gpus:
             gpus, g = config.gpus, self.global_batch
@@ -332,6 +338,23 @@ def _bucket_cap(value):
 
 
 # field -> the function that checks a value and returns it normalised (idempotent)
+def _check_weights(precision: Precision, weights: WeightsDtype) -> None:
+    """A weights dtype that contradicts the precision is refused: fp32 and pure bf16/fp16
+    training name their weights' dtype themselves; amp-fp16's GradScaler cannot unscale fp16
+    gradients (torch/amp/grad_scaler.py, ``_unscale_grads_``: "Attempting to unscale FP16 gradients")."""
+    if weights is WeightsDtype.AUTO:
+        return
+    own = {Precision.FP32: WeightsDtype.FP32, Precision.BF16: WeightsDtype.BF16, Precision.FP16: WeightsDtype.FP16}
+    if precision in own and weights is not own[precision]:
+        raise SettingError("weights_dtype", (
+            f"{{name}} {weights.value} contradicts precision {precision.value}, which trains "
+            f"{own[precision].value} weights; for autocast over {weights.value} weights use precision "
+            f"amp-bf16 or amp-fp16, or drop {{name}}"))
+    if precision is Precision.AMP_FP16 and weights is WeightsDtype.FP16:
+        raise SettingError("weights_dtype", "{name} fp16 cannot train under amp-fp16: its GradScaler refuses fp16 "
+                                            "gradients (\"Attempting to unscale FP16 gradients\"); use fp32 or bf16")
+
+
 _CHECKS = {
     "device": lambda v: _choice("device", Device, v),
     "gpu": _gpu,
@@ -341,6 +364,7 @@ _CHECKS = {
     "target_len": lambda v: _int("target_len", v),
     "padding": lambda v: _choice("padding", Padding, v),
     "precision": lambda v: _choice("precision", Precision, v),
+    "weights_dtype": lambda v: _choice("weights_dtype", WeightsDtype, v),
     "optimizer": _optimizer,
     "steps": lambda v: _int("steps", v, minimum=2, optional=False,
                             text="{name} must be an integer of at least 2 (step 1 has no optimizer state)"),

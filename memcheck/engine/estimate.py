@@ -243,6 +243,47 @@ class _Run:
     make_optimizer: Callable
     autocast: Any = None
     scaler: Any = None
+    weights_dtype: str = "float32"  # the floating dtype of the traced weights (most bytes)
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The floating dtype holding most of ``model``'s parameter bytes (float32 if none)."""
+    by_dtype: dict = defaultdict(int)
+    for p in model.parameters():
+        if p.is_floating_point():
+            by_dtype[p.dtype] += p.numel() * p.element_size()
+    return max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def resolve_weights_dtype(model: torch.nn.Module, job: Job) -> tuple[torch.dtype | None, str]:
+    """The dtype the weights are cast to for the trace (None: kept as the model has them), and
+    a line for the report when that is not plain.
+
+    fp32 training casts to float32 and pure bf16/fp16 to that dtype, whatever the model was
+    built in; under autocast the weights stay in the model's own dtype (``auto``: what
+    ``from_pretrained`` loads by default, config.json's ``dtype`` on transformers 5) unless
+    ``weights_dtype`` names one. A contradiction between the two is refused when the Job is made.
+    """
+    own = model_dtype(model)
+    precision, asked = job.precision, job.weights_dtype.torch_dtype
+    if precision is Precision.FP32:
+        target = torch.float32
+    elif precision.weights_dtype is not None:
+        target = precision.weights_dtype
+    else:
+        target = asked or own
+    if target == own:
+        if precision.autocast_dtype is not None and job.weights_dtype.value == "auto" and own != torch.float32:
+            return None, (f"{precision.value} over the model's own {_dtype_name(own)} weights (weights_dtype auto, "
+                          f"as from_pretrained loads config.json's dtype); give weights_dtype fp32 for fp32 "
+                          "master weights")
+        return None, ""
+    return target, f"weights cast from the model's {_dtype_name(own)} to {_dtype_name(target)} for {precision.value}" + (
+        "" if precision.autocast_dtype is None else f" (weights_dtype {job.weights_dtype.value})")
 
 
 def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: str, progress) -> _Run:
@@ -253,15 +294,16 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
         raise UsageError(f"{name} has no trainable parameters (none with requires_grad=True); nothing to train")
     twin = meta_twin(model)
     wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
-    dtype = precision.weights_dtype
+    weights, how = resolve_weights_dtype(model, job)
+    dtype = precision.weights_dtype  # pure bf16/fp16: float inputs in that dtype too
 
     def prepare(b):
         return to_precision(meta_batch(b), dtype)
 
     mbatch = prepare(batch)
     ebatch = prepare(eval_batch) if eval_batch is not None else None
-    if dtype is not None:
-        twin = twin.to(dtype)
+    if weights is not None:
+        twin = twin.to(weights)
     info = describe_batch(mbatch, job.batch_size, job.max_len, job.target_len)
 
     arch = target.arch if target is not None else DEFAULT_ARCH
@@ -276,7 +318,10 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
         tracer.assume(
             f"no GPU named (gpu=/--gpu): kernels chosen as on sm{arch[0]}{arch[1]} and a generic CUDA context"
         )
-    run = _Run(twin, wrapped, mbatch, ebatch, info, tracer, arch, opt_label, make_optimizer)
+    if how:
+        tracer.assume(how)
+    run = _Run(twin, wrapped, mbatch, ebatch, info, tracer, arch, opt_label, make_optimizer,
+               weights_dtype=_dtype_name(weights or model_dtype(model)))
     if precision.autocast_dtype is not None:
         tracer.autocast = MetaAutocast(device, precision.autocast_dtype)
         run.autocast = tracer.autocast.region
@@ -380,6 +425,7 @@ def _result(run: _Run, gpu_map: list[int], devices: list[DeviceMemory], job: Job
         model=name, job=job, optimizer=run.optimizer_label, batch=run.info, devices=tuple(devices),
         busiest_gpu=busiest.index, assumptions=tuple(run.tracer.log.assumptions), budget_bytes=budget, gpu=target,
         checkpointing=run.wrapped, work=_work(run.tracer.log, step=job.steps - 1, micro_steps=min(job.accumulate, 2)),
+        weights_dtype=run.weights_dtype,
         timeline=_timeline(run.tracer.log, gpu_map[busiest.index], busiest, job.device, run.arch,
                            root=type(run.twin).__name__) if timeline else None,
     )

@@ -151,6 +151,7 @@ class Estimate:
     gpu: GpuSpec | None = None  # the CUDA target, resolved (the local GPU when the job names none)
     checkpointing: tuple[str, ...] = ()  # the modules wrapped in torch.utils.checkpoint
     work: Work | None = None  # the busiest GPU's compute per micro-step, for the planner
+    weights_dtype: str = "float32"  # the traced weights' floating dtype (most bytes): "float32", "bfloat16", ...
     # estimate(timeline=True): the busiest GPU's memory event by event (--snapshot, --plot); not in to_dict
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
 
@@ -237,6 +238,7 @@ class Estimate:
             "model": self.model,
             "job": {**self.job.to_dict(), "gpus": self.gpus},
             "optimizer_implementation": self.optimizer,
+            "weights_dtype": self.weights_dtype,
             "gpu": None if self.gpu is None else {
                 "name": self.gpu.name,
                 "capacity_bytes": self.gpu.capacity_bytes,

@@ -83,7 +83,8 @@ def render_estimate(est: Estimate) -> str:
         how.append(f"checkpointing {len(est.checkpointing)} module(s)" if est.checkpointing[0][0] != "("
                    else "checkpointing " + est.checkpointing[0])
     lines = [
-        f"memcheck: {est.model} on {est.device.value}, {est.precision.value}, {est.optimizer}, "
+        f"memcheck: {est.model} on {est.device.value}, {est.precision.value}, {est.weights_dtype} weights, "
+        f"{est.optimizer}, "
         f"batch {b.batch_size}" + (f" x {b.max_len} tokens" if b.max_len else ""),
         f"strategy: {', '.join(how)}",
         f"worst-case batch: {shapes}" if shapes else "",

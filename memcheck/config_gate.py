@@ -36,11 +36,13 @@ from pathlib import Path
 
 from memcheck.enums import Device
 from memcheck.errors import UsageError, closest
-from memcheck.job import SPELLINGS, Job, SettingError, check_setting
+from memcheck.job import SPELLING, SPELLINGS, VALUE_ALIASES, Job, SettingError, check_setting
 
 # The keys of a job: the model, then the job's settings as configs spell them (memcheck.job.SPELLINGS).
 _FIELD = {s.config: s.field for s in SPELLINGS if s.config}
 JOB_KEYS = ("model", *_FIELD)
+# HF TrainingArguments / Lightning names accepted for a config key (the Job's one table of spellings)
+_ALIASES = {alias: s.config for s in SPELLINGS if s.config for alias in s.aliases}
 JOBS = "jobs"  # the table of named jobs
 SUFFIXES = (".toml", ".json", ".yaml", ".yml")
 PYPROJECT = "pyproject.toml"
@@ -60,7 +62,7 @@ def _checkpointing(v):
                          "name modules as a list, such as [\"transformer.h.0\", \"transformer.h.2\"]")
     if not isinstance(v, str) and not (isinstance(v, (list, tuple)) and v
                                        and all(isinstance(n, str) and n.strip() for n in v)):
-        raise UsageError(f"checkpointing must be 'none', 'full' or a non-empty list of module names or patterns; "
+        raise UsageError(f"checkpointing must be 'none', 'full', 'half' or a non-empty list of module names or patterns; "
                          f"got {v!r}")
     return v
 
@@ -229,19 +231,31 @@ def _settings(table: dict, file: str, where: str, *, top: bool, path: Path) -> d
     """One table's job settings, each checked where it is written (a model file is
     resolved against the config file ``path``)."""
     allowed = JOB_KEYS + ((JOBS,) if top else ())
-    out = {}
+    out, written = {}, {}
     for key, value in table.items():
         if key == JOBS and top:
             continue
-        if key not in JOB_KEYS:
+        if key not in JOB_KEYS and key not in _ALIASES and key not in VALUE_ALIASES:
             hint = "; jobs are tables under [jobs] at the top level" if key == JOBS else ""
-            raise UsageError(f"{_label(file, where)}: unknown key {key!r}{closest(key, allowed)}{hint}; "
-                             f"allowed: {', '.join(allowed)}")
+            raise UsageError(f"{_label(file, where)}: unknown key {key!r}"
+                             f"{closest(key, [*allowed, *_ALIASES, *VALUE_ALIASES])}{hint}; "
+                             f"allowed: {', '.join(allowed)} (or the HF TrainingArguments names "
+                             f"{', '.join([*_ALIASES, *VALUE_ALIASES])})")
         try:
-            value = resolve_model(_model(value), path) if key == "model" else check_key(key, value)
+            if key in VALUE_ALIASES:  # bf16 = true, optim = "adamw_torch_fused", ...
+                field, translate = VALUE_ALIASES[key]
+                value = translate(value)
+                if value is None:  # bf16 = false: says nothing
+                    continue
+                name = SPELLING[field].config
+            else:
+                name = _ALIASES.get(key, key)
+            if name in written:
+                raise UsageError(f"{key!r} sets {name!r}, which {written[name]!r} already set")
+            value = resolve_model(_model(value), path) if name == "model" else check_key(name, value)
         except UsageError as exc:
-            raise UsageError(f"{_label(file, where)}: {exc}") from None
-        out[key] = value
+            raise UsageError(f"{_label(file, where)}: {str(exc).replace('{name}', key)}") from None
+        out[name], written[name] = value, key
     return out
 
 

@@ -66,13 +66,24 @@ class Device(_Choice):
 
 
 class Precision(_Choice):
-    """Training precision. ``bf16``/``fp16`` mean pure low-precision weights."""
+    """Training precision. ``bf16``/``fp16`` mean pure low-precision weights.
+
+    Lightning's names are accepted for the same thing (``PRECISION_ALIASES``):
+    ``bf16-mixed`` and ``16-mixed`` are autocast (``amp-bf16``, ``amp-fp16``), ``bf16-true``
+    and ``16-true`` pure low-precision weights, ``32-true`` and ``32`` fp32. Lightning's
+    legacy ``"bf16"`` meant ``"bf16-mixed"``; here ``bf16`` is pure bf16.
+    """
 
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
     AMP_BF16 = "amp-bf16"
     AMP_FP16 = "amp-fp16"
+
+    @classmethod
+    def parse(cls, value, *, what: str | None = None):
+        text = str(getattr(value, "value", value)).strip().lower()
+        return super().parse(PRECISION_ALIASES.get(text, value), what=what)
 
     @property
     def weights_dtype(self):
@@ -104,6 +115,12 @@ class WeightsDtype(_Choice):
         import torch
 
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(self.value)
+
+
+# Lightning Trainer(precision=...) names for memcheck's precisions (lightning/fabric/plugins/precision/precision.py:24-36:
+# "32" means "32-true" and "16" "16-mixed"; its legacy "bf16" alias, "bf16-mixed", is not taken: here bf16 is pure).
+PRECISION_ALIASES = {"bf16-mixed": "amp-bf16", "16-mixed": "amp-fp16", "16": "amp-fp16", "bf16-true": "bf16",
+                     "16-true": "fp16", "32-true": "fp32", "32": "fp32"}
 
 
 class Strategy(_Choice):

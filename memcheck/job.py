@@ -26,7 +26,7 @@ from memcheck.cuda.gpus import GpuSpec, resolve_gpu
 from memcheck.enums import Attention, Device, Offload, Padding, Precision, Strategy, Task, WeightsDtype
 from memcheck.errors import UsageError, closest
 from memcheck.training.checkpointing import parse_checkpointing
-from memcheck.training.optimizers import OPTIMIZERS
+from memcheck.training.optimizers import OPTIMIZERS, hf_optimizer
 from memcheck.training.strategies import StrategyConfig
 from memcheck.units import parse_size
 
@@ -90,6 +90,26 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("attn", "--attn", "attn", "attn", aliases=("attn_implementation",)),  # transformers
 )
 SPELLING = {s.field: s for s in SPELLINGS}
+
+
+def _hf_flag(value: str):
+    def to(v):
+        if not isinstance(v, bool):
+            raise UsageError(f"{{name}} must be true or false, got {v!r}")
+        return value if v else None  # bf16=False says nothing about the precision
+
+    return to
+
+
+# TrainingArguments names whose values mean a Job field's value once translated: optim's names
+# (adamw_torch_fused -> adamw-fused), bf16=True / fp16=True (the Trainer's autocast),
+# gradient_checkpointing=True (every repeated block). Accepted in configs and the Python API.
+VALUE_ALIASES: dict[str, tuple[str, Any]] = {
+    "optim": ("optimizer", hf_optimizer),
+    "bf16": ("precision", _hf_flag("amp-bf16")),
+    "fp16": ("precision", _hf_flag("amp-fp16")),
+    "gradient_checkpointing": ("checkpointing", _hf_flag("full")),  # False says nothing: none is the default
+}
 
 
 class SettingError(UsageError):
@@ -248,14 +268,26 @@ class Job:
         names = {s.name(vocabulary): s.field for s in SPELLINGS if vocabulary == "python" or s.name(vocabulary)}
         names.update({alias: s.field for s in SPELLINGS for alias in s.aliases})
         changes: dict[str, Any] = {}
+        setters: dict[str, str] = {}
         for key, value in settings.items():
-            field = names.get(key)
+            if key in VALUE_ALIASES and key not in names:
+                field, translate = VALUE_ALIASES[key]
+                try:
+                    value = translate(value)
+                except UsageError as exc:
+                    raise UsageError(str(exc).replace("{name}", key)) from None
+                if value is None:
+                    continue
+            else:
+                field = names.get(key)
             if field is None:
-                raise UsageError(f"unknown setting {key!r}{closest(key, list(names))}; "
+                known = [*names, *VALUE_ALIASES]
+                raise UsageError(f"unknown setting {key!r}{closest(key, known)}; "
                                  f"allowed: {', '.join(s.name(vocabulary) for s in SPELLINGS if s.name(vocabulary))}")
             if field in changes:
-                raise UsageError(f"{key!r} sets {SPELLING[field].name(vocabulary)!r}, which is already set")
-            changes[field] = value
+                raise UsageError(f"{key!r} sets {SPELLING[field].name(vocabulary)!r}, which {setters[field]!r} "
+                                 "already set")
+            changes[field], setters[field] = value, key
         try:
             return dataclasses.replace(base, **changes) if base is not None else cls(**changes)
         except SettingError as exc:

@@ -21,7 +21,8 @@ import memcheck
 from memcheck.workloads import hf
 from memcheck.enums import Task
 from memcheck.errors import UsageError
-from memcheck.integrations.transformers import HF_OPTIMIZERS, MemcheckCallback, hf_optimizer
+from memcheck.integrations.transformers import MemcheckCallback
+from memcheck.training.optimizers import HF_OPTIMIZERS, hf_optimizer
 from memcheck.measure.local import measure_cpu
 from memcheck.training.optimizers import OPTIMIZERS
 

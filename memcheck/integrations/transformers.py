@@ -41,44 +41,18 @@ from memcheck.integrations._common import (
     zero_strategy,
 )
 from memcheck.job import Job
+from memcheck.training.optimizers import hf_optimizer
 from memcheck.report.results import Verdict
 from memcheck.workloads import hf
 
 logger = logging.getLogger(__name__)
 
-# TrainingArguments.optim -> memcheck's optimizer names (memcheck.training.optimizers.OPTIMIZERS); used
-# when the Trainer has not built its optimizer yet. HF's choices: trainer_optimizer.py, _get_*.
-HF_OPTIMIZERS = {
-    "adamw_torch": "adamw",
-    "adamw_torch_fused": "adamw-fused",
-    "adafactor": "adafactor",
-    "sgd": "sgd",
-    "adamw_bnb_8bit": "adamw-8bit",
-    "adamw_8bit": "adamw-8bit",  # OptimizerNames.ADAMW_8BIT: an alias of adamw_bnb_8bit
-}
 # Optimizer classes outside torch.optim whose memory memcheck models by name: their own
 # step() does not run on meta tensors (Adafactor's lr, bitsandbytes' CUDA kernels).
 _CLASS_NAMES = {"Adafactor": "adafactor", "AdamW8bit": "adamw-8bit", "PagedAdamW8bit": "adamw-8bit"}
 # PreTrainedTokenizerBase's model_max_length when the tokenizer names no limit (VERY_LARGE_INTEGER = int(1e30)).
 _NO_TOKENIZER_LIMIT = int(1e29)
 _TRAINER_FRAMES = 8  # Trainer._inner_training_loop -> CallbackHandler.on_train_begin -> call_event -> here
-
-
-def hf_optimizer(optim: Any, optim_args: str | None = None) -> str:
-    """memcheck's optimizer name for ``TrainingArguments.optim`` (with ``optim_args`` for SGD's momentum).
-
-    Raises:
-        UsageError: for a name memcheck has no equivalent of, naming it and the known ones.
-    """
-    name = str(getattr(optim, "value", optim))
-    if name not in HF_OPTIMIZERS:
-        raise UsageError(f"optim={name!r} has no memcheck equivalent; memcheck knows {', '.join(HF_OPTIMIZERS)} "
-                         "(or pass the optimizer itself: Trainer(optimizers=(optimizer, None)))")
-    if name == "sgd" and optim_args:
-        momentum = dict(kv.split("=", 1) for kv in optim_args.replace(" ", "").split(",") if "=" in kv)
-        if float(momentum.get("momentum", 0)) > 0:
-            return "sgd-momentum"
-    return HF_OPTIMIZERS[name]
 
 
 class MemcheckCallback(TrainerCallback):

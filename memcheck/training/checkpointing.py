@@ -34,20 +34,20 @@ def half_of(blocks) -> tuple[str, ...]:
 
 
 def parse_checkpointing(value) -> str | tuple[str, ...]:
-    """``"none"``, ``"full"``, or a tuple of module names/patterns from ``"a,b"`` or a list."""
+    """``"none"``, ``"full"``, ``"half"``, or a tuple of module names/patterns from ``"a,b"`` or a list."""
     if value is None or value is False:
         return NONE
     if value is True:
         return FULL
     if isinstance(value, str):
         text = value.strip()
-        if text.lower() in (NONE, FULL):
+        if text.lower() in (NONE, FULL, HALF):
             return text.lower()
         names = tuple(n.strip() for n in text.split(",") if n.strip())
     elif isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
         names = tuple(n.strip() for n in value if n.strip())
     else:
-        raise UsageError(f"checkpointing must be 'none', 'full' or a list of module names, got {value!r}")
+        raise UsageError(f"checkpointing must be 'none', 'full', 'half' or a list of module names, got {value!r}")
     if not names:
         raise UsageError(f"checkpointing names no modules: {value!r}")
     return names
@@ -104,14 +104,16 @@ def apply_checkpointing(model: torch.nn.Module, spec, *, use_reentrant: bool = F
     if spec == NONE:
         return ()
     names = dict(model.named_modules())
-    if spec == FULL:
+    if spec in (FULL, HALF):
         blocks = repeated_blocks(model)
         if not blocks:
             raise UsageError(
-                f"checkpointing='full' found no repeated blocks in {type(model).__name__}; "
+                f"checkpointing='{spec}' found no repeated blocks in {type(model).__name__}; "
                 "name the modules to wrap instead (--checkpointing a.b,c.*)"
             )
-        if _hf_enable(model, use_reentrant):
+        if spec == HALF:  # every second repeated block, from the first (the planner's option)
+            blocks = list(half_of(blocks))
+        elif _hf_enable(model, use_reentrant):
             return ("(transformers' own checkpointing)",)
     else:
         blocks = []

@@ -394,3 +394,34 @@ def resolve_optimizer(optimizer, device: Device) -> tuple[str, OptimizerFactory]
         f"optimizer must be a name ({', '.join(OPTIMIZERS)}), a function of the parameters, "
         f"or an Optimizer, not {type(optimizer).__name__}"
     )
+
+
+# TrainingArguments.optim -> memcheck's optimizer names (``OPTIMIZERS``); used for ``optim=`` in a
+# job's settings and when the Trainer has not built its optimizer yet. HF's choices:
+# transformers' trainer_optimizer.py, _get_*.
+HF_OPTIMIZERS = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw-fused",
+    "adafactor": "adafactor",
+    "sgd": "sgd",
+    "adamw_bnb_8bit": "adamw-8bit",
+    "adamw_8bit": "adamw-8bit",  # OptimizerNames.ADAMW_8BIT: an alias of adamw_bnb_8bit
+}
+
+
+def hf_optimizer(optim: Any, optim_args: str | None = None) -> str:
+    """memcheck's optimizer name for ``TrainingArguments.optim`` (with ``optim_args`` for SGD's momentum).
+
+    Raises:
+        UsageError: for a name memcheck has no equivalent of, naming it and the known ones.
+    """
+    name = str(getattr(optim, "value", optim))
+    if name not in HF_OPTIMIZERS:
+        raise UsageError(f"optim={name!r} has no memcheck equivalent{closest(name, HF_OPTIMIZERS)}; memcheck knows "
+                         f"{', '.join(HF_OPTIMIZERS)} (or pass the optimizer itself: "
+                         "Trainer(optimizers=(optimizer, None)))")
+    if name == "sgd" and optim_args:
+        momentum = dict(kv.split("=", 1) for kv in optim_args.replace(" ", "").split(",") if "=" in kv)
+        if float(momentum.get("momentum", 0)) > 0:
+            return "sgd-momentum"
+    return HF_OPTIMIZERS[name]

@@ -95,7 +95,7 @@ def test_a_job_that_fits_trains_and_keeps_its_verdict(tmp_path, measured_b2, cap
     assert verdict.fits and verdict.capacity_bytes == 2 * measured_b2
     # the callback traced the step the Trainer runs: micro-batch 2 at 128 tokens, fused AdamW
     assert verdict.estimate.batch.batch_size == 2 and verdict.estimate.batch.max_len == POSITIONS
-    assert verdict.estimate.optimizer == "AdamW"
+    assert verdict.estimate.optimizer == "AdamW (fused)"
     error = (verdict.estimate.total_bytes - measured_b2) / measured_b2
     assert abs(error) <= TOLERANCE, f"predicted {verdict.estimate.total_bytes} B, measured {measured_b2} B"
     lines = [r.getMessage() for r in caplog.records if r.name == "memcheck.integrations.transformers"]

@@ -199,11 +199,11 @@ def test_adamw_follows_torchs_default_implementation_for_the_target():
 
 def test_a_fused_optimizer_instance_is_traced_with_its_settings():
     # A user's AdamW(fused=True) instance is rebuilt on meta, where torch's own state
-    # initialisation would refuse the device; the label stays the class name.
+    # initialisation would refuse the device; the label is the class name and the implementation.
     template = torch.optim.AdamW([torch.zeros(2, requires_grad=True)], fused=True, lr=3e-4)
     label, factory = resolve_optimizer(template, Device.CPU)
     opt = factory([torch.zeros(2, device="meta", requires_grad=True)])
-    assert label == "AdamW"
+    assert label == "AdamW (fused)"
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] and opt.defaults["lr"] == 3e-4
 
 
@@ -250,3 +250,21 @@ def test_adafactor_without_transformers_is_a_usage_error(monkeypatch):
     with pytest.raises(UsageError, match="needs transformers"):
         resolve_optimizer("adafactor", Device.CPU)
     resolve_optimizer("adamw", Device.CPU)  # the others never import it
+
+
+@pytest.mark.parametrize("name, device, label", [
+    ("adamw", Device.CUDA, "adamw (foreach)"),  # torch's default picks foreach for CUDA tensors
+    ("adamw", Device.CPU, "adamw (for-loop)"),
+    ("adamw-fused", Device.CUDA, "adamw-fused"),
+    ("sgd", Device.CUDA, "sgd (foreach)"),
+    ("adafactor", Device.CUDA, "adafactor"),  # transformers' Adafactor has no foreach/fused switch
+])
+def test_the_label_names_the_implementation_traced(name, device, label):
+    assert resolve_optimizer(name, device)[0] == label
+
+
+def test_hf_models_default_to_the_installed_trainers_optimizer():
+    # transformers' TrainingArguments.default_optim is adamw_torch_fused with torch >= 2.8 (2.13 here)
+    from memcheck.workloads.hf import trainer_optimizer
+
+    assert trainer_optimizer() == "adamw-fused"

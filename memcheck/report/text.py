@@ -9,6 +9,7 @@ from tabulate import tabulate
 
 from memcheck.enums import Phase
 from memcheck.training.checkpointing import half_of
+from memcheck.training.optimizers import HF_OPTIMIZERS
 from memcheck.units import format_bytes
 
 if TYPE_CHECKING:  # the results import this module to render themselves
@@ -239,6 +240,15 @@ def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
     args.append({"amp-bf16": "bf16=True", "amp-fp16": "fp16=True", "bf16": "bf16=True with the model loaded in "
                  "torch.bfloat16", "fp16": "the model loaded in torch.float16 (no TrainingArguments flag)"}
                 .get(r.precision, "fp32 (neither bf16 nor fp16)"))
+    optimizer = plan.job.optimizer if plan.job is not None else None
+    if isinstance(optimizer, str):  # every setting traced, the optimizer too (issue 17)
+        flags.append(f"--optimizer {optimizer}")
+        hf = {v: k for k, v in reversed(list(HF_OPTIMIZERS.items()))}.get(optimizer)
+        args.append(f'optim="{hf}"' if hf else f"an optimizer built as memcheck's {optimizer!r} "
+                    "(Trainer(optimizers=(optimizer, None)))")
+    elif optimizer is not None:
+        name = getattr(optimizer, "__name__", type(optimizer).__name__)
+        args.append(f"the optimizer {name} builds (Trainer(optimizers=(optimizer, None)))")
     if plan.strategy != "single":
         flags.append(f"--strategy {plan.strategy} --gpus {plan.gpus}")
         args.append({"fsdp": 'fsdp="full_shard"', "zero3": "deepspeed= a ZeRO stage 3 config",

@@ -279,6 +279,21 @@ def _for_target(cls: type, kwargs: dict, device: Device) -> dict:
     return kwargs
 
 
+def implementation(kwargs: dict) -> str | None:
+    """Which of torch's implementations the settings pick: ``fused``, ``foreach`` (one kernel per
+    step over all tensors, with its temporaries) or ``for-loop``; None for an optimizer without them."""
+    if kwargs.get("fused"):
+        return "fused"
+    if "foreach" in kwargs:
+        return "foreach" if kwargs["foreach"] else "for-loop"
+    return None
+
+
+def _labelled(name: str, kwargs: dict) -> str:
+    impl = implementation(kwargs)
+    return name if impl is None or impl in name else f"{name} ({impl})"
+
+
 def _constructor_kwargs(cls: type, defaults: dict) -> dict:
     """The entries of ``defaults`` that ``cls(params, ...)`` accepts.
 
@@ -376,14 +391,14 @@ def resolve_optimizer(optimizer, device: Device) -> tuple[str, OptimizerFactory]
         choice = OPTIMIZERS[key]
         cls = choice.load()
         kwargs = _for_target(cls, dict(choice.kwargs), device)
-        return choice.label or key, lambda params: cls(params, **kwargs)
+        return choice.label or _labelled(key, kwargs), lambda params: cls(params, **kwargs)
     bitsandbytes = _bitsandbytes_optimizer(optimizer, device)
     if bitsandbytes is not None:
         return bitsandbytes
     if isinstance(optimizer, torch.optim.Optimizer):
         cls = type(optimizer)
         kwargs = _for_target(cls, _constructor_kwargs(cls, optimizer.defaults), device)
-        label = cls.__name__
+        label = _labelled(cls.__name__, kwargs)
         if kwargs.get("fused") and cls in _META_FUSED:
             cls = _META_FUSED[cls]
         return label, lambda params: cls(params, **kwargs)

@@ -99,6 +99,19 @@ def build_model(config, task: Task | None = None, attn: Attention | None = None,
         raise ModelLoadError(f"cannot build {type(config).__name__} for task {task}: {first}") from exc
 
 
+def trainer_optimizer() -> str:
+    """memcheck's name for the installed HF Trainer's default ``optim``: ``TrainingArguments.default_optim``
+    is ``adamw_torch_fused`` with torch >= 2.8 (transformers' training_args.py, "--- Optimizer ---"),
+    ``adamw_torch`` before; ``adamw`` when transformers has no such attribute."""
+    from memcheck.training.optimizers import HF_OPTIMIZERS
+
+    try:
+        from transformers import TrainingArguments
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return "adamw"
+    return HF_OPTIMIZERS.get(str(getattr(TrainingArguments, "default_optim", "adamw_torch")), "adamw")
+
+
 def position_limit(config) -> tuple[int | None, str | None]:
     """The longest sequence the position embeddings allow, and the config key it came from."""
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):

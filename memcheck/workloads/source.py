@@ -40,13 +40,15 @@ class Workload:
     # make(batch_size, max_len, target_len): the worst-case batch at other sizes or lengths
     make: Callable[[int, int | None, int | None], Any] | None = None
     max_len_limit: int | None = None  # the position limit, when the model has one
+    default_optimizer: str = "adamw"  # when neither the user nor the file names one: torch's, or the Trainer's
 
     def job_for(self, job: Job, optimizer: str | None = None) -> Job:
         """``job`` completed from this workload: its batch size and lengths as loaded (an hf:
         model's position limit by default) and the model file's ``make_optimizer`` unless
-        ``optimizer`` names one (else adamw)."""
+        ``optimizer`` names one (else the workload's default: for ``hf:`` models the installed
+        HF Trainer's default ``optim``, torch's AdamW otherwise)."""
         return job.replace(batch_size=self.batch_size, max_len=self.max_len, target_len=self.target_len,
-                           optimizer=optimizer or self.make_optimizer or "adamw")
+                           optimizer=optimizer or self.make_optimizer or self.default_optimizer)
 
     def batch_at(self, batch_size: int, max_len: int | None = None, target_len: int | None = None) -> Any:
         """The worst-case batch with ``batch_size`` rows, padded to ``max_len`` (default: the
@@ -161,7 +163,7 @@ def load_workload(
                 return hf.make_batch(model, config, task, size, length, target, device=device)
 
         return Workload(type(model).__name__, model, make(batch_size, max_len, target_len), None, None,
-                        batch_size, max_len, target_len, make, _limit(model, config))
+                        batch_size, max_len, target_len, make, _limit(model, config), hf.trainer_optimizer())
 
     path = Path(spec)
     if path.suffix != ".py":

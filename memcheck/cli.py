@@ -79,6 +79,15 @@ def _reported(progress, debug: bool, locate=None):
         _fail(exc, debug, EXIT_INTERNAL, locate(_internal(exc)) if locate else _internal(exc))
 
 
+def _no_train_step(work, what: str) -> None:
+    """Refuse, in one line, a model file's own train_step where it is not traced yet."""
+    from memcheck.errors import UsageError
+
+    if work.train_step is not None:
+        raise UsageError(f"{work.name} defines train_step, which {what} does not trace yet (it would trace "
+                         "memcheck's own loop instead); estimate it: memcheck MODEL.py [OPTIONS]")
+
+
 def _load(model: str, job, optimizer: str | None, allow_download: bool, **load):
     """Run the model file (or read the hf: config) for ``job``; return the workload and the job
     completed from it: its lengths (an hf: model's position limit by default) and the file's
@@ -225,9 +234,11 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
         runtime = dict(loss_fn=work.loss_fn, eval_batch=eval_batch, model_name=work.name, top_modules=top,
                        progress=progress)
         if compare:
+            _no_train_step(work, "--compare")
             result = run_compare(work.model, work.batch, job, gpus=1 if gpus is None else gpus, **runtime)
         else:
-            result = run_estimate(work.model, work.batch, job, timeline=bool(snapshot_path or plot_path), **runtime)
+            result = run_estimate(work.model, work.batch, job, timeline=bool(snapshot_path or plot_path),
+                                  train_step=work.train_step, **runtime)
             write_pictures(result, snapshot_path, plot_path)
     click.echo(render_json(result) if as_json else str(result))
     sys.exit(EXIT_DOES_NOT_FIT if result.fits is False else EXIT_FITS)
@@ -294,6 +305,7 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
                    gpus=gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload, margin=margin,
                    global_batch=global_batch, task=task, attn=attn)
         work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)
+        _no_train_step(work, "memcheck plan")
         result = run_plan(work.model, work.make, job, precision_options=precision_options or precision,
                           checkpointing_options=checkpointing_options, max_len_limit=work.max_len_limit,
                           loss_fn=work.loss_fn, model_name=work.name, progress=progress)
@@ -403,6 +415,7 @@ def check_configs(files, as_json, allow_download, debug):
                                            target_len=job.target_len, task=job.task, attn=job.attn,
                                            allow_download=allow_download))
             config.check_modules(workloads[-1].model)
+            _no_train_step(workloads[-1], f"memcheck check ({config.label})")
         for config, work in zip(jobs, workloads):
             where[0], label = config, config.label
             results.append((config, run_check(

@@ -146,6 +146,7 @@ def estimate(
     top_modules: int = 8,
     progress: Callable[[str], None] | None = None,
     timeline: bool = False,
+    train_step: Callable | None = None,
     **settings,
 ) -> Estimate:
     """Trace ``job.steps`` training steps of ``model`` on ``batch`` and return the steady-state peak.
@@ -182,6 +183,10 @@ def estimate(
             stderr progress on a terminal).
         timeline: also keep the busiest GPU's memory event by event as ``Estimate.timeline``
             (a ``memcheck.report.timeline.Timeline``), for ``write_snapshot`` and ``plot_timeline``.
+        train_step: the user's own ``train_step(model, batch, optimizer)``, traced as it is
+            instead of memcheck's loop (``loss_fn`` is then unused): its order of ``zero_grad``,
+            clipping, several losses. Its own ``torch.autocast`` is not emulated, so
+            ``precision`` must be ``fp32`` or pure ``bf16``/``fp16``, and ``accumulate`` 1.
 
     Returns:
         An ``Estimate``; ``str()`` is the table, ``to_dict()`` the JSON, ``.job`` the job traced.
@@ -202,10 +207,14 @@ def estimate(
     """
     job = as_job(job, settings, caller="estimate()")
     target = _validate(model, batch, job, eval_batch, top_modules)
+    _check_train_step(train_step, job)
     name = model_name or type(model).__name__
     run = _set_up(model, batch, eval_batch, job, target, name, progress)
-    gpu_map = _trace(run, job, target, loss_fn or default_loss, name)
-    shorter = _shorter_traces(model, batch, job, target, loss_fn or default_loss, name, run.tracer.assume)
+    if train_step is not None:
+        run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
+                          "(model, batch, optimizer), traced as it is")
+    gpu_map = _trace(run, job, target, loss_fn or default_loss, name, train_step)
+    shorter = _shorter_traces(model, batch, job, target, loss_fn or default_loss, name, run.tracer.assume, train_step)
     devices = _summarise(run, gpu_map, job, target, name, top_modules, shorter)
     return _result(run, gpu_map, devices, job, target, name, timeline)
 
@@ -334,7 +343,22 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
     return run
 
 
-def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: str) -> list[int]:
+def _check_train_step(train_step, job: Job) -> None:
+    """What a user's own training step cannot be combined with (yet)."""
+    if train_step is None:
+        return
+    if not callable(train_step):
+        raise UsageError(f"train_step must be a function train_step(model, batch, optimizer), got {train_step!r}")
+    if job.precision.autocast_dtype is not None:
+        raise SettingError("precision", f"{{name}} {job.precision.value} is memcheck's autocast around its own "
+                                        "loop; with a train_step use fp32 or pure bf16/fp16 (the step's own "
+                                        "torch.autocast is not emulated yet)")
+    if job.accumulate != 1:
+        raise SettingError("accumulate", "{name} must be 1 with a train_step: the step accumulates as it is written")
+
+
+def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: str,
+           train_step: Callable | None = None) -> list[int]:
     """Run the traced steps under the job's strategy; for each real GPU, the traced GPU it matches."""
     tracer, steps = run.tracer, job.steps
 
@@ -348,7 +372,7 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
         with redirect_cuda(target), tracer:  # the model's .cuda() and torch.cuda.* never reach the GPU
             return train(job.strategy_config, tracer, run.twin, run.batch, loss_fn, run.make_optimizer, steps,
                          autocast=run.autocast, scaler=run.scaler, accumulate=min(job.accumulate, 2),
-                         evaluate=evaluate if run.eval_batch is not None else None)
+                         evaluate=evaluate if run.eval_batch is not None else None, train_step=train_step)
     except MemcheckError:
         raise
     except Exception as exc:  # the model's own code failed under the trace
@@ -356,7 +380,7 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
 
 
 def _shorter_traces(model, batch, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: str,
-                    assume: Callable[[str], None]) -> list | None:
+                    assume: Callable[[str], None], train_step: Callable | None = None) -> list | None:
     """For ``padding="longest"`` on the CUDA target: the job traced again at a half and a
     quarter of ``max_len`` (every batch dimension of that size shortened), so the allocator
     can replay steps of any length between; with the traced length first. None otherwise."""
@@ -375,7 +399,7 @@ def _shorter_traces(model, batch, job: Job, target: GpuSpec | None, loss_fn: Los
         shortened, _ = _at_length(batch, length, short)  # _validate checked it has such a dimension
         sub = job.replace(padding=Padding.MAX_LENGTH, max_len=short, eval_batch_size=None, eval_accumulate_predictions=0)
         again = _set_up(model, shortened, None, sub, target, name, None)
-        _trace(again, sub, target, loss_fn, name)
+        _trace(again, sub, target, loss_fn, name, train_step)
         traces.append((short, again.tracer.log))
     return traces
 

@@ -17,7 +17,7 @@ from memcheck.enums import Precision
 from memcheck.errors import UsageError
 from memcheck.report.results import Verification
 from memcheck.rules.probe import cpu_memory_events
-from memcheck.training.loop import LossFn, default_loss, run_steps, to_precision
+from memcheck.training.loop import LossFn, default_loss, run_steps, run_train_steps, to_precision
 
 STEP_MARK = "memcheck.step"
 
@@ -46,13 +46,15 @@ def measure_cpu(
     steps: int = 2,
     autocast_dtype: torch.dtype | None = None,
     accumulate: int = 1,
+    train_step: Callable | None = None,
 ) -> Measured:
     """Build a model and batch on CPU, train ``steps`` steps, and measure the allocator.
 
     ``build()`` returns ``(model, batch)``; it runs inside the profiled region so
     that the baseline (weights, batch) is measured too. ``autocast_dtype`` runs the
     forward and loss under ``torch.autocast("cpu", autocast_dtype)``; ``accumulate``
-    runs that many real micro-steps per step.
+    runs that many real micro-steps per step; ``train_step(model, batch, optimizer)`` runs the
+    user's own step instead of memcheck's loop (``run_train_steps``).
     """
     autocast = None
     if autocast_dtype is not None:
@@ -60,7 +62,10 @@ def measure_cpu(
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model, batch = build()
         optimizer = make_optimizer(model.parameters())
-        run_steps(model, batch, loss_fn, optimizer, steps, mark_step, autocast=autocast, accumulate=accumulate)
+        if train_step is not None:
+            run_train_steps(model, batch, train_step, optimizer, steps, mark_step)
+        else:
+            run_steps(model, batch, loss_fn, optimizer, steps, mark_step, autocast=autocast, accumulate=accumulate)
         del model, batch, optimizer
 
     raw = prof.profiler.kineto_results.events()

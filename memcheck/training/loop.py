@@ -105,6 +105,49 @@ def run_steps(
         optimizer.zero_grad(set_to_none=True)
 
 
+TrainStep = Callable[[torch.nn.Module, Any, torch.optim.Optimizer], Any]
+
+
+def run_train_steps(
+    model: torch.nn.Module,
+    batch: Any,
+    train_step: TrainStep,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    on_phase: Callable[[int, Phase], None] = lambda step, phase: None,
+) -> None:
+    """Run the user's own ``train_step(model, batch, optimizer)`` ``steps`` times, as it is:
+    its order of ``zero_grad``, its clipping, its losses. The phases follow its calls: a step
+    starts in the forward; ``Tensor.backward`` starts the backward, ``optimizer.step`` the
+    optimizer step (``register_step_pre_hook``) and ``optimizer.zero_grad`` the zero_grad
+    phase, wherever the step calls them. ``Tensor.backward`` and the optimizer's ``zero_grad``
+    are wrapped for the run and restored after it (not thread-safe)."""
+    now = [0]
+    hook = optimizer.register_step_pre_hook(lambda opt, args, kwargs: on_phase(now[0], Phase.OPTIMIZER))
+    zero_grad, backward = optimizer.zero_grad, torch.Tensor.backward
+
+    def marked_zero_grad(*args, **kwargs):
+        on_phase(now[0], Phase.ZERO_GRAD)
+        return zero_grad(*args, **kwargs)
+
+    def marked_backward(self, *args, **kwargs):
+        on_phase(now[0], Phase.BACKWARD)
+        return backward(self, *args, **kwargs)
+
+    optimizer.zero_grad = marked_zero_grad
+    torch.Tensor.backward = marked_backward
+    try:
+        model.train()
+        for step in range(steps):
+            now[0] = step
+            on_phase(step, Phase.FORWARD)
+            train_step(model, batch, optimizer)
+    finally:
+        torch.Tensor.backward = backward
+        del optimizer.zero_grad  # the instance attribute; the class's method again
+        hook.remove()
+
+
 def outputs_of(out: Any) -> list[torch.Tensor]:
     """The prediction tensors of a model output: every tensor but the loss."""
     if isinstance(out, torch.Tensor):

@@ -2,7 +2,8 @@
 
 A model file defines ``build_model()`` (or a module-level ``model``) and may define
 ``make_batch(batch_size, max_len)``, ``compute_loss(model, batch)`` and
-``make_optimizer(params)``. memcheck runs the file's code: everything it builds is
+``make_optimizer(params)`` and ``train_step(model, batch, optimizer)`` (one training step of
+its own, traced instead of memcheck's loop). memcheck runs the file's code: everything it builds is
 built under ``torch.device("meta")`` for an estimate, so no weights are allocated.
 """
 
@@ -41,6 +42,7 @@ class Workload:
     make: Callable[[int, int | None, int | None], Any] | None = None
     max_len_limit: int | None = None  # the position limit, when the model has one
     default_optimizer: str = "adamw"  # when neither the user nor the file names one: torch's, or the Trainer's
+    train_step: Callable | None = None  # the file's own train_step(model, batch, optimizer), traced instead of the loop
 
     def job_for(self, job: Job, optimizer: str | None = None) -> Job:
         """``job`` completed from this workload: its batch size and lengths as loaded (an hf:
@@ -216,9 +218,12 @@ def load_workload(
         batch = make(batch_size, max_len, target_len)
     loss_fn = getattr(module, "compute_loss", None)
     make_optimizer = getattr(module, "make_optimizer", None)
+    train_step = getattr(module, "train_step", None)
+    if train_step is not None and not callable(train_step):
+        raise ModelLoadError(f"{path}: train_step must be a function train_step(model, batch, optimizer)")
     return Workload(
         path.stem, model, batch, loss_fn, make_optimizer, batch_size, max_len, target_len, make,
-        _limit(model, config) if config is not None else None,
+        _limit(model, config) if config is not None else None, train_step=train_step,
     )
 
 

@@ -44,13 +44,15 @@ def train(
     scaler=None,
     accumulate: int = 1,
     evaluate: Callable[[torch.nn.Module], None] | None = None,
+    train_step: Callable | None = None,
 ) -> list[int]:
     """Trace ``steps`` training steps under ``config``; return, for each real GPU, the traced GPU it matches.
 
     ``evaluate(module)``, when given, runs after training with the module a trainer
     would evaluate: the DataParallel wrapper under ``dp``, the model otherwise.
     """
-    run = Run(config, tracer, model, batch, loss_fn, make_optimizer, steps, autocast, scaler, accumulate, evaluate)
+    run = Run(config, tracer, model, batch, loss_fn, make_optimizer, steps, autocast, scaler, accumulate, evaluate,
+              train_step)
     strategy = config.strategy
     if strategy in (Strategy.DP, Strategy.DP_BALANCED):
         from memcheck.training.strategies import data_parallel as family

@@ -31,7 +31,7 @@ import torch
 
 from memcheck.enums import Offload, Phase, Strategy
 from memcheck.errors import UsageError, require_int, require_positive_number
-from memcheck.training.loop import LossFn, run_steps
+from memcheck.training.loop import LossFn, run_steps, run_train_steps
 
 
 @dataclass(frozen=True)
@@ -108,10 +108,15 @@ class Run:
     scaler: Any = None
     accumulate: int = 1
     evaluate: Callable[[torch.nn.Module], None] | None = None  # after training, on the module a trainer evaluates
+    train_step: Callable | None = None  # the user's own train_step(model, batch, optimizer), run instead of the loop
 
     def run_steps(self, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                   on_phase: Callable[[int, Phase], None]) -> None:
-        """``memcheck.training.loop.run_steps`` on the model and batch, with this run's loop settings."""
+        """``memcheck.training.loop.run_steps`` on the model and batch, with this run's loop settings;
+        the user's ``train_step`` instead, when there is one (``run_train_steps``)."""
+        if self.train_step is not None:
+            run_train_steps(self.model, self.batch, self.train_step, optimizer, self.steps, on_phase)
+            return
         run_steps(self.model, self.batch, loss_fn, optimizer, self.steps, on_phase,
                   autocast=self.autocast, scaler=self.scaler, accumulate=self.accumulate)
 

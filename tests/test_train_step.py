@@ -1,0 +1,78 @@
+"""The user's own training step (issue 17): a model file's ``train_step(model, batch, optimizer)``
+is traced as it is, checked against a real CPU run of the same step."""
+
+import importlib.util
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import memcheck
+from memcheck.cli import main
+from memcheck.measure.local import measure_cpu
+from memcheck.workloads.source import load_workload
+
+EXAMPLE = "examples/late_zero_grad.py"
+# Its MLP's parameters: 512 x 2,048 + 2,048 + 2,048 x 2,048 + 2,048 + 2,048 x 10 + 10 = 5,267,466,
+# so a full set of fp32 gradients is 5,267,466 x 4 = 21,069,864 B.
+GRAD_BYTES = 21_069_864
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("late_zero_grad", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)  # no state and no step temporaries: the gradients stand out
+
+
+def test_a_step_that_zeroes_gradients_after_the_forward_matches_a_real_cpu_run():
+    # batch 1,024 with plain SGD: the peak is at the loss, with last step's gradients still alive
+    # through the forward (zero_grad comes after it)
+    work = load_workload(EXAMPLE, batch_size=1024)
+    est = memcheck.estimate(work.model, work.batch, memcheck.Job(device="cpu", optimizer=_sgd),
+                            train_step=work.train_step)
+    module = _module()
+    torch.manual_seed(0)
+    real = measure_cpu(lambda: (module.build_model(), module.make_batch(1024)), _sgd, train_step=module.train_step)
+    assert abs(est.peak_bytes - real.steady_peak_bytes) <= 0.02 * real.steady_peak_bytes
+    assert est.peak_phase.value == "loss"
+    assert est.breakdown_at_peak.grads == GRAD_BYTES  # every gradient of the step before is live at the peak
+    assert any("model's own train_step(model, batch, optimizer), traced as it is" in a for a in est.assumptions)
+
+
+def test_memchecks_own_loop_frees_the_gradients_before_the_forward():
+    # the same model, batch and SGD through memcheck's loop (zero_grad at the end of each step):
+    # no gradient of the step before is live in the forward, and the peak is in the backward
+    work = load_workload(EXAMPLE, batch_size=1024)
+    job = memcheck.Job(device="cpu", optimizer=_sgd)
+    own = memcheck.estimate(work.model, work.batch, job, train_step=work.train_step)
+    loop = memcheck.estimate(work.model, work.batch, job,
+                             loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+    assert loop.peak_phase.value == "backward" and loop.breakdown_at_peak.grads < GRAD_BYTES
+    assert loop.peak_bytes < own.peak_bytes
+
+
+@pytest.mark.parametrize("settings, words", [
+    (dict(precision="amp-bf16"), "precision amp-bf16 is memcheck's autocast around its own loop"),
+    (dict(accumulate=2), "accumulate must be 1 with a train_step"),
+])
+def test_what_a_train_step_cannot_be_combined_with_is_refused(settings, words):
+    work = load_workload(EXAMPLE, batch_size=8)
+    with pytest.raises(memcheck.UsageError, match=words):
+        memcheck.estimate(work.model, work.batch, memcheck.Job(device="cpu", **settings), train_step=work.train_step)
+
+
+def test_plan_refuses_a_train_step_it_would_not_trace():
+    result = CliRunner().invoke(main, ["plan", EXAMPLE, "--device", "cpu", "--gpu-memory", "1GiB"])
+    assert result.exit_code == 2
+    assert "defines train_step, which memcheck plan does not trace yet" in result.output
+
+
+def test_the_cli_traces_the_files_train_step():
+    result = CliRunner().invoke(main, [EXAMPLE, "--batch-size", "64", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "traced as it is" in result.output

@@ -55,6 +55,8 @@ class _MLP(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+LOGGER = "lightning.pytorch.callbacks.memcheck"  # memcheck.integrations.lightning.logger
+
 def _rows(n: int, device=None):
     generator = torch.Generator().manual_seed(n)
     x, y = torch.randn(n, IN, generator=generator), torch.randn(n, 1, generator=generator)
@@ -93,10 +95,19 @@ def test_a_job_that_fits_trains_and_its_logging_is_left_alone(caplog):
     measured = _measured(32)
     callback = MemcheckCallback(_make_batch, batch_size=32, budget_bytes=2 * measured)
     trainer = _trainer(callback)
-    with warnings.catch_warnings(record=True) as caught, \
-            caplog.at_level(logging.INFO, logger="memcheck.integrations.lightning"):
-        warnings.simplefilter("always")
-        trainer.fit(_MLP(), _loader(32), _loader(32))
+    # memcheck logs through a child of Lightning's own logger, which shows INFO by default and
+    # does not propagate to the root logger (lightning/pytorch/__init__.py): listen on it directly
+    ours = logging.getLogger(LOGGER)
+    direct = not logging.getLogger("lightning.pytorch").propagate  # else the record reaches caplog at the root
+    if direct:
+        ours.addHandler(caplog.handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger=LOGGER):
+            warnings.simplefilter("always")
+            trainer.fit(_MLP(), _loader(32), _loader(32))
+    finally:
+        ours.removeHandler(caplog.handler)
+    assert ours.getEffectiveLevel() <= logging.INFO  # shown at Lightning's default level
     assert trainer.global_step == 2
     verdict = callback.verdict
     assert verdict.fits and verdict.estimate.batch.batch_size == 32 and verdict.estimate.optimizer == "AdamW (for-loop)"  # the CPU target: torch picks foreach on CUDA only
@@ -106,7 +117,7 @@ def test_a_job_that_fits_trains_and_its_logging_is_left_alone(caplog):
     # Trainer logged is a real number, untouched by the trace's meta tensors
     assert not [w for w in caught if "self.log" in str(w.message)]
     assert trainer.callback_metrics["train_loss"].device.type == "cpu"
-    lines = [r.getMessage() for r in caplog.records if r.name == "memcheck.integrations.lightning"]
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert len(lines) == 1 and lines[0].startswith("memcheck: fits: _MLP needs")
 
 
@@ -165,8 +176,14 @@ def test_a_refused_job_gets_its_fix_in_trainer_and_dataloader_terms_and_the_fix_
 
 def test_without_a_batch_the_first_training_batch_is_checked_with_a_warning(caplog):
     callback = MemcheckCallback(budget_bytes=2**30)
-    with caplog.at_level(logging.WARNING, logger="memcheck.integrations.lightning"):
-        _trainer(callback, max_steps=1).fit(_MLP(), _loader(16))
+    direct = not logging.getLogger("lightning.pytorch").propagate
+    if direct:
+        logging.getLogger(LOGGER).addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            _trainer(callback, max_steps=1).fit(_MLP(), _loader(16))
+    finally:
+        logging.getLogger(LOGGER).removeHandler(caplog.handler)
     assert callback.verdict.estimate.batch.batch_size == 16
     assert any("not necessarily the worst case" in r.getMessage() for r in caplog.records)
 

@@ -308,3 +308,17 @@ def test_the_launch_maps_to_a_memcheck_strategy(launch, expected):
     from memcheck.integrations.transformers import _strategy
 
     assert _strategy(launch) == expected
+
+
+def test_a_gpu_named_is_the_target_though_the_trainer_runs_on_the_cpu(tmp_path, caplog):
+    # a laptop or CI dry-runs the GPU job: gpu= is the target whatever device the Trainer has
+    callback = MemcheckCallback(gpu="A100-80GB")
+    trainer = Trainer(model=_gpt2(), args=_args(tmp_path), train_dataset=_Tokens(16), callbacks=[callback])
+    assert trainer.args.device.type == "cpu"
+    with caplog.at_level(logging.INFO, logger="memcheck.integrations.transformers"):
+        trainer.train()
+    estimate = callback.verdict.estimate
+    assert estimate.device.value == "cuda" and estimate.gpu.name == "A100-80GB"
+    # the fitting job says so at WARNING, the level transformers' log shows by default
+    (record,) = [r for r in caplog.records if r.name == "memcheck.integrations.transformers"]
+    assert record.levelno == logging.WARNING and record.getMessage().startswith("memcheck: fits:")

@@ -41,19 +41,21 @@ class CallbackSettings:
 
 
 def target(device: torch.device, settings: CallbackSettings) -> dict:
-    """``check()``'s target arguments for the device the trainer runs on."""
+    """``check()``'s target arguments for the trainer's job. A GPU named with ``gpu=`` is the
+    target whatever device the trainer runs on, so a laptop or CI dry-runs the GPU job;
+    otherwise the device the trainer runs on."""
     kind = device.type
-    if kind == "cuda":
+    if settings.gpu is not None:
         return {"device": "cuda", "gpu": settings.gpu, "budget_bytes": settings.budget_bytes}
+    if kind == "cuda":
+        return {"device": "cuda", "gpu": None, "budget_bytes": settings.budget_bytes}
     if kind == "cpu":
         if settings.budget_bytes is None:
-            raise UsageError("the trainer runs on the CPU: give MemcheckCallback(budget_bytes=...), the host "
-                             "memory the job may use")
-        if settings.gpu is not None:
-            raise UsageError(f"gpu={settings.gpu.name!r} was given but the trainer runs on the CPU; "
-                             "give budget_bytes= instead")
+            raise UsageError("the trainer runs on the CPU: give MemcheckCallback(gpu=\"A100-80GB\") to check the "
+                             "GPU job it stands for, or budget_bytes=... for the host memory the job may use")
         return {"device": "cpu", "budget_bytes": settings.budget_bytes}
-    raise UsageError(f"the trainer runs on {kind!r}; memcheck checks cuda and cpu jobs only")
+    raise UsageError(f"the trainer runs on {kind!r}; memcheck checks cuda and cpu jobs: give gpu=\"A100-80GB\" "
+                     "to check the job on a CUDA GPU")
 
 
 def zero_strategy(config: dict | None, world: int) -> tuple[str, int, dict]:
@@ -71,15 +73,15 @@ def zero_strategy(config: dict | None, world: int) -> tuple[str, int, dict]:
     return f"zero{stage}", world, ({"offload": offload} if offload else {})
 
 
-def act_on(verdict: Verdict, style: str, logger: logging.Logger, announce: bool) -> None:
-    """Raise ``WillNotFit`` for a job that will not fit; otherwise log the verdict's line
-    (when ``announce``: on the main process only)."""
+def act_on(verdict: Verdict, style: str, logger: logging.Logger, announce: bool, level: int = logging.INFO) -> None:
+    """Raise ``WillNotFit`` for a job that will not fit; otherwise log the verdict's line at
+    ``level``, one the trainer's log shows by default (when ``announce``: on the main process only)."""
     if not verdict.fits:
         raise WillNotFit(verdict, will_not_fit_message(verdict, style))
     if announce:
         from memcheck.report.text import verdict_line
 
-        logger.info("memcheck: %s", verdict_line(verdict))
+        logger.log(level, "memcheck: %s", verdict_line(verdict))
 
 
 def first_batch(loader: Any) -> Any:

@@ -51,7 +51,8 @@ from memcheck.integrations._common import (
 from memcheck.job import Job
 from memcheck.report.results import Verdict
 
-logger = logging.getLogger(__name__)
+# A child of Lightning's own logger, which shows INFO by default (lightning/pytorch/__init__.py)
+logger = logging.getLogger("lightning.pytorch.callbacks.memcheck")
 
 # Trainer(precision=...) as ``trainer.precision`` reports it -> memcheck's precision.
 LIGHTNING_PRECISION = {

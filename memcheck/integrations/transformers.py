@@ -152,7 +152,8 @@ class MemcheckCallback(TrainerCallback):
                 job = job.replace(eval_accumulate_predictions=keep)
         verdict = check(twin, batch, job, eval_batch=eval_batch, fix=self.settings.fix, model_name=type(model).__name__)
         self.verdict = verdict  # kept for a caller that catches WillNotFit too
-        act_on(verdict, "trainer", logger, announce=state.is_world_process_zero)
+        # transformers logs at WARNING by default (its "passive" log level): a fitting job says so there
+        act_on(verdict, "trainer", logger, announce=state.is_world_process_zero, level=logging.WARNING)
         return control
 
     def _max_length(self, tokenizer, config) -> int:

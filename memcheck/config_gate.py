@@ -40,7 +40,8 @@ from memcheck.job import SPELLING, SPELLINGS, VALUE_ALIASES, Job, SettingError, 
 
 # The keys of a job: the model, then the job's settings as configs spell them (memcheck.job.SPELLINGS).
 _FIELD = {s.config: s.field for s in SPELLINGS if s.config}
-JOB_KEYS = ("model", *_FIELD)
+TRAINER_CONFIG = "trainer_config"  # a TrainingArguments / LightningCLI / accelerate / DeepSpeed file
+JOB_KEYS = ("model", TRAINER_CONFIG, *_FIELD)
 # HF TrainingArguments / Lightning names accepted for a config key (the Job's one table of spellings)
 _ALIASES = {alias: s.config for s in SPELLINGS if s.config for alias in s.aliases}
 JOBS = "jobs"  # the table of named jobs
@@ -241,6 +242,8 @@ def _settings(table: dict, file: str, where: str, *, top: bool, path: Path) -> d
                              f"{closest(key, [*allowed, *_ALIASES, *VALUE_ALIASES])}{hint}; "
                              f"allowed: {', '.join(allowed)} (or the HF TrainingArguments names "
                              f"{', '.join([*_ALIASES, *VALUE_ALIASES])})")
+        if key == TRAINER_CONFIG:
+            continue  # read after the table's own keys, below
         try:
             if key in VALUE_ALIASES:  # bf16 = true, optim = "adamw_torch_fused", ...
                 field, translate = VALUE_ALIASES[key]
@@ -256,6 +259,35 @@ def _settings(table: dict, file: str, where: str, *, top: bool, path: Path) -> d
         except UsageError as exc:
             raise UsageError(f"{_label(file, where)}: {str(exc).replace('{name}', key)}") from None
         out[name], written[name] = value, key
+    if TRAINER_CONFIG in table:
+        out.update(_trainer_config(table[TRAINER_CONFIG], written, file, where, path))
+    return out
+
+
+def _trainer_config(value, written: dict, file: str, where: str, path: Path) -> dict:
+    """The settings of the trainer's own config file that ``trainer_config`` names (relative to
+    the config file), as config keys; a setting both files give is refused, naming both, so
+    the two cannot disagree."""
+    from memcheck.workloads.trainer_files import trainer_settings
+
+    label = _label(file, where)
+    if not isinstance(value, str) or not value.strip():
+        raise UsageError(f"{label}: trainer_config must be the path of a TrainingArguments, LightningCLI, "
+                         f"accelerate or DeepSpeed file, got {value!r}")
+    trainer_file = (path.parent / value).resolve()
+    try:
+        kind, settings = trainer_settings(trainer_file)
+    except UsageError as exc:
+        raise UsageError(f"{label}: trainer_config: {exc}") from None
+    out = {}
+    for name, setting in settings.items():
+        if name in written:
+            raise UsageError(f"{label}: {written[name]!r} sets {name!r}, which {value} ({kind}) sets too; "
+                             "give it in one place")
+        try:
+            out[name] = check_key(name, setting)
+        except UsageError as exc:
+            raise UsageError(f"{label}: {value} ({kind}): {exc}") from None
     return out
 
 

@@ -58,21 +58,6 @@ def target(device: torch.device, settings: CallbackSettings) -> dict:
                      "to check the job on a CUDA GPU")
 
 
-def zero_strategy(config: dict | None, world: int) -> tuple[str, int, dict]:
-    """A DeepSpeed config's ZeRO stage and offload as memcheck's (strategy, gpus, settings);
-    stage 0 is plain data parallelism, which memcheck traces as ddp."""
-    zero = (config or {}).get("zero_optimization", {}) or {}
-    stage = int(zero.get("stage", 0) or 0)
-    if stage == 0:
-        return "ddp", world, {}
-    offload = None
-    if (zero.get("offload_param") or {}).get("device") == "cpu":
-        offload = "params"
-    elif (zero.get("offload_optimizer") or {}).get("device") == "cpu":
-        offload = "optimizer"
-    return f"zero{stage}", world, ({"offload": offload} if offload else {})
-
-
 def act_on(verdict: Verdict, style: str, logger: logging.Logger, announce: bool, level: int = logging.INFO) -> None:
     """Raise ``WillNotFit`` for a job that will not fit; otherwise log the verdict's line at
     ``level``, one the trainer's log shows by default (when ``announce``: on the main process only)."""

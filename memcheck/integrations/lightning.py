@@ -46,9 +46,9 @@ from memcheck.integrations._common import (
     act_on,
     first_batch,
     target,
-    zero_strategy,
 )
 from memcheck.job import Job
+from memcheck.workloads.trainer_files import zero_strategy
 from memcheck.report.results import Verdict
 
 # A child of Lightning's own logger, which shows INFO by default (lightning/pytorch/__init__.py)

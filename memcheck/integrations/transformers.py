@@ -38,9 +38,9 @@ from memcheck.integrations._common import (
     act_on,
     first_batch,
     target,
-    zero_strategy,
 )
 from memcheck.job import Job
+from memcheck.workloads.trainer_files import zero_strategy
 from memcheck.training.optimizers import hf_optimizer
 from memcheck.report.results import Verdict
 from memcheck.workloads import hf

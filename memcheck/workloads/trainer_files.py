@@ -1,0 +1,236 @@
+"""Job settings read from the files a training job is already configured in (issue 17).
+
+``memcheck check`` takes ``trainer_config = "PATH"`` in a job's table: a Hugging Face
+``TrainingArguments`` JSON/YAML, a LightningCLI YAML, an accelerate config YAML or a DeepSpeed
+JSON. Its settings become the job's config keys (``memcheck.job.SPELLINGS``), so the memcheck
+table names only what those files lack (the model, the GPU, the length) and the two cannot
+drift apart. Keys that do not change memory (``output_dir``, ``learning_rate``, ...) are left
+alone; a value memcheck cannot represent is refused naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from memcheck.errors import UsageError
+from memcheck.job import VALUE_ALIASES
+
+KINDS = ("TrainingArguments", "LightningCLI", "accelerate", "DeepSpeed")
+
+
+def zero_strategy(config: dict | None, world: int) -> tuple[str, int, dict]:
+    """A DeepSpeed config's ZeRO stage and offload as memcheck's (strategy, gpus, settings);
+    stage 0 is plain data parallelism, which memcheck traces as ddp."""
+    zero = (config or {}).get("zero_optimization", {}) or {}
+    stage = int(zero.get("stage", 0) or 0)
+    if stage == 0:
+        return "ddp", world, {}
+    offload = None
+    if (zero.get("offload_param") or {}).get("device") == "cpu":
+        offload = "params"
+    elif (zero.get("offload_optimizer") or {}).get("device") == "cpu":
+        offload = "optimizer"
+    return f"zero{stage}", world, ({"offload": offload} if offload else {})
+
+
+def read_data(path: Path) -> Any:
+    """A JSON or YAML file's data; UsageError naming the file when it cannot be read."""
+    if not path.is_file():
+        raise UsageError(f"{path}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: cannot be read: {exc}") from None
+    if path.suffix.lower() == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}: not valid JSON: {exc}") from None
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise UsageError(f"{path}: a trainer config is a .json, .yaml or .yml file")
+    try:
+        import yaml
+    except ImportError:
+        raise UsageError(f"{path}: reading YAML needs PyYAML: pip install pyyaml") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+
+
+def kind_of(data: Any) -> str | None:
+    """Which trainer's file ``data`` is (one of ``KINDS``), from its keys; None if none."""
+    if not isinstance(data, dict):
+        return None
+    if "zero_optimization" in data or "train_micro_batch_size_per_gpu" in data:
+        return "DeepSpeed"
+    if "distributed_type" in data or "compute_environment" in data:
+        return "accelerate"
+    if isinstance(data.get("trainer"), dict):
+        return "LightningCLI"
+    if any(k in data for k in ("per_device_train_batch_size", "output_dir", "gradient_accumulation_steps", "optim")):
+        return "TrainingArguments"
+    return None
+
+
+def trainer_settings(path: Path) -> tuple[str, dict[str, Any]]:
+    """The file's kind and its job settings as memcheck config keys.
+
+    Raises:
+        UsageError: naming the file (and key) for a file that is not one of ``KINDS`` or a
+            value memcheck cannot represent.
+    """
+    data = read_data(path)
+    kind = kind_of(data)
+    if kind is None:
+        raise UsageError(f"{path}: not a trainer config memcheck reads ({', '.join(KINDS)}): none of their keys "
+                         "(per_device_train_batch_size, trainer:, distributed_type, zero_optimization) is there")
+    read = {"TrainingArguments": _training_arguments, "LightningCLI": _lightning, "accelerate": _accelerate,
+            "DeepSpeed": _deepspeed}[kind]
+    try:
+        return kind, read(data, path)
+    except UsageError as exc:
+        raise UsageError(f"{path} ({kind}): {exc}") from None
+
+
+def _int(data: dict, key: str) -> int | None:
+    value = data.get(key)
+    if value is None or value == "auto":  # DeepSpeed's "auto": set by the HF/Lightning integration
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"{key} must be an integer, got {value!r}")
+    return value
+
+
+def _translated(key: str, value) -> tuple[str, Any] | None:
+    """A TrainingArguments key whose value the Job translates (``VALUE_ALIASES``), as a config key."""
+    from memcheck.job import SPELLING
+
+    field, translate = VALUE_ALIASES[key]
+    try:
+        out = translate(value)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("{name}", key)) from None
+    return None if out is None else (SPELLING[field].config, out)
+
+
+def _training_arguments(data: dict, path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, name in (("per_device_train_batch_size", "micro_batch"), ("gradient_accumulation_steps", "accumulation")):
+        if _int(data, key) is not None:
+            out[name] = _int(data, key)
+    for key in ("bf16", "fp16", "optim", "gradient_checkpointing"):
+        if key in data and data[key] is not None:
+            pair = _translated(key, data[key])
+            if pair is not None:
+                if pair[0] in out:
+                    raise UsageError("bf16 and fp16 are both true; the Trainer refuses that too")
+                out[pair[0]] = pair[1]
+    kwargs = data.get("gradient_checkpointing_kwargs") or {}
+    if isinstance(kwargs, dict) and "use_reentrant" in kwargs:
+        out["reentrant"] = bool(kwargs["use_reentrant"])
+    evaluates = str(data.get("eval_strategy", data.get("evaluation_strategy", "no"))).lower() not in ("no", "none")
+    if evaluates and _int(data, "per_device_eval_batch_size") is not None:
+        out["eval_batch"] = _int(data, "per_device_eval_batch_size")
+    ds = data.get("deepspeed")
+    if ds:
+        config = read_data((path.parent / ds)) if isinstance(ds, str) else ds
+        strategy, _, extra = zero_strategy(config, 2)
+        out["strategy"] = strategy
+        out.update(extra)
+    fsdp = data.get("fsdp")
+    if fsdp and not ds:
+        words = " ".join(fsdp) if isinstance(fsdp, list) else str(fsdp)
+        if "full_shard" in words or "shard_grad_op" in words:
+            out["strategy"] = "fsdp"
+            if "offload" in words:
+                out["offload"] = "params"
+    return out
+
+
+_LIGHTNING_STRATEGIES = {
+    "ddp": ("ddp", {}), "ddp_spawn": ("ddp", {}), "ddp_find_unused_parameters_true": ("ddp", {}),
+    "fsdp": ("fsdp", {}), "deepspeed_stage_1": ("zero1", {}), "deepspeed_stage_2": ("zero2", {}),
+    "deepspeed_stage_2_offload": ("zero2", {"offload": "optimizer"}), "deepspeed_stage_3": ("zero3", {}),
+    "deepspeed_stage_3_offload": ("zero3", {"offload": "params"}),
+}  # lightning/pytorch/strategies: the registered names
+
+
+def _lightning(data: dict, path: Path) -> dict[str, Any]:
+    trainer = data["trainer"]
+    out: dict[str, Any] = {}
+    if trainer.get("precision") is not None:
+        out["precision"] = str(trainer["precision"])  # Lightning's names are the Job's aliases
+    if _int(trainer, "accumulate_grad_batches") is not None:
+        out["accumulation"] = _int(trainer, "accumulate_grad_batches")
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, str) and strategy not in ("auto", "single_device"):
+        if strategy not in _LIGHTNING_STRATEGIES:
+            raise UsageError(f"trainer.strategy {strategy!r} has no memcheck equivalent; memcheck knows "
+                             f"{', '.join(_LIGHTNING_STRATEGIES)}")
+        name, extra = _LIGHTNING_STRATEGIES[strategy]
+        out["strategy"] = name
+        out.update(extra)
+        if isinstance(trainer.get("devices"), int) and trainer["devices"] > 1:
+            out["gpus"] = trainer["devices"]
+    data_section = data.get("data") or {}
+    if isinstance(data_section, dict):
+        args = data_section.get("init_args", data_section)
+        if isinstance(args, dict) and _int(args, "batch_size") is not None:
+            out["micro_batch"] = _int(args, "batch_size")
+    return out
+
+
+def _accelerate(data: dict, path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    precision = str(data.get("mixed_precision", "no")).lower()
+    if precision in ("bf16", "fp16"):
+        out["precision"] = f"amp-{precision}"
+    elif precision not in ("no", "none"):
+        raise UsageError(f"mixed_precision {precision!r} has no memcheck equivalent; memcheck knows no, bf16, fp16")
+    kind = str(data.get("distributed_type", "NO")).upper()
+    processes = _int(data, "num_processes")
+    if kind == "MULTI_GPU":
+        out["strategy"] = "ddp"
+    elif kind == "FSDP":
+        out["strategy"] = "fsdp"
+        if (data.get("fsdp_config") or {}).get("fsdp_offload_params"):
+            out["offload"] = "params"
+    elif kind == "DEEPSPEED":
+        ds = data.get("deepspeed_config") or {}
+        if ds.get("deepspeed_config_file"):
+            config = read_data(path.parent / ds["deepspeed_config_file"])
+            strategy, _, extra = zero_strategy(config, 2)
+        else:
+            zero = {"stage": ds.get("zero_stage", 0),
+                    "offload_param": {"device": ds.get("offload_param_device")},
+                    "offload_optimizer": {"device": ds.get("offload_optimizer_device")}}
+            strategy, _, extra = zero_strategy({"zero_optimization": zero}, 2)
+            if _int(ds, "gradient_accumulation_steps") is not None:
+                out["accumulation"] = _int(ds, "gradient_accumulation_steps")
+        out["strategy"] = strategy
+        out.update(extra)
+    elif kind not in ("NO",):
+        raise UsageError(f"distributed_type {kind!r} has no memcheck equivalent; memcheck knows NO, MULTI_GPU, FSDP, "
+                         "DEEPSPEED")
+    if "strategy" in out and processes is not None and processes > 1:
+        out["gpus"] = processes
+    return out
+
+
+def _deepspeed(data: dict, path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if _int(data, "train_micro_batch_size_per_gpu") is not None:
+        out["micro_batch"] = _int(data, "train_micro_batch_size_per_gpu")
+    if _int(data, "gradient_accumulation_steps") is not None:
+        out["accumulation"] = _int(data, "gradient_accumulation_steps")
+    for key in ("bf16", "fp16"):
+        section = data.get(key) or {}
+        if isinstance(section, dict) and section.get("enabled") is True:
+            out["precision"] = f"amp-{key}"
+    strategy, _, extra = zero_strategy(data, 2)
+    out["strategy"] = strategy
+    out.update(extra)
+    return out

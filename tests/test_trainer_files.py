@@ -1,0 +1,78 @@
+"""Configs where they live (issue 17): ``memcheck check`` reads the job's settings from the
+trainer's own TrainingArguments, LightningCLI, accelerate or DeepSpeed file (``trainer_config``)."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from memcheck.cli import main
+from memcheck.config_gate import load_config
+from memcheck.errors import UsageError
+from memcheck.workloads.trainer_files import trainer_settings
+
+GPT2 = open("examples/gpt2_small.py").read()
+
+
+def _write(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("name, text, kind, settings", [
+    ("args.json", json.dumps({"output_dir": "out", "per_device_train_batch_size": 4, "gradient_accumulation_steps": 8,
+                              "bf16": True, "optim": "adamw_torch_fused", "gradient_checkpointing": True,
+                              "gradient_checkpointing_kwargs": {"use_reentrant": False}, "learning_rate": 2e-5}),
+     "TrainingArguments", {"micro_batch": 4, "accumulation": 8, "precision": "amp-bf16", "optimizer": "adamw-fused",
+                           "checkpointing": "full", "reentrant": False}),
+    ("lightning.yaml", "trainer:\n  precision: bf16-mixed\n  accumulate_grad_batches: 2\n  strategy: deepspeed_stage_3\n"
+                       "  devices: 4\ndata:\n  init_args:\n    batch_size: 16\n",
+     "LightningCLI", {"precision": "bf16-mixed", "accumulation": 2, "strategy": "zero3", "gpus": 4, "micro_batch": 16}),
+    ("accelerate.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: bf16\n"
+                        "num_processes: 8\nfsdp_config:\n  fsdp_offload_params: true\n",
+     "accelerate", {"precision": "amp-bf16", "strategy": "fsdp", "offload": "params", "gpus": 8}),
+    ("ds.json", json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto",
+                            "bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer":
+                                                                             {"device": "cpu"}}}),
+     "DeepSpeed", {"micro_batch": 2, "precision": "amp-bf16", "strategy": "zero2", "offload": "optimizer"}),
+])
+def test_each_trainers_file_becomes_memchecks_settings(tmp_path, name, text, kind, settings):
+    assert trainer_settings(_write(tmp_path, name, text)) == (kind, settings)
+
+
+def test_a_trainingarguments_file_gives_the_same_result_as_the_same_job_in_memchecks_keys(tmp_path):
+    _write(tmp_path, "gpt2_small.py", GPT2)
+    _write(tmp_path, "args.json", json.dumps({"output_dir": "out", "per_device_train_batch_size": 2,
+                                              "gradient_accumulation_steps": 4, "bf16": True,
+                                              "optim": "adamw_torch_fused", "gradient_checkpointing": True}))
+    _write(tmp_path, "memcheck.toml", 'model = "gpt2_small.py"\nmax_len = 64\ngpu = "A100-80GB"\n\n'
+                                      '[jobs.from_args]\ntrainer_config = "args.json"\n\n'
+                                      '[jobs.ours]\nmicro_batch = 2\naccumulation = 4\nprecision = "amp-bf16"\n'
+                                      'optimizer = "adamw-fused"\ncheckpointing = "full"\n')
+    jobs = {c.name: c.job for c in load_config(tmp_path / "memcheck.toml")}
+    assert jobs["from_args"] == jobs["ours"]
+    result = CliRunner().invoke(main, ["check", str(tmp_path / "memcheck.toml"), "--json"])
+    assert result.exit_code == 0, result.output
+    totals = {r["job"]: r["total_bytes"] for r in json.loads(result.output)["results"]}
+    assert totals["from_args"] == totals["ours"]
+
+
+def test_a_setting_in_both_files_is_refused_naming_both(tmp_path):
+    _write(tmp_path, "gpt2_small.py", GPT2)
+    _write(tmp_path, "args.json", json.dumps({"output_dir": "out", "per_device_train_batch_size": 2}))
+    _write(tmp_path, "memcheck.toml", 'model = "gpt2_small.py"\ngpu = "A100-80GB"\nmicro_batch = 8\n'
+                                      'trainer_config = "args.json"\n')
+    with pytest.raises(UsageError, match="'micro_batch' sets 'micro_batch', which args.json \\(TrainingArguments\\) "
+                                         "sets too; give it in one place"):
+        load_config(tmp_path / "memcheck.toml")
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("other.json", json.dumps({"lr": 1}), "not a trainer config memcheck reads"),
+    ("args.json", json.dumps({"output_dir": "o", "optim": "lomo"}), "optim='lomo' has no memcheck equivalent"),
+    ("l.yaml", "trainer:\n  strategy: xla\n", "trainer.strategy 'xla' has no memcheck equivalent"),
+    ("args.json", "{not json", "not valid JSON"),
+])
+def test_a_file_memcheck_cannot_read_is_one_line_naming_it(tmp_path, name, text, words):
+    with pytest.raises(UsageError, match=words):
+        trainer_settings(_write(tmp_path, name, text))

@@ -103,12 +103,13 @@ def _hf_flag(value: str):
 
 # TrainingArguments names whose values mean a Job field's value once translated: optim's names
 # (adamw_torch_fused -> adamw-fused), bf16=True / fp16=True (the Trainer's autocast),
-# gradient_checkpointing=True (every repeated block). Accepted in configs and the Python API.
+# activation_checkpointing=True or gradient_checkpointing=True (every repeated block). Accepted in configs and the Python API.
 VALUE_ALIASES: dict[str, tuple[str, Any]] = {
     "optim": ("optimizer", hf_optimizer),
     "bf16": ("precision", _hf_flag("amp-bf16")),
     "fp16": ("precision", _hf_flag("amp-fp16")),
-    "gradient_checkpointing": ("checkpointing", _hf_flag("full")),  # False says nothing: none is the default
+    "activation_checkpointing": ("checkpointing", _hf_flag("full")),  # False says nothing: none is the default
+    "gradient_checkpointing": ("checkpointing", _hf_flag("full")),  # transformers 5's deprecated alias of the above
 }
 
 

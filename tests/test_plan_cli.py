@@ -137,7 +137,7 @@ def test_table_names_the_recommendation_flags_and_training_arguments(table):
     assert f"per_device_train_batch_size={micro}" in args
     assert f"gradient_accumulation_steps={accumulation}" in args
     if "--checkpointing full" in flags:
-        assert "gradient_checkpointing=True" in args
+        assert "activation_checkpointing=True" in args  # transformers 5's name (gradient_checkpointing: deprecated)
 
 
 def test_table_lists_the_alternatives_the_length_profile_traces_and_padding(table):

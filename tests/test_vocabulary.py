@@ -46,6 +46,8 @@ def test_trainingarguments_names_are_the_same_job():
     ours = memcheck.Job(batch_size=4, accumulate=2, precision="amp-bf16", optimizer="adamw-fused",
                         checkpointing="full")
     assert hf == ours
+    # transformers 5's own name for it (gradient_checkpointing is its deprecated alias)
+    assert memcheck.Job.from_settings({"activation_checkpointing": True}).checkpointing == "full"
     # False says nothing: the default stays
     assert memcheck.Job.from_settings({"fp16": False, "gradient_checkpointing": False}) == memcheck.Job()
 

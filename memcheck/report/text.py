@@ -10,6 +10,7 @@ from tabulate import tabulate
 from memcheck.enums import Phase
 from memcheck.training.checkpointing import half_of
 from memcheck.training.optimizers import HF_OPTIMIZERS
+from memcheck.workloads.hf import checkpointing_argument
 from memcheck.units import format_bytes
 
 if TYPE_CHECKING:  # the results import this module to render themselves
@@ -229,12 +230,13 @@ def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
     args.append(f"gradient_accumulation_steps={r.accumulation_steps}")
     if r.checkpointing == "full":
         flags.append("--checkpointing full")
-        args.append("gradient_checkpointing=True")
+        args.append(f"{checkpointing_argument()}=True")
     elif r.checkpointing == "half":
         flags.append("--checkpointing " + ",".join(plan.checkpointed_modules))
         # transformers' every_n_layers checkpoints layers 0, n, 2n, ... (modeling_utils.py
         # _set_gradient_checkpointing): with n = 2 the blocks half_of() names.
-        args.append("gradient_checkpointing=True, gradient_checkpointing_kwargs={'every_n_layers': 2}")
+        name = checkpointing_argument()
+        args.append(f"{name}=True, {name}_kwargs={{'every_n_layers': 2}}")
     if r.precision != "fp32":
         flags.append(f"--precision {r.precision}")
     args.append({"amp-bf16": "bf16=True", "amp-fp16": "fp16=True", "bf16": "bf16=True with the model loaded in "

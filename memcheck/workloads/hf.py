@@ -112,6 +112,18 @@ def trainer_optimizer() -> str:
     return HF_OPTIMIZERS.get(str(getattr(TrainingArguments, "default_optim", "adamw_torch")), "adamw")
 
 
+def checkpointing_argument() -> str:
+    """The TrainingArguments name the installed transformers prefers for gradient checkpointing:
+    ``activation_checkpointing`` on transformers 5 (``gradient_checkpointing`` is its deprecated
+    alias, "will be removed in v6"), ``gradient_checkpointing`` before."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
 def position_limit(config) -> tuple[int | None, str | None]:
     """The longest sequence the position embeddings allow, and the config key it came from."""
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):

@@ -121,14 +121,14 @@ def _training_arguments(data: dict, path: Path) -> dict[str, Any]:
     for key, name in (("per_device_train_batch_size", "micro_batch"), ("gradient_accumulation_steps", "accumulation")):
         if _int(data, key) is not None:
             out[name] = _int(data, key)
-    for key in ("bf16", "fp16", "optim", "gradient_checkpointing"):
+    for key in ("bf16", "fp16", "optim", "activation_checkpointing", "gradient_checkpointing"):
         if key in data and data[key] is not None:
             pair = _translated(key, data[key])
             if pair is not None:
-                if pair[0] in out:
+                if pair[0] == "precision" and pair[0] in out:
                     raise UsageError("bf16 and fp16 are both true; the Trainer refuses that too")
                 out[pair[0]] = pair[1]
-    kwargs = data.get("gradient_checkpointing_kwargs") or {}
+    kwargs = data.get("activation_checkpointing_kwargs") or data.get("gradient_checkpointing_kwargs") or {}
     if isinstance(kwargs, dict) and "use_reentrant" in kwargs:
         out["reentrant"] = bool(kwargs["use_reentrant"])
     evaluates = str(data.get("eval_strategy", data.get("evaluation_strategy", "no"))).lower() not in ("no", "none")

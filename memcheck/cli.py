@@ -177,6 +177,9 @@ def _workload_options(command):
 @click.option("--checkpointing", default="none", show_default=True, metavar="none|full|LIST",
               help="Gradient checkpointing: full wraps every repeated block; or comma-separated module "
                    "names/patterns (transformer.h.*).")
+@click.option("--max-grad-norm", type=float, default=None, metavar="NORM",
+              help="Clip gradients before each step (clip_grad_norm_); 0: no clipping. Default: the HF Trainer's "
+                   "1.0 for hf: models, none for model files.")
 @click.option("--padding", default="max_length", show_default=True, metavar="max_length|longest",
               help="longest: batches padded to their longest sample (padding=True), so lengths vary up to "
                    "--max-len; on cuda the caching allocator replays a run of growing lengths.")
@@ -191,7 +194,8 @@ def _workload_options(command):
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png",
               help="Draw memory over the steady-state training step, by category (needs matplotlib).")
 def estimate(model, max_len, target_len, batch_size, task, attn, device, precision, optimizer, steps,
-             gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, padding, weights_dtype, reentrant, bucket_view, bucket_cap_mb,
+             gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, padding, weights_dtype, max_grad_norm,
+             reentrant, bucket_view, bucket_cap_mb,
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
              snapshot_path, plot_path):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
@@ -224,6 +228,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
                    target_len=target_len, precision=precision, weights_dtype=weights_dtype,
                    optimizer=optimizer or "adamw", steps=steps,
                    accumulate=accumulate, checkpointing=checkpointing, padding=padding, use_reentrant=reentrant,
+                   max_grad_norm=max_grad_norm,
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
                    bucket_cap_mb=bucket_cap_mb, offload=offload, eval_batch_size=eval_batch_size,
                    eval_accumulate_predictions=eval_accumulate_predictions, task=task, attn=attn)

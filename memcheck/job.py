@@ -74,6 +74,8 @@ SPELLINGS: tuple[Spelling, ...] = (
              aliases=("gradient_accumulation_steps", "accumulate_grad_batches")),  # HF, Lightning
     Spelling("checkpointing", "--checkpointing", "checkpointing", "checkpointing"),
     Spelling("use_reentrant", "--reentrant", "reentrant", "use_reentrant"),
+    Spelling("max_grad_norm", "--max-grad-norm", "max_grad_norm", "max_grad_norm",
+             aliases=("gradient_clip_val",)),  # HF TrainingArguments' own name; Lightning's Trainer
     Spelling("strategy", "--strategy", "strategy", "strategy"),
     Spelling("gpus", "--gpus", "gpus", "gpus"),
     Spelling("bucket_view", "--bucket-view", "bucket_view", "bucket_view",
@@ -200,6 +202,9 @@ class Job:
     """``none``, ``full`` (every repeated block) or module names/patterns."""
     use_reentrant: bool = False
     """torch.utils.checkpoint's implementation."""
+    max_grad_norm: float | None = None
+    """Gradient clipping before each optimizer step (``clip_grad_norm_``); None or 0: none. For
+    ``hf:`` models the installed Trainer's default (1.0)."""
     strategy: Strategy = Strategy.SINGLE
     """``single``, ``dp``, ``dp-balanced``, ``ddp``, ``fsdp``, ``zero1``, ``zero2``, ``zero3``."""
     gpus: int | None = None
@@ -362,6 +367,15 @@ def _margin(value):
     return float(value)
 
 
+def _max_grad_norm(value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise SettingError("max_grad_norm", f"{{name}} must be a number of 0 or more (0: no clipping), "
+                                            f"got {escape(repr(value))}")
+    return float(value)
+
+
 def _bucket_cap(value):
     if value is None:
         return None
@@ -404,6 +418,7 @@ _CHECKS = {
     "accumulate": lambda v: _int("accumulate", v, optional=False),
     "checkpointing": _checkpointing,
     "use_reentrant": lambda v: _flag("use_reentrant", v),
+    "max_grad_norm": _max_grad_norm,
     "strategy": lambda v: _choice("strategy", Strategy, v),
     "gpus": lambda v: _int("gpus", v),
     "bucket_view": lambda v: _flag("bucket_view", v),

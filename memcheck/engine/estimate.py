@@ -372,7 +372,8 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
         with redirect_cuda(target), tracer:  # the model's .cuda() and torch.cuda.* never reach the GPU
             return train(job.strategy_config, tracer, run.twin, run.batch, loss_fn, run.make_optimizer, steps,
                          autocast=run.autocast, scaler=run.scaler, accumulate=min(job.accumulate, 2),
-                         evaluate=evaluate if run.eval_batch is not None else None, train_step=train_step)
+                         evaluate=evaluate if run.eval_batch is not None else None, train_step=train_step,
+                         max_grad_norm=job.max_grad_norm)
     except MemcheckError:
         raise
     except Exception as exc:  # the model's own code failed under the trace

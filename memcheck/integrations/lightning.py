@@ -126,6 +126,8 @@ class MemcheckCallback(pl.Callback):
         job = Job(  # the Trainer's own settings, in memcheck's words
             batch_size=batch_size, accumulate=trainer.accumulate_grad_batches, precision=_precision(trainer),
             strategy=strategy, gpus=gpus, optimizer=_optimizer(trainer, pl_module), margin=self.settings.margin,
+            max_grad_norm=float(trainer.gradient_clip_val or 0)
+            if trainer.gradient_clip_algorithm in (None, "norm") else 0.0,  # "value" clipping allocates nothing
             **target(trainer.strategy.root_device, self.settings), **extra,
         )
         eval_batch = None

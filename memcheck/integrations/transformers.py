@@ -117,6 +117,7 @@ class MemcheckCallback(TrainerCallback):
             batch_size=batch_size, accumulate=args.gradient_accumulation_steps, precision=_precision(args, model),
             checkpointing=checkpointing, use_reentrant=use_reentrant, strategy=strategy, gpus=gpus,
             optimizer=_optimizer(args, optimizer), margin=self.settings.margin,
+            max_grad_norm=float(args.max_grad_norm or 0),  # the Trainer clips when it is above 0
             **target(args.device, self.settings), **extra,
         )
         config = getattr(model, "config", None)

@@ -47,6 +47,7 @@ def measure_cpu(
     autocast_dtype: torch.dtype | None = None,
     accumulate: int = 1,
     train_step: Callable | None = None,
+    max_grad_norm: float | None = None,
 ) -> Measured:
     """Build a model and batch on CPU, train ``steps`` steps, and measure the allocator.
 
@@ -65,7 +66,8 @@ def measure_cpu(
         if train_step is not None:
             run_train_steps(model, batch, train_step, optimizer, steps, mark_step)
         else:
-            run_steps(model, batch, loss_fn, optimizer, steps, mark_step, autocast=autocast, accumulate=accumulate)
+            run_steps(model, batch, loss_fn, optimizer, steps, mark_step, autocast=autocast, accumulate=accumulate,
+                      max_grad_norm=max_grad_norm)
         del model, batch, optimizer
 
     raw = prof.profiler.kineto_results.events()

@@ -64,6 +64,7 @@ def run_steps(
     autocast: Callable[[], ContextManager] | None = None,
     scaler: Any = None,
     accumulate: int = 1,
+    max_grad_norm: float | None = None,
 ) -> None:
     """Run ``steps`` full training steps: forward and loss, backward, step, zero_grad.
 
@@ -96,6 +97,9 @@ def run_steps(
             (scaler.scale(loss) if scaler is not None else loss).backward()
             del loss
         on_phase(step, Phase.OPTIMIZER)
+        if max_grad_norm:
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()

@@ -112,6 +112,17 @@ def trainer_optimizer() -> str:
     return HF_OPTIMIZERS.get(str(getattr(TrainingArguments, "default_optim", "adamw_torch")), "adamw")
 
 
+def trainer_max_grad_norm() -> float | None:
+    """The installed HF Trainer's default gradient clipping (``TrainingArguments.max_grad_norm``: 1.0)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    field = next((f for f in dataclasses.fields(TrainingArguments) if f.name == "max_grad_norm"), None)
+    value = None if field is None else field.default
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
 def checkpointing_argument() -> str:
     """The TrainingArguments name the installed transformers prefers for gradient checkpointing:
     ``activation_checkpointing`` on transformers 5 (``gradient_checkpointing`` is its deprecated

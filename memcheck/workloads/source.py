@@ -43,6 +43,7 @@ class Workload:
     max_len_limit: int | None = None  # the position limit, when the model has one
     default_optimizer: str = "adamw"  # when neither the user nor the file names one: torch's, or the Trainer's
     train_step: Callable | None = None  # the file's own train_step(model, batch, optimizer), traced instead of the loop
+    default_max_grad_norm: float | None = None  # the clipping when the job names none: the HF Trainer's for hf:
 
     def job_for(self, job: Job, optimizer: str | None = None) -> Job:
         """``job`` completed from this workload: its batch size and lengths as loaded (an hf:
@@ -50,7 +51,8 @@ class Workload:
         ``optimizer`` names one (else the workload's default: for ``hf:`` models the installed
         HF Trainer's default ``optim``, torch's AdamW otherwise)."""
         return job.replace(batch_size=self.batch_size, max_len=self.max_len, target_len=self.target_len,
-                           optimizer=optimizer or self.make_optimizer or self.default_optimizer)
+                           optimizer=optimizer or self.make_optimizer or self.default_optimizer,
+                           max_grad_norm=self.default_max_grad_norm if job.max_grad_norm is None else job.max_grad_norm)
 
     def batch_at(self, batch_size: int, max_len: int | None = None, target_len: int | None = None) -> Any:
         """The worst-case batch with ``batch_size`` rows, padded to ``max_len`` (default: the
@@ -165,7 +167,8 @@ def load_workload(
                 return hf.make_batch(model, config, task, size, length, target, device=device)
 
         return Workload(type(model).__name__, model, make(batch_size, max_len, target_len), None, None,
-                        batch_size, max_len, target_len, make, _limit(model, config), hf.trainer_optimizer())
+                        batch_size, max_len, target_len, make, _limit(model, config), hf.trainer_optimizer(),
+                        default_max_grad_norm=hf.trainer_max_grad_norm())
 
     path = Path(spec)
     if path.suffix != ".py":

@@ -128,6 +128,8 @@ def _training_arguments(data: dict, path: Path) -> dict[str, Any]:
                 if pair[0] == "precision" and pair[0] in out:
                     raise UsageError("bf16 and fp16 are both true; the Trainer refuses that too")
                 out[pair[0]] = pair[1]
+    if isinstance(data.get("max_grad_norm"), (int, float)) and not isinstance(data.get("max_grad_norm"), bool):
+        out["max_grad_norm"] = float(data["max_grad_norm"])
     kwargs = data.get("activation_checkpointing_kwargs") or data.get("gradient_checkpointing_kwargs") or {}
     if isinstance(kwargs, dict) and "use_reentrant" in kwargs:
         out["reentrant"] = bool(kwargs["use_reentrant"])
@@ -165,6 +167,10 @@ def _lightning(data: dict, path: Path) -> dict[str, Any]:
         out["precision"] = str(trainer["precision"])  # Lightning's names are the Job's aliases
     if _int(trainer, "accumulate_grad_batches") is not None:
         out["accumulation"] = _int(trainer, "accumulate_grad_batches")
+    clip = trainer.get("gradient_clip_val")
+    if isinstance(clip, (int, float)) and not isinstance(clip, bool) and trainer.get("gradient_clip_algorithm",
+                                                                                      "norm") == "norm":
+        out["max_grad_norm"] = float(clip)
     strategy = trainer.get("strategy")
     if isinstance(strategy, str) and strategy not in ("auto", "single_device"):
         if strategy not in _LIGHTNING_STRATEGIES:

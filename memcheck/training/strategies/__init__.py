@@ -45,6 +45,7 @@ def train(
     accumulate: int = 1,
     evaluate: Callable[[torch.nn.Module], None] | None = None,
     train_step: Callable | None = None,
+    max_grad_norm: float | None = None,
 ) -> list[int]:
     """Trace ``steps`` training steps under ``config``; return, for each real GPU, the traced GPU it matches.
 
@@ -52,7 +53,7 @@ def train(
     would evaluate: the DataParallel wrapper under ``dp``, the model otherwise.
     """
     run = Run(config, tracer, model, batch, loss_fn, make_optimizer, steps, autocast, scaler, accumulate, evaluate,
-              train_step)
+              train_step, max_grad_norm)
     strategy = config.strategy
     if strategy in (Strategy.DP, Strategy.DP_BALANCED):
         from memcheck.training.strategies import data_parallel as family

@@ -109,6 +109,7 @@ class Run:
     accumulate: int = 1
     evaluate: Callable[[torch.nn.Module], None] | None = None  # after training, on the module a trainer evaluates
     train_step: Callable | None = None  # the user's own train_step(model, batch, optimizer), run instead of the loop
+    max_grad_norm: float | None = None  # clip_grad_norm_ before each optimizer step
 
     def run_steps(self, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                   on_phase: Callable[[int, Phase], None]) -> None:
@@ -118,7 +119,8 @@ class Run:
             run_train_steps(self.model, self.batch, self.train_step, optimizer, self.steps, on_phase)
             return
         run_steps(self.model, self.batch, loss_fn, optimizer, self.steps, on_phase,
-                  autocast=self.autocast, scaler=self.scaler, accumulate=self.accumulate)
+                  autocast=self.autocast, scaler=self.scaler, accumulate=self.accumulate,
+                  max_grad_norm=self.max_grad_norm)
 
 
 class Emulation(Protocol):

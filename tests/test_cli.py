@@ -30,7 +30,7 @@ def test_json_has_the_documented_keys():
     data = json.loads(result.output)
     for key in ("schema_version", "model", "job", "optimizer_implementation", "gpu", "budget_bytes", "fits",
                 "peak_bytes", "reserved_bytes", "fragmentation_bytes", "context_bytes", "device_total_bytes",
-                "reserved_peak", "allocator_steady_step", "released_cached", "breakdown_at_peak", "peak_phase", "peak_in", "train_peak_bytes", "eval_peak_bytes", "peak_module",
+                "cuda_module_loading", "reserved_peak", "allocator_steady_step", "released_cached", "breakdown_at_peak", "peak_phase", "peak_in", "train_peak_bytes", "eval_peak_bytes", "peak_module",
                 "peak_step", "batch", "strategy_label", "busiest_gpu", "per_device", "checkpointed_modules", "work",
                 "modules", "assumptions"):  # the README's table, row by row
         assert key in data

@@ -166,3 +166,31 @@ def test_context_bytes_comes_from_the_table():
     assert context_bytes(None) == GENERIC_CONTEXT_BYTES  # no GPU named: the generic estimate
     with pytest.raises(UsageError):
         context_bytes("H100")
+
+
+def test_eager_module_loading_adds_the_measured_difference(monkeypatch):
+    # pytorch/pytorch#86509, after a first tensor on the GPU (cudaMemGetInfo total - free):
+    # 666,632,192 B with eager loading, 287,047,680 B lazy: 379,584,512 B more
+    from memcheck.cuda.gpus import GPUS
+    from memcheck.cuda.overhead import context_bytes, module_loading
+
+    gpu = GPUS["A100-80GB"]
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    assert module_loading() == "lazy" and context_bytes(gpu) == gpu.context_bytes
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    assert module_loading() == "eager" and context_bytes(gpu) == gpu.context_bytes + 379_584_512
+
+
+def test_the_report_names_the_module_loading(monkeypatch):
+    import torch
+
+    import memcheck
+
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    with torch.device("meta"):
+        model = torch.nn.Linear(8, 8)
+    est = memcheck.estimate(model, torch.empty(4, 8, device="meta"), memcheck.Job(gpu="T4"))
+    assert est.module_loading == "eager" and est.to_dict()["cuda_module_loading"] == "eager"
+    from memcheck.report.text import render_estimate
+
+    assert "CUDA context and libraries (estimate, eager module loading)" in render_estimate(est)

@@ -252,14 +252,29 @@ def cudnn_workspace_note(benchmark: bool) -> str:
     return "cuDNN workspace: allowance of 2 x weight bytes + 1 MiB per convolution call (heuristic algorithm choice)"
 
 
+# CUDA module loading. Lazy loading (CUDA >= 11.7; torch >= 1.13 sets CUDA_MODULE_LOADING=LAZY
+# when it is unset, pytorch/pytorch#86509; CUDA >= 12.2 loads lazily by default) puts a kernel
+# into the context when it is first used, which the per-GPU figures assume. EAGER loads every
+# kernel of the libraries when they load. pytorch#86509 measured, after a first tensor on the
+# GPU (cudaMemGetInfo total - free): 287,047,680 B lazy against 666,632,192 B eager; the
+# difference is added under EAGER. ptrblck (pytorch#107667): before 11.7 "all kernels were
+# loaded into the context ... which took >1000MB".
+EAGER_EXTRA_BYTES = 666_632_192 - 287_047_680  # 379,584,512 B
+
+
+def module_loading() -> str:
+    """``"eager"`` when ``CUDA_MODULE_LOADING=EAGER`` is set, else ``"lazy"`` (torch's default)."""
+    return "eager" if os.environ.get("CUDA_MODULE_LOADING", "").strip().upper() == "EAGER" else "lazy"
+
+
 def context_bytes(gpu: GpuSpec | None) -> int:
     """Device memory the CUDA context and libraries take outside the caching allocator (an estimate).
 
     The GPU's table estimate (``memcheck.cuda.gpus``), or ``GENERIC_CONTEXT_BYTES`` for None
-    (no GPU named and none local).
+    (no GPU named and none local), for lazy module loading; plus ``EAGER_EXTRA_BYTES`` when
+    the environment asks for eager loading.
     """
-    if gpu is None:
-        return GENERIC_CONTEXT_BYTES
-    if not isinstance(gpu, GpuSpec):
+    if gpu is not None and not isinstance(gpu, GpuSpec):
         raise UsageError(f"expected a GpuSpec or None, got {gpu!r}")
-    return gpu.context_bytes
+    base = GENERIC_CONTEXT_BYTES if gpu is None else gpu.context_bytes
+    return base + (EAGER_EXTRA_BYTES if module_loading() == "eager" else 0)

@@ -58,3 +58,30 @@ def test_hf_models_clip_as_the_trainer_does_and_zero_turns_it_off():
     assert trainer_max_grad_norm() == 1.0  # TrainingArguments.max_grad_norm's default
     assert memcheck.Job(max_grad_norm=0).max_grad_norm == 0.0
     assert memcheck.Job.from_settings({"gradient_clip_val": 0.5}).max_grad_norm == 0.5  # Lightning's name
+
+
+def test_on_cuda_clipping_adds_foreach_norms_partial_sums():
+    # ForeachReduceOp.cu (foreach_tensor_norm_cuda): output_per_tensor of ntensors x max chunks
+    # (65,536 elements each) fp32 values. Here one fp32 group of 2 gradients, a (1000, 1000)
+    # weight of 1,000,000 elements (ceil(1,000,000 / 65,536) = 16 chunks) and its 1,000 bias:
+    # 2 x 16 x 4 = 128 B, transient, in the optimizer phase; nothing of the kind on the cpu target.
+    from memcheck.enums import ALLOC, Category, Device, Phase
+    from memcheck.rules.cuda_norms import foreach_norm_scratch
+    from memcheck.trace.tracer import MemoryTracer
+    from memcheck.training.strategies.base import Run, StrategyConfig
+
+    assert foreach_norm_scratch([[1_000_000, 1_000]]) == [128]
+
+    def temporaries(device):
+        with torch.device("meta"):
+            model, x = nn.Linear(1000, 1000), torch.empty(4, 1000)
+        tracer = MemoryTracer(device)
+        with tracer:
+            tracer.watch(model=model, batch=x)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            run = Run(StrategyConfig.parse("single", None), tracer, model, x, _loss, None, 1, max_grad_norm=1.0)
+            run.run_steps(_loss, opt, tracer.set_phase)
+        return [e[2] for e in tracer.log.events
+                if e[0] == ALLOC and e[3] is Category.TEMPORARY and e[5] is Phase.OPTIMIZER]
+
+    assert 128 in temporaries(Device.CUDA) and 128 not in temporaries(Device.CPU)

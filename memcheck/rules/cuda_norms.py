@@ -164,3 +164,35 @@ def _rms_norm(ctx, func, args, kwargs):
 
 for _fn in (F.rms_norm, torch.rms_norm):
     register_op_rule(_fn, _rms_norm)
+
+
+# --- clip_grad_norm_ --------------------------------------------------------------------------
+# On CUDA, torch/nn/utils/clip_grad.py (``_get_total_norm``) takes ``torch._foreach_norm`` of each
+# (device, dtype) group of gradients (``_has_foreach_support`` is true there, false for meta).
+# Its CUDA kernel (ForeachReduceOp.cu:449-465, ``foreach_tensor_norm_cuda``, a line-numbered copy of
+# a recent main) allocates ``output_per_tensor``: zeros of ntensors x max chunks per tensor
+# (chunks of kChunkSize = 65,536 elements, MultiTensorApply.cuh) in the opmath dtype, fp32 for
+# fp32/bf16/fp16, freed once the per-tensor norms are reduced. Meta runs the per-tensor loop,
+# whose 0-dim results CUDA makes too; this rule adds the partial-sum buffer.
+CHUNK = 65_536  # kChunkSize
+
+
+def foreach_norm_scratch(numels_by_group: list[list[int]]) -> list[int]:
+    """``output_per_tensor``'s bytes for each (device, dtype) group of tensors of these sizes."""
+    return [len(numels) * max(math.ceil(n / CHUNK) for n in numels) * 4 for numels in numels_by_group if numels]
+
+
+@register_op_rule(torch.nn.utils.clip_grad_norm_)
+def clip_grad_norm(ctx, func, args, kwargs):
+    """``clip_grad_norm_`` on the CUDA target: the ``_foreach_norm`` partial sums, then the call.
+    memcheck's loop calls it through ``MemoryTracer.route`` (a Python function the tracer's
+    function mode does not otherwise see)."""
+    if ctx.device is Device.CUDA:
+        b = bind(func, args, kwargs, names=("parameters", "max_norm"))
+        params = [b["parameters"]] if isinstance(b["parameters"], torch.Tensor) else list(b["parameters"])
+        groups: dict = {}
+        for p in params:
+            if p.grad is not None:
+                groups.setdefault(p.grad.dtype, []).append(p.grad.numel())
+        ctx.scratch(*foreach_norm_scratch(list(groups.values())))
+    return func(*args, **kwargs)

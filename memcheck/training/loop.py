@@ -65,6 +65,7 @@ def run_steps(
     scaler: Any = None,
     accumulate: int = 1,
     max_grad_norm: float | None = None,
+    clip: Callable[[list, float], Any] = torch.nn.utils.clip_grad_norm_,
 ) -> None:
     """Run ``steps`` full training steps: forward and loss, backward, step, zero_grad.
 
@@ -99,7 +100,7 @@ def run_steps(
         on_phase(step, Phase.OPTIMIZER)
         if max_grad_norm:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            clip(params, max_grad_norm)
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()

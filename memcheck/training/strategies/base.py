@@ -120,7 +120,11 @@ class Run:
             return
         run_steps(self.model, self.batch, loss_fn, optimizer, self.steps, on_phase,
                   autocast=self.autocast, scaler=self.scaler, accumulate=self.accumulate,
-                  max_grad_norm=self.max_grad_norm)
+                  max_grad_norm=self.max_grad_norm, clip=self._clip)
+
+    def _clip(self, params: list, max_norm: float):
+        """``clip_grad_norm_`` through the tracer, so its op rules see the call."""
+        return self.tracer.route(torch.nn.utils.clip_grad_norm_, (params, max_norm), {})
 
 
 class Emulation(Protocol):

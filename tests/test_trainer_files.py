@@ -4,9 +4,7 @@ trainer's own TrainingArguments, LightningCLI, accelerate or DeepSpeed file (``t
 import json
 
 import pytest
-from click.testing import CliRunner
 
-from memcheck.cli import main
 from memcheck.config_gate import load_config
 from memcheck.errors import UsageError
 from memcheck.workloads.trainer_files import trainer_settings
@@ -49,12 +47,9 @@ def test_a_trainingarguments_file_gives_the_same_result_as_the_same_job_in_memch
                                       '[jobs.from_args]\ntrainer_config = "args.json"\n\n'
                                       '[jobs.ours]\nmicro_batch = 2\naccumulation = 4\nprecision = "amp-bf16"\n'
                                       'optimizer = "adamw-fused"\ncheckpointing = "full"\n')
+    # the same Job value, so the same trace (tests/test_vocabulary.py runs such a pair through memcheck check)
     jobs = {c.name: c.job for c in load_config(tmp_path / "memcheck.toml")}
     assert jobs["from_args"] == jobs["ours"]
-    result = CliRunner().invoke(main, ["check", str(tmp_path / "memcheck.toml"), "--json"])
-    assert result.exit_code == 0, result.output
-    totals = {r["job"]: r["total_bytes"] for r in json.loads(result.output)["results"]}
-    assert totals["from_args"] == totals["ours"]
 
 
 def test_a_setting_in_both_files_is_refused_naming_both(tmp_path):

@@ -40,9 +40,7 @@ def _estimate(path, **job):
 @pytest.mark.parametrize("precision, weights, params", [
     ("fp32", "auto", LLAMA3_8B_PARAMS * 4),  # 32,121,044,992 B: fp32 training has fp32 weights
     ("amp-bf16", "auto", LLAMA3_8B_PARAMS * 2),  # 16,060,522,496 B: from_pretrained's dtype="auto" keeps bf16
-    ("amp-bf16", "fp32", LLAMA3_8B_PARAMS * 4),  # fp32 master weights under autocast
-    ("bf16", "auto", LLAMA3_8B_PARAMS * 2),  # pure bf16
-])
+])  # fp32 master weights under autocast and pure bf16 are checked on the small config below
 def test_llama3_8b_hub_config_weights_follow_the_precision(tmp_path, precision, weights, params):
     est = _estimate(_config_dir(tmp_path), precision=precision, weights_dtype=weights)
     assert est.breakdown_at_peak.params == params
@@ -69,6 +67,12 @@ def test_autocast_keeps_the_models_own_dtype_and_says_whose(tmp_path):
     est = _estimate(_small(tmp_path), precision="amp-bf16")
     assert est.breakdown_at_peak.params == SMALL_PARAMS * 2 and est.weights_dtype == "bfloat16"
     assert any(a.startswith("amp-bf16 over the model's own bfloat16 weights") for a in est.assumptions)
+
+
+@pytest.mark.parametrize("precision, weights, factor", [("amp-bf16", "fp32", 4), ("bf16", "auto", 2)])
+def test_master_weights_and_pure_bf16_on_a_bf16_config(tmp_path, precision, weights, factor):
+    est = _estimate(_small(tmp_path), precision=precision, weights_dtype=weights)
+    assert est.breakdown_at_peak.params == SMALL_PARAMS * factor
 
 
 def test_a_config_without_a_dtype_is_fp32_as_from_config_builds_it(tmp_path):

@@ -389,7 +389,8 @@ class AllocatorStats:
     is replayed again after its first pass until the allocator's layout repeats:
     ``steady_repeats`` is the number of extra replays it took to see every segment and
     block end a step where the step before left it (1: the log's own last step had
-    already settled; k: it settled k - 1 steps after the log's last). None: it had not
+    already settled; k: it settled k - 1 steps after the log's last; 0: the step before the
+    log's last had already settled, as the log's last step shows without a replay). None: it had not
     settled within ``MAX_REPEATS`` replays, or the step leaves tensors behind that the
     next one does not free. ``reserved_peak_event`` is the index in ``events`` of the request that
     grew ``reserved`` to its peak and ``reserved_peak_repeat`` how many extra replays of
@@ -784,11 +785,17 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
     """
     run = _Run(CachingAllocator(config, capacity=capacity))
     end = len(events) if repeat is None else repeat[1]
+    before = None
     for n in range(end):
+        if repeat is not None and n == repeat[0]:
+            before = run.alloc.layout()
         run.replay(n, events[n], events[n][1])
     steady = None
     if repeat is not None:
-        steady = run.repeat(events, *repeat)
+        if before is not None and carried(events, *repeat) is not None and run.alloc.layout() == before:
+            steady = 0  # the log's last step already left the layout the step before it left
+        else:
+            steady = run.repeat(events, *repeat)
     for n in range(end, len(events)):
         run.replay(n, events[n], events[n][1])
     a = run.alloc

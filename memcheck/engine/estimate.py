@@ -640,8 +640,8 @@ def _allocator_life(events: list, start: int, eval_start: int, gpu: GpuSpec | No
     if gpu is None:
         return sim
     room = gpu.capacity_bytes - context_bytes(gpu)
-    if sim.peak_reserved_bytes <= room:
-        return sim
+    if sim.peak_reserved_bytes <= room or sim.peak_allocated_bytes > room:
+        return sim  # it fits without giving anything back, or no giving back can make it fit
     bounded = simulate(events, config=config, capacity=room, repeat=(start, eval_start))
     return sim if bounded.first_oom is not None else bounded
 

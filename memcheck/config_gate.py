@@ -30,13 +30,13 @@ model once it is loaded (``JobConfig.check_modules``), still before anything is 
 from __future__ import annotations
 
 import fnmatch
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from memcheck.enums import Device
 from memcheck.errors import UsageError, closest
 from memcheck.job import SPELLING, SPELLINGS, VALUE_ALIASES, Job, SettingError, check_setting
+from memcheck.workloads.trainer_files import parse_data
 
 # The keys of a job: the model, then the job's settings as configs spell them (memcheck.job.SPELLINGS).
 _FIELD = {s.config: s.field for s in SPELLINGS if s.config}
@@ -354,17 +354,4 @@ def _read(path: Path):
             return tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise UsageError(f"{path}: not valid TOML: {exc}") from None
-    if suffix == ".json":
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{path}: not valid JSON: {exc}") from None
-    try:
-        import yaml
-    except ImportError:
-        raise UsageError(f"{path}: reading YAML needs PyYAML: pip install pyyaml") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        first = str(exc).strip().splitlines()
-        raise UsageError(f"{path}: not valid YAML: {' '.join(s.strip() for s in first)}") from None
+    return parse_data(path, text)

@@ -4,7 +4,6 @@ makes an fp32 job trace bf16 weights, and the report names the dtype it traced."
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 import memcheck

@@ -43,13 +43,19 @@ def read_data(path: Path) -> Any:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path}: cannot be read: {exc}") from None
+    if path.suffix.lower() not in (".json", ".yaml", ".yml"):
+        raise UsageError(f"{path}: a trainer config is a .json, .yaml or .yml file")
+    return parse_data(path, text)
+
+
+def parse_data(path: Path, text: str) -> Any:
+    """A JSON (``.json``) or YAML file's text as data; UsageError naming the file when it is not valid.
+    Shared with ``memcheck check``'s own configs (``memcheck.config_gate``)."""
     if path.suffix.lower() == ".json":
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise UsageError(f"{path}: not valid JSON: {exc}") from None
-    if path.suffix.lower() not in (".yaml", ".yml"):
-        raise UsageError(f"{path}: a trainer config is a .json, .yaml or .yml file")
     try:
         import yaml
     except ImportError:
@@ -57,7 +63,8 @@ def read_data(path: Path) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise UsageError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+        first = str(exc).strip().splitlines()
+        raise UsageError(f"{path}: not valid YAML: {' '.join(s.strip() for s in first)}") from None
 
 
 def kind_of(data: Any) -> str | None:

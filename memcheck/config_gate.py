@@ -35,7 +35,7 @@ from pathlib import Path
 
 from memcheck.enums import Device
 from memcheck.errors import UsageError, closest
-from memcheck.job import SPELLING, SPELLINGS, VALUE_ALIASES, Job, SettingError, check_setting
+from memcheck.job import SPELLING, SPELLINGS, VALUE_ALIASES, Job, SettingError, check_setting, translate_alias
 from memcheck.workloads.trainer_files import parse_data
 
 # The keys of a job: the model, then the job's settings as configs spell them (memcheck.job.SPELLINGS).
@@ -246,18 +246,17 @@ def _settings(table: dict, file: str, where: str, *, top: bool, path: Path) -> d
             continue  # read after the table's own keys, below
         try:
             if key in VALUE_ALIASES:  # bf16 = true, optim = "adamw_torch_fused", ...
-                field, translate = VALUE_ALIASES[key]
-                value = translate(value)
-                if value is None:  # bf16 = false: says nothing
+                translated = translate_alias(key, value)
+                if translated is None:  # bf16 = false: says nothing
                     continue
-                name = SPELLING[field].config
+                name, value = SPELLING[translated[0]].config, translated[1]
             else:
                 name = _ALIASES.get(key, key)
             if name in written:
                 raise UsageError(f"{key!r} sets {name!r}, which {written[name]!r} already set")
             value = resolve_model(_model(value), path) if name == "model" else check_key(name, value)
         except UsageError as exc:
-            raise UsageError(f"{_label(file, where)}: {str(exc).replace('{name}', key)}") from None
+            raise UsageError(f"{_label(file, where)}: {exc}") from None
         out[name], written[name] = value, key
     if TRAINER_CONFIG in table:
         out.update(_trainer_config(table[TRAINER_CONFIG], written, file, where, path))

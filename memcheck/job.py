@@ -115,6 +115,17 @@ VALUE_ALIASES: dict[str, tuple[str, Any]] = {
 }
 
 
+def translate_alias(key: str, value) -> tuple[str, Any] | None:
+    """``(field, value)`` for a ``VALUE_ALIASES`` key, or None when the value says nothing
+    (``bf16=False``); UsageError naming ``key`` for a value it cannot mean."""
+    field, translate = VALUE_ALIASES[key]
+    try:
+        out = translate(value)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("{name}", key)) from None
+    return None if out is None else (field, out)
+
+
 class SettingError(UsageError):
     """A job setting is invalid; the message names it in the words of whoever wrote it."""
 
@@ -277,13 +288,10 @@ class Job:
         setters: dict[str, str] = {}
         for key, value in settings.items():
             if key in VALUE_ALIASES and key not in names:
-                field, translate = VALUE_ALIASES[key]
-                try:
-                    value = translate(value)
-                except UsageError as exc:
-                    raise UsageError(str(exc).replace("{name}", key)) from None
-                if value is None:
+                translated = translate_alias(key, value)
+                if translated is None:
                     continue
+                field, value = translated
             else:
                 field = names.get(key)
             if field is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from memcheck.errors import UsageError
-from memcheck.job import VALUE_ALIASES
+from memcheck.job import SPELLING, translate_alias
 
 KINDS = ("TrainingArguments", "LightningCLI", "accelerate", "DeepSpeed")
 
@@ -113,14 +113,8 @@ def _int(data: dict, key: str) -> int | None:
 
 def _translated(key: str, value) -> tuple[str, Any] | None:
     """A TrainingArguments key whose value the Job translates (``VALUE_ALIASES``), as a config key."""
-    from memcheck.job import SPELLING
-
-    field, translate = VALUE_ALIASES[key]
-    try:
-        out = translate(value)
-    except UsageError as exc:
-        raise UsageError(str(exc).replace("{name}", key)) from None
-    return None if out is None else (SPELLING[field].config, out)
+    translated = translate_alias(key, value)
+    return None if translated is None else (SPELLING[translated[0]].config, translated[1])
 
 
 def _training_arguments(data: dict, path: Path) -> dict[str, Any]:

@@ -792,10 +792,13 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
         run.replay(n, events[n], events[n][1])
     steady = None
     if repeat is not None:
-        if before is not None and carried(events, *repeat) is not None and run.alloc.layout() == before:
+        kept = carried(events, *repeat)
+        if kept is None:
+            pass  # the step keeps what no later step frees: no steady state (steady stays None)
+        elif before is not None and run.alloc.layout() == before:
             steady = 0  # the log's last step already left the layout the step before it left
         else:
-            steady = run.repeat(events, *repeat)
+            steady = run.repeat(events, *repeat, kept)
     for n in range(end, len(events)):
         run.replay(n, events[n], events[n][1])
     a = run.alloc
@@ -850,18 +853,28 @@ def growing_run(events, start: int, end: int, sizes_at, lengths: list[int]) -> t
     out = [(ev[0], ev[1], sizes[n], *ev[3:]) for n, ev in enumerate(events[:start])]
     last = start
     for r, length in enumerate(lengths[1:], 1):
-        sizes, keys, last = sizes_at(length), {}, len(out)
-        for n in range(start, end):
-            ev = events[n]
-            key = ev[1]
-            if ev[0] == ALLOC:
-                key = keys[ev[1]] = ("step", r, n)
-            elif ev[0] == FREE:
-                key = keys.pop(ev[1], None)
-                if key is None:  # made before this step: what the step before kept (the first step: as traced)
-                    key = ("step", r - 1, kept[n]) if r > 1 else ev[1]
-            out.append((ev[0], key, sizes[n], *ev[3:6], r, *ev[7:]))
+        sizes, last = sizes_at(length), len(out)
+        out += [(ev[0], key, sizes[n], *ev[3:6], r, *ev[7:])  # made before the first step: as traced
+                for n, ev, key in replay_keys(events, start, end, r, kept, lambda n: events[n][1])]
     return out, last
+
+
+def replay_keys(events, start: int, end: int, r: int, kept: dict[int, int], first_outside):
+    """``(n, event, key)`` for replay ``r`` (from 1) of the step ``events[start:end]``: the
+    step's own tensors are keyed ``("step", r, n)``; a FREE of a tensor made before the step
+    frees what replay ``r - 1`` kept (``kept``, from ``carried``), or, in replay 1, the tensor
+    ``first_outside(n)`` names."""
+    keys = {}
+    for n in range(start, end):
+        ev = events[n]
+        key = ev[1]
+        if ev[0] == ALLOC:
+            key = keys[ev[1]] = ("step", r, n)
+        elif ev[0] == FREE:
+            key = keys.pop(ev[1], None)
+            if key is None:
+                key = ("step", r - 1, kept[n]) if r > 1 else first_outside(n)
+        yield n, ev, key
 
 
 class _Run:
@@ -896,27 +909,15 @@ class _Run:
         if first:
             self.granted.append(got)
 
-    def repeat(self, events, start: int, end: int) -> int | None:
-        """Replay ``events[start:end]`` until the layout repeats; how many replays that took."""
-        step = [(n, events[n]) for n in range(start, end)]
-        kept = carried(events, start, end)
-        if kept is None:
-            return None
+    def repeat(self, events, start: int, end: int, kept: dict[int, int]) -> int | None:
+        """Replay ``events[start:end]`` until the layout repeats; how many replays that took.
+        ``kept`` is ``carried(events, start, end)``: in replay 1, a FREE of a tensor made before
+        the step frees what the log's own pass of the step kept."""
         before = self.alloc.layout()
         for r in range(1, MAX_REPEATS + 1):
             self.repeat_no = r
-            keys = {}
-            for n, ev in step:
-                if ev[0] == ALLOC:
-                    keys[ev[1]] = (r, n)
-                    self.replay(n, ev, (r, n))
-                elif ev[0] == FREE:
-                    key = keys.pop(ev[1], None)
-                    if key is None:  # made before this replay: what the previous pass kept
-                        key = (r - 1, kept[n]) if r > 1 else events[kept[n]][1]
-                    self.replay(n, ev, key)
-                else:
-                    self.replay(n, ev, ev[1])
+            for n, ev, key in replay_keys(events, start, end, r, kept, lambda n: events[kept[n]][1]):
+                self.replay(n, ev, key)
             after = self.alloc.layout()
             if after == before:  # replay r left the layout the pass before it left
                 self.repeat_no = 0

@@ -792,13 +792,10 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
         run.replay(n, events[n], events[n][1])
     steady = None
     if repeat is not None:
-        kept = carried(events, *repeat)
-        if kept is None:
-            pass  # the step keeps what no later step frees: no steady state (steady stays None)
-        elif before is not None and run.alloc.layout() == before:
-            steady = 0  # the log's last step already left the layout the step before it left
-        else:
-            steady = run.repeat(events, *repeat, kept)
+        kept = carried(events, *repeat)  # None: the step keeps what no later step frees, no steady state
+        if kept is not None:
+            # 0: the log's last step already left the layout the step before it left
+            steady = 0 if run.alloc.layout() == before else run.repeat(events, *repeat, kept)
     for n in range(end, len(events)):
         run.replay(n, events[n], events[n][1])
     a = run.alloc

@@ -628,22 +628,24 @@ def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch
 
 def _allocator_life(events: list, start: int, eval_start: int, gpu: GpuSpec | None):
     """The caching allocator over the process's life: the setup (weights, batch), the traced
-    steps, the last step replayed until the allocator's layout repeats, then the evaluation.
+    steps, the last step replayed until the allocator's layout repeats, then the evaluation,
+    on the GPU beside its context (``_replayed``)."""
+    room = None if gpu is None else gpu.capacity_bytes - context_bytes(gpu)
+    return _replayed(events, (start, eval_start), room)[0]
 
-    First with unbounded memory, as the allocator behaves while nothing fails. When that
-    reserves more than the GPU holds besides its context, a real run's ``cudaMalloc``
-    fails and the allocator gives cached segments back and retries
-    (``CUDACachingAllocator.cpp``, ``release_cached_blocks``), so the life is replayed at
-    the GPU's capacity; if it then fits, its figures are the run's."""
+
+def _replayed(events: list, repeat: tuple[int, int], room: int | None):
+    """``simulate`` with ``repeat``, first with unbounded memory, as the allocator behaves while
+    nothing fails; then, when that reserves more than ``room``, again at ``room``: a real
+    run's ``cudaMalloc`` fails there and the allocator gives cached segments back and retries
+    (``CUDACachingAllocator.cpp``, ``release_cached_blocks``). Returns the run's figures (the
+    bounded replay's when it completes) and the unbounded reserved peak."""
     config = AllocatorConfig.from_env()
-    sim = simulate(events, config=config, repeat=(start, eval_start))
-    if gpu is None:
-        return sim
-    room = gpu.capacity_bytes - context_bytes(gpu)
-    if sim.peak_reserved_bytes <= room or sim.peak_allocated_bytes > room:
-        return sim  # it fits without giving anything back, or no giving back can make it fit
-    bounded = simulate(events, config=config, capacity=room, repeat=(start, eval_start))
-    return sim if bounded.first_oom is not None else bounded
+    sim = simulate(events, config=config, repeat=repeat)
+    if room is None or sim.peak_reserved_bytes <= room or sim.peak_allocated_bytes > room:
+        return sim, sim.peak_reserved_bytes  # it fits without giving anything back, or nothing can make it fit
+    bounded = simulate(events, config=config, capacity=room, repeat=repeat)
+    return (sim if bounded.first_oom is not None else bounded), sim.peak_reserved_bytes
 
 
 GROWING_STEPS = 16  # a padding="longest" run: steps from max_len / 16 up to max_len
@@ -699,20 +701,15 @@ def _growing_life(events: list, start: int, eval_start: int, gpu: GpuSpec | None
 
     run, last = growing_run(events, start, eval_start, sizes_at, lengths)
     run += [(*ev[:6], len(lengths), *ev[7:]) for ev in events[eval_start:]]  # the evaluation, after training
-    config = AllocatorConfig.from_env()
-    sim = simulate(run, config=config, repeat=(last, last + eval_start - start))
+    room = None if gpu is None else int(gpu.capacity_bytes * (1 - margin)) - context_bytes(gpu)
+    sim, grown = _replayed(run, (last, last + eval_start - start), room)
     note = (f"padding=longest: the caching allocator replayed {len(lengths)} steps of lengths growing from "
             f"{lengths[0]} to {length} tokens (sizes between the traced {', '.join(str(x) for x, _ in points)} "
             f"interpolated per allocation), then {length} until it settled")
-    if gpu is not None:
-        room = int(gpu.capacity_bytes * (1 - margin)) - context_bytes(gpu)
-        if sim.peak_reserved_bytes > room:
-            bounded = simulate(run, config=config, capacity=room, repeat=(last, last + eval_start - start))
-            if bounded.first_oom is None:
-                grown, sim = sim.peak_reserved_bytes, bounded
-                note += (f"; unbounded its cache would grow to {format_bytes(grown)}, so it was "
-                         f"replayed on the {gpu.name} less the {margin:.0%} margin, where it gives cached segments "
-                         "back and completes")
+    if sim.peak_reserved_bytes < grown:  # the bounded replay completed
+        note += (f"; unbounded its cache would grow to {format_bytes(grown)}, so it was "
+                 f"replayed on the {gpu.name} less the {margin:.0%} margin, where it gives cached segments "
+                 "back and completes")
     assume(note)
     return sim, run
 

@@ -268,9 +268,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def resolve_weights_dtype(model: torch.nn.Module, job: Job) -> tuple[torch.dtype | None, str]:
-    """The dtype the weights are cast to for the trace (None: kept as the model has them), and
-    a line for the report when that is not plain.
+def resolve_weights_dtype(model: torch.nn.Module, job: Job) -> tuple[torch.dtype, bool, str]:
+    """The dtype of the traced weights, whether the model's weights are cast to it, and a
+    line for the report when that is not plain.
 
     fp32 training casts to float32 and pure bf16/fp16 to that dtype, whatever the model was
     built in; under autocast the weights stay in the model's own dtype (``auto``: what
@@ -287,12 +287,13 @@ def resolve_weights_dtype(model: torch.nn.Module, job: Job) -> tuple[torch.dtype
         target = asked or own
     if target == own:
         if precision.autocast_dtype is not None and job.weights_dtype.value == "auto" and own != torch.float32:
-            return None, (f"{precision.value} over the model's own {_dtype_name(own)} weights (weights_dtype auto, "
-                          f"as from_pretrained loads config.json's dtype); give weights_dtype fp32 for fp32 "
-                          "master weights")
-        return None, ""
-    return target, f"weights cast from the model's {_dtype_name(own)} to {_dtype_name(target)} for {precision.value}" + (
-        "" if precision.autocast_dtype is None else f" (weights_dtype {job.weights_dtype.value})")
+            return own, False, (f"{precision.value} over the model's own {_dtype_name(own)} weights (weights_dtype "
+                                "auto, as from_pretrained loads config.json's dtype); give weights_dtype fp32 for "
+                                "fp32 master weights")
+        return own, False, ""
+    return target, True, (f"weights cast from the model's {_dtype_name(own)} to {_dtype_name(target)} for "
+                          f"{precision.value}" + ("" if precision.autocast_dtype is None
+                                                  else f" (weights_dtype {job.weights_dtype.value})"))
 
 
 def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: str, progress) -> _Run:
@@ -303,7 +304,7 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
         raise UsageError(f"{name} has no trainable parameters (none with requires_grad=True); nothing to train")
     twin = meta_twin(model)
     wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
-    weights, how = resolve_weights_dtype(model, job)
+    weights, cast, how = resolve_weights_dtype(model, job)
     dtype = precision.weights_dtype  # pure bf16/fp16: float inputs in that dtype too
 
     def prepare(b):
@@ -311,7 +312,7 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
 
     mbatch = prepare(batch)
     ebatch = prepare(eval_batch) if eval_batch is not None else None
-    if weights is not None:
+    if cast:
         twin = twin.to(weights)
     info = describe_batch(mbatch, job.batch_size, job.max_len, job.target_len)
 
@@ -330,7 +331,7 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
     if how:
         tracer.assume(how)
     run = _Run(twin, wrapped, mbatch, ebatch, info, tracer, arch, opt_label, make_optimizer,
-               weights_dtype=_dtype_name(weights or model_dtype(model)))
+               weights_dtype=_dtype_name(weights))
     if precision.autocast_dtype is not None:
         tracer.autocast = MetaAutocast(device, precision.autocast_dtype)
         run.autocast = tracer.autocast.region

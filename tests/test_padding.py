@@ -100,3 +100,12 @@ def test_the_cli_takes_padding_and_names_a_bad_value(tmp_path):
     bad = runner.invoke(main, ["examples/gpt2_small.py", "--max-len", "64", "--padding", "longst"])
     assert bad.exit_code == 2
     assert "unknown padding 'longst' (did you mean 'longest'?)" in bad.output
+
+
+def test_a_batch_that_fails_when_shortened_names_padding_not_the_model():
+    # two_branch's 40 tabular features happen to equal max_len=40: cut to 20 they no longer fit
+    # its Linear(40, 256); the error names --padding, in one line, exit 2
+    result = CliRunner().invoke(main, ["examples/two_branch.py", "--padding", "longest", "--max-len", "40"])
+    assert result.exit_code == 2
+    assert "--padding longest traces the batch with its dimensions of 40 cut to 20" in result.output
+    assert "fix the model code" not in result.output and len(result.output.strip().splitlines()) == 1

@@ -24,7 +24,7 @@ from memcheck.errors import (
     model_frame,
     require_int,
 )
-from memcheck.job import Job, SettingError, as_job
+from memcheck.job import Job, SettingError, as_job, escape
 from memcheck.report.results import (
     BatchInfo,
     Breakdown,
@@ -401,7 +401,14 @@ def _shorter_traces(model, batch, job: Job, target: GpuSpec | None, loss_fn: Los
         shortened, _ = _at_length(batch, length, short)  # _validate checked it has such a dimension
         sub = job.replace(padding=Padding.MAX_LENGTH, max_len=short, eval_batch_size=None, eval_accumulate_predictions=0)
         again = _set_up(model, shortened, None, sub, target, name, None)
-        _trace(again, sub, target, loss_fn, name, train_step)
+        try:
+            _trace(again, sub, target, loss_fn, name, train_step)
+        except MemcheckError as exc:  # the batch at max_len traced; only the shortened one fails
+            detail = escape(str(exc).splitlines()[0].split(" (fix the model code there")[0])
+            raise SettingError("padding", (
+                f"{{name}} longest traces the batch with its dimensions of {length} cut to {short}, and "
+                f"{escape(name)} fails on that batch ({detail}); padding longest is for batches whose sequence "
+                "dimension is max_len and nothing else has that size")) from None
         traces.append((short, again.tracer.log))
     return traces
 

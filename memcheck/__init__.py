@@ -4,6 +4,7 @@ from memcheck.engine.compare import compare
 from memcheck.engine.estimate import estimate
 from memcheck.engine.plan import plan
 from memcheck.engine.preflight import check, preflight
+from memcheck.engine.script import run_script
 from memcheck.enums import Category, Device, Offload, Phase, Precision, Strategy, Task
 from memcheck.errors import (
     MemcheckError,
@@ -30,6 +31,7 @@ from memcheck.report.timeline import Timeline
 from memcheck.rules.registry import register_op_rule
 
 __all__ = [
+    "run_script",
     "Breakdown",
     "Category",
     "Comparison",

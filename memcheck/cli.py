@@ -338,6 +338,52 @@ def plan(model, max_len, target_len, task, attn, device, optimizer, steps, gpu, 
     sys.exit(EXIT_DOES_NOT_FIT if not result.fits or failed else EXIT_FITS)
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--max-len", type=int, default=None,
+              help="Pad each batch's token dimension to this length (the worst case); without it batches are "
+                   "traced as the script's data loader makes them.")
+@click.option("--device", default="cuda", show_default=True, metavar="DEVICE",
+              help="Target device of the estimate: cpu or cuda (the device the script trains on stands for it).")
+@click.option("--gpu", default=None, metavar="NAME|SIZE",
+              help="Target GPU: a name (see `memcheck gpus`) or a capacity such as 24GiB. Exit code 1 when it "
+                   "does not fit.")
+@click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE",
+              help="A memory budget such as 24GiB, checked against the device total (the peak on cpu).")
+@click.option("--steps", default=2, show_default=True, type=int,
+              help="Optimizer steps of the script to trace before stopping it; the peak is taken from step 2 on.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--allow-download", is_flag=True, help="Let from_pretrained read configs from the hub (offline "
+                                                     "otherwise; weights are never read).")
+@click.option("--debug", is_flag=True, help="Show the full traceback of errors.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- python SCRIPT.py [ARGS]...")
+def run(max_len, device, gpu, gpu_memory, steps, as_json, allow_download, debug, command):
+    """Run your own training script, unmodified, with its model on the meta device,
+    and estimate the peak of its first steps.
+
+    \b
+    memcheck run --max-len 1024 --gpu A100-80GB -- python train.py --lr 3e-4
+    The script runs in this process: data loading and tokenisation for real, every
+    model parameter on the meta device (from_pretrained reads config.json, never the
+    weights), each batch padded to --max-len. Its own loop is traced (a plain loop,
+    the HF Trainer, Lightning, accelerate) for --steps optimizer steps; then the
+    script is stopped. What the script prints goes to stderr; the report to stdout.
+    """
+    if not allow_download:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from memcheck.engine.script import run_script
+    from memcheck.job import Job
+    from memcheck.report.text import render_json
+    from memcheck.units import parse_size
+
+    with _reported(None, debug):
+        budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
+        job = Job(device=device, gpu=gpu, budget_bytes=budget, max_len=max_len, steps=steps)
+        with contextlib.redirect_stdout(sys.stderr):  # the script's prints; stdout is the report's
+            result = run_script(list(command), job)
+    click.echo(render_json(result) if as_json else str(result))
+    sys.exit(EXIT_DOES_NOT_FIT if result.fits is False else EXIT_FITS)
+
+
 def _begin(as_json: bool, allow_download: bool):
     """What every command that traces does first: hub offline unless downloads are allowed,
     transformers' warnings quiet, and the progress callback (None unless stderr is a terminal

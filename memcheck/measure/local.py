@@ -70,14 +70,16 @@ def measure_cpu(
                       max_grad_norm=max_grad_norm)
         del model, batch, optimizer
 
-    raw = prof.profiler.kineto_results.events()
-    step_start = {
-        int(e.name().rsplit(".", 1)[1]): e.start_ns() for e in raw if e.name().startswith(STEP_MARK)
-    }
-    mem = cpu_memory_events(raw)
+    return _peaks(prof.profiler.kineto_results.events())
+
+
+def _peaks(raw) -> Measured:
+    """The peaks of the profiler's CPU allocator events ``raw``: over the run, and from the
+    ``STEP_MARK.1`` event on (else ``STEP_MARK.0``, else the start)."""
+    step_start = {int(e.name().rsplit(".", 1)[1]): e.start_ns() for e in raw if e.name().startswith(STEP_MARK)}
     steady_from = step_start.get(1, step_start.get(0, 0))
     live = peak = steady = 0
-    for t, n in mem:
+    for t, n in cpu_memory_events(raw):
         live += n
         peak = max(peak, live)
         if t >= steady_from:
@@ -208,3 +210,34 @@ def verify(
         torch.cuda.empty_cache()
     return Verification("cuda", steps, predicted_bytes, real.device_used_bytes, real.peak_allocated_bytes,
                         real.peak_reserved_bytes, False)
+
+
+def measure_script(argv: list[str]) -> Measured:
+    """Run a training script (``["train.py", ARGS...]``) for real on the CPU, in this process, as
+    ``python train.py ARGS`` would (its folder first on ``sys.path``), and measure the allocator
+    over its whole run: the oracle of ``memcheck run``. ``steady_peak_bytes`` is from the end of
+    its first optimizer step on (torch's global step hook leaves the mark)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    path = Path(argv[0]).resolve()
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    done = [0]
+
+    def mark(optimizer, args, kwargs):
+        done[0] += 1
+        with record_function(f"{STEP_MARK}.{done[0]}"):
+            pass
+
+    sys.argv, sys.path[:0] = [str(path), *argv[1:]], [str(path.parent)]
+    handle = register_optimizer_step_post_hook(mark)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        handle.remove()
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return _peaks(prof.profiler.kineto_results.events())

@@ -52,22 +52,28 @@ OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 # On real tensors they are plain Adam/AdamW.
 
 
+def prefill_fused_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state of a ``fused=True`` Adam/AdamW's meta parameters that have a gradient
+    and no state yet, as ``_init_group`` would (see above), so its device check never runs."""
+    for group in optimizer.param_groups:
+        if not group.get("fused"):
+            continue
+        for p in group["params"]:
+            if p.grad is None or p.device.type != "meta" or optimizer.state[p]:
+                continue
+            state = optimizer.state[p]
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 class _FusedOnMeta:
     """Mixin for ``torch.optim.Adam``/``AdamW``: lets ``fused=True`` run on meta tensors."""
 
     def step(self, closure=None):
-        for group in self.param_groups:
-            if not group.get("fused"):
-                continue
-            for p in group["params"]:
-                if p.grad is None or p.device.type != "meta" or self.state[p]:
-                    continue
-                state = self.state[p]
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group["amsgrad"]:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        prefill_fused_state(self)
         return super().step(closure)
 
 

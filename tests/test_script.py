@@ -31,7 +31,7 @@ def _within(estimate: int, measured: int, tolerance: float = 0.02) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["train_loop.py", "train_hf_trainer.py", "train_lightning.py"])
+@pytest.mark.parametrize("script", ["train_loop.py", "train_hf_trainer.py", "train_lightning.py", "train_accelerate.py"])
 def test_script_estimate_matches_a_real_cpu_run_of_the_same_script(script):
     measured = measure_script([str(SCRIPTS / script), *LEN, "--max-steps", "2"])
     est = run_script([sys.executable, str(SCRIPTS / script), *LEN, "--max-steps", "5"], Job(device="cpu", max_len=128))

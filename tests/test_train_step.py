@@ -76,3 +76,32 @@ def test_the_cli_traces_the_files_train_step():
     result = CliRunner().invoke(main, [EXAMPLE, "--batch-size", "64", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert "traced as it is" in result.output
+
+
+def _gpt2_and_batch():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=2000, n_positions=128, n_embd=128, n_layer=2, n_head=4))
+    ids = torch.randint(0, 2000, (8, 128))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _autocast_step(model, batch, optimizer):
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the step's own mixed precision
+        logits = model(input_ids=batch["input_ids"]).logits
+        with torch.autocast("cpu", enabled=False):  # the loss in fp32, as many steps write it
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_steps_own_autocast_is_emulated_and_matches_a_real_cpu_run():
+    model, batch = _gpt2_and_batch()
+    est = memcheck.estimate(model, batch, memcheck.Job(device="cpu", optimizer=_sgd), train_step=_autocast_step)
+    real = measure_cpu(_gpt2_and_batch, _sgd, train_step=_autocast_step)
+    assert abs(est.peak_bytes - real.steady_peak_bytes) <= 0.02 * real.steady_peak_bytes
+    assert est.job.precision is memcheck.Precision.AMP_BF16  # the header says what the step ran
+    assert any("train_step's own torch.autocast (amp-bf16) emulated" in a for a in est.assumptions)
+    assert torch.amp.autocast_mode.autocast.__enter__.__name__ == "__enter__"  # torch's own again

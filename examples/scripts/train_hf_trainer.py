@@ -41,6 +41,7 @@ def main(argv=None):
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-steps", type=int, default=100)
     parser.add_argument("--output-dir", default=None)
+    parser.add_argument("--bf16", action="store_true", help="mixed precision (torch.autocast, bfloat16)")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -55,6 +56,7 @@ def main(argv=None):
         save_strategy="no",
         logging_strategy="no",
         dataloader_num_workers=0,
+        bf16=args.bf16,
     )
     data = sequences(64 * args.batch_size, 8000, args.min_len, args.max_len)
     trainer = Trainer(model=model, args=training, train_dataset=data, data_collator=pad_to_longest)

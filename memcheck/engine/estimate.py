@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import re
@@ -35,7 +36,7 @@ from memcheck.report.results import (
     Work,
 )
 from memcheck.rules import extensions
-from memcheck.rules.autocast import MetaAutocast, MetaGradScaler
+from memcheck.rules.autocast import MetaAutocast, MetaGradScaler, UserAutocast
 from memcheck.trace.device_redirect import redirect_cuda
 from memcheck.trace.tracer import MemoryTracer, TraceLog
 from memcheck.training.checkpointing import apply_checkpointing
@@ -185,8 +186,9 @@ def estimate(
             (a ``memcheck.report.timeline.Timeline``), for ``write_snapshot`` and ``plot_timeline``.
         train_step: the user's own ``train_step(model, batch, optimizer)``, traced as it is
             instead of memcheck's loop (``loss_fn`` is then unused): its order of ``zero_grad``,
-            clipping, several losses. Its own ``torch.autocast`` is not emulated, so
-            ``precision`` must be ``fp32`` or pure ``bf16``/``fp16``, and ``accumulate`` 1.
+            clipping, several losses. Its own ``torch.autocast`` regions are emulated (the
+            report then says amp-bf16/amp-fp16), so ``precision`` must be ``fp32`` or pure
+            ``bf16``/``fp16``, and ``accumulate`` 1.
 
     Returns:
         An ``Estimate``; ``str()`` is the table, ``to_dict()`` the JSON, ``.job`` the job traced.
@@ -214,6 +216,7 @@ def estimate(
         run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
                           "(model, batch, optimizer), traced as it is")
     gpu_map = _trace(run, job, target, loss_fn or default_loss, name, train_step)
+    job = _with_step_precision(run, job)
     shorter = _shorter_traces(model, batch, job, target, loss_fn or default_loss, name, run.tracer.assume, train_step)
     devices = _summarise(run, gpu_map, job, target, name, top_modules, shorter)
     return _result(run, gpu_map, devices, job, target, name, timeline)
@@ -253,6 +256,7 @@ class _Run:
     autocast: Any = None
     scaler: Any = None
     weights_dtype: str = "float32"  # the floating dtype of the traced weights (most bytes)
+    user_autocast: UserAutocast | None = None  # a train_step's own torch.autocast regions, once traced
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -352,8 +356,8 @@ def _check_train_step(train_step, job: Job) -> None:
         raise UsageError(f"train_step must be a function train_step(model, batch, optimizer), got {train_step!r}")
     if job.precision.autocast_dtype is not None:
         raise SettingError("precision", f"{{name}} {job.precision.value} is memcheck's autocast around its own "
-                                        "loop; with a train_step use fp32 or pure bf16/fp16 (the step's own "
-                                        "torch.autocast is not emulated yet)")
+                                        "loop; with a train_step write torch.autocast in the step (memcheck "
+                                        "emulates it) and give fp32 or pure bf16/fp16")
     if job.accumulate != 1:
         raise SettingError("accumulate", "{name} must be 1 with a train_step: the step accumulates as it is written")
 
@@ -369,8 +373,11 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
         run_eval(module, run.eval_batch, loss_fn, tracer.set_phase, step=steps, autocast=run.autocast,
                  keep_batches=job.eval_accumulate_predictions)
 
+    run.user_autocast = UserAutocast(tracer, job.device)
+    regions = run.user_autocast.patched() if train_step is not None else contextlib.nullcontext()
     try:
-        with redirect_cuda(target), tracer:  # the model's .cuda() and torch.cuda.* never reach the GPU
+        # the model's .cuda() and torch.cuda.* never reach the GPU; a train_step's torch.autocast is emulated
+        with redirect_cuda(target), tracer, regions:
             return train(job.strategy_config, tracer, run.twin, run.batch, loss_fn, run.make_optimizer, steps,
                          autocast=run.autocast, scaler=run.scaler, accumulate=min(job.accumulate, 2),
                          evaluate=evaluate if run.eval_batch is not None else None, train_step=train_step,
@@ -379,6 +386,19 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
         raise
     except Exception as exc:  # the model's own code failed under the trace
         raise _translate(exc, name) from exc
+
+
+def _with_step_precision(run: _Run, job: Job) -> Job:
+    """The job as traced: a train_step's own ``torch.autocast`` regions make it amp-bf16/amp-fp16."""
+    precision = run.user_autocast.precision(job.precision) if run.user_autocast is not None else job.precision
+    if precision is job.precision:
+        return job
+    run.tracer.assume(f"the train_step's own torch.autocast ({precision.value}) emulated on the target's autocast "
+                      "lists; a GradScaler it uses is traced as torch runs it on meta tensors")
+    try:
+        return job.replace(precision=precision)
+    except SettingError:  # e.g. autocast to fp16 over fp16 weights: reported as the job was given
+        return job
 
 
 def _shorter_traces(model, batch, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: str,

@@ -52,7 +52,7 @@ from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.errors import MemcheckError, TraceError, UsageError
 from memcheck.job import Job, as_job
 from memcheck.report.results import Estimate
-from memcheck.rules.autocast import MetaAutocast
+from memcheck.rules.autocast import UserAutocast
 from memcheck.trace.device_redirect import redirect_cuda
 from memcheck.trace.tracer import MemoryTracer
 from memcheck.training.optimizers import implementation, prefill_fused_state
@@ -80,8 +80,11 @@ class _Session:
     in_step: bool = False
     seq_len: int | None = None  # the token length of the batch being moved
     twins: dict = field(default_factory=dict)  # id(real tensor) -> (real, meta twin)
-    autocast_regions: int = 0
+    autocast: UserAutocast | None = None  # the script's own torch.autocast regions, emulated
     forwards: int = 0
+
+    def __post_init__(self):
+        self.autocast = UserAutocast(self.tracer, self.job.device)
 
     # ---- the batch ------------------------------------------------------------------
     def twin(self, t: torch.Tensor) -> torch.Tensor:
@@ -268,7 +271,7 @@ def _patched(session: _Session):
     optim_cls.zero_grad = zero_grad(originals["opt_zero"])
     module_cls.zero_grad = zero_grad(originals["mod_zero"])
     try:
-        with _script_autocast(session), _meta_from_pretrained():
+        with session.autocast.patched(), _meta_from_pretrained():
             yield
     finally:
         module_cls.__call__ = originals["call"]
@@ -277,38 +280,6 @@ def _patched(session: _Session):
         module_cls.zero_grad = originals["mod_zero"]
         for handle in handles:
             handle.remove()
-
-
-@contextlib.contextmanager
-def _script_autocast(session: _Session):
-    """The script's own ``torch.autocast`` regions, emulated on meta tensors for the target's
-    device (``memcheck.rules.autocast``): the real autocast does nothing to meta tensors."""
-    autocast_cls = torch.amp.autocast_mode.autocast
-    enter, exit_ = autocast_cls.__enter__, autocast_cls.__exit__
-
-    def entered(self):
-        out = enter(self)
-        emulated = None
-        if self._enabled and self.device in ("cuda", "cpu"):
-            if session.tracer.autocast is None or session.tracer.autocast.dtype != self.fast_dtype:
-                session.tracer.autocast = MetaAutocast(session.job.device, self.fast_dtype)
-            emulated = session.tracer.autocast.region()
-            emulated.__enter__()
-            session.autocast_regions += 1
-        self._memcheck_region = emulated
-        return out
-
-    def exited(self, *exc):
-        emulated = getattr(self, "_memcheck_region", None)
-        if emulated is not None:
-            emulated.__exit__(*exc)
-        return exit_(self, *exc)
-
-    autocast_cls.__enter__, autocast_cls.__exit__ = entered, exited
-    try:
-        yield
-    finally:
-        autocast_cls.__enter__, autocast_cls.__exit__ = enter, exit_
 
 
 @contextlib.contextmanager
@@ -448,7 +419,7 @@ def _explain(session: _Session, path: Path, stopped: bool) -> None:
         assume(f"each batch moved to the device padded to max_len {session.job.max_len} along its token dimension")
     else:
         assume("batches traced as the script's data loader made them (give max_len to pad to the worst case)")
-    if session.autocast_regions:
+    if session.autocast.regions:
         assume("the script's torch.autocast regions emulated on the target's autocast lists; a GradScaler is not")
 
 
@@ -459,10 +430,8 @@ def _weights_dtype(model: torch.nn.Module) -> torch.dtype:
 
 
 def _precision(dtype: torch.dtype, session: _Session) -> Precision:
-    autocast = session.tracer.autocast
-    if autocast is not None and session.autocast_regions:
-        return Precision.AMP_BF16 if autocast.dtype == torch.bfloat16 else Precision.AMP_FP16
-    return {torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}.get(dtype, Precision.FP32)
+    pure = {torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}.get(dtype, Precision.FP32)
+    return session.autocast.precision(pure)
 
 
 def _leading(batch) -> int:

@@ -24,6 +24,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 from enum import Enum
 from typing import Any, Callable
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from memcheck.enums import Device
+from memcheck.enums import Device, Precision
 from memcheck.rules.registry import bind
 
 
@@ -267,3 +268,87 @@ class MetaGradScaler:
     def update(self):
         torch._amp_update_scale_(self._scale, self._growth_tracker, self._found_inf, 2.0, 0.5, 2000)
         self._found_inf = None
+
+
+_DEFAULT_DTYPE = {"cuda": torch.float16, "cpu": torch.bfloat16}  # torch.get_autocast_dtype's defaults
+
+
+class UserAutocast:
+    """The ``torch.autocast`` regions that user code opens itself (a model file's ``train_step``,
+    a script under ``memcheck run``), emulated on meta tensors for the target ``device``.
+
+    A real ``torch.autocast`` does nothing to meta tensors (module docstring), and on a build
+    without CUDA ``torch.autocast("cuda")`` disables itself in ``__init__`` with a warning. So
+    while ``patched()`` is active every region's settings are read as written (``device_type``,
+    ``dtype``, ``enabled``) and a ``MetaAutocast`` of that dtype is made the tracer's for the
+    region; ``enabled=False`` inside a region switches the emulation off until it exits.
+    ``regions`` counts the enabled regions entered, ``dtype`` is the last one's.
+    """
+
+    def __init__(self, tracer, device: Device):
+        self.tracer, self.device = tracer, Device.parse(device)
+        self.regions = 0
+        self.dtype: torch.dtype | None = None
+
+    def patched(self):
+        """A context in which ``torch.autocast`` regions are emulated (``torch.autocast``'s
+        methods wrapped; restored on exit)."""
+        cls = torch.amp.autocast_mode.autocast
+        init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
+        user = self
+
+        def initialised(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+            self._memcheck_asked = (device_type, dtype or _DEFAULT_DTYPE.get(device_type), enabled)
+            init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+        def entered(self):
+            out = enter(self)
+            self._memcheck_undo = user._enter(*getattr(self, "_memcheck_asked", (self.device, self.fast_dtype,
+                                                                                 self._enabled)))
+            return out
+
+        def exited(self, *exc):
+            undo = getattr(self, "_memcheck_undo", None)
+            if undo is not None:
+                undo(*exc)
+            return exit_(self, *exc)
+
+        @contextlib.contextmanager
+        def active():
+            cls.__init__, cls.__enter__, cls.__exit__ = initialised, entered, exited
+            try:
+                yield self
+            finally:
+                cls.__init__, cls.__enter__, cls.__exit__ = init, enter, exit_
+
+        return active()
+
+    def _enter(self, device_type: str, dtype, enabled: bool):
+        """Start emulating one region; return what undoes it on exit (None: nothing to undo)."""
+        tracer, outer = self.tracer, self.tracer.autocast
+        if device_type not in ("cuda", "cpu"):
+            return None
+        if not enabled:
+            if outer is None or not outer.active:
+                return None
+            outer.active = False
+
+            def reenable(*exc):
+                outer.active = True
+            return reenable
+        region = outer if outer is not None and outer.dtype == dtype else MetaAutocast(self.device, dtype)
+        tracer.autocast = region
+        region.__enter__()
+        self.regions += 1
+        self.dtype = dtype
+
+        def leave(*exc):
+            region.__exit__(*exc)
+            tracer.autocast = outer
+        return leave
+
+    def precision(self, default):
+        """The precision the user's regions amount to (``default`` when none was entered)."""
+        if not self.regions:
+            return default
+        return Precision.AMP_BF16 if self.dtype == torch.bfloat16 else Precision.AMP_FP16

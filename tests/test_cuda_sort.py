@@ -146,6 +146,13 @@ def test_index_put_accumulate_on_cuda_sorts_the_linear_index():
     ]
 
 
+def test_index_put_casts_int32_indices_to_int64_first():
+    x, i, v = _meta(1000, D), _meta(4096, dtype=torch.int32), _meta(4096, D)
+    allocs = _allocs(Device.CUDA, lambda: aten.index_put(x, [i], v, True))
+    # as above, with i.to(kLong) (Indexing.cu:617-619), 4,096 x 8 B, held while the linear index is computed
+    assert allocs == [256_000, 32_768, 32_768, 32_768, 32_768, 32_768, 32_768, 65_536]
+
+
 def test_index_put_sorting_on_one_pass_of_bits_needs_no_cub_buffers():
     # x (200, 64): largestIndex 12,799 // 64 = 199 -> 8 bits, one onesweep pass: no third buffers
     assert _allocs(Device.CUDA, _index_put(200, 4096)) == [51_200, 32_768, 32_768, 32_768, 32_768, 32_768]
@@ -165,6 +172,16 @@ def test_index_put_copies_a_broadcast_value():
 def test_index_put_without_accumulate_or_on_cpu_allocates_only_the_output():
     assert _allocs(Device.CUDA, _index_put(1000, 4096, accumulate=False)) == [256_000]
     assert _allocs(Device.CPU, _index_put(1000, 4096)) == [256_000]
+
+
+def test_index_put_accumulate_with_a_mask_sorts_its_nonzero_indices_on_cuda():
+    x, mask, v = _meta(1000, D), _meta(1000, dtype=torch.bool), _meta(1000, D)
+    allocs = _allocs(Device.CUDA, lambda: aten.index_put(x, [mask], v, True))
+    # the output 256,000 B; worst case the mask is all True: nonzero's 1,000 x 8 B = 8,000 B
+    # (memcheck.rules.data_dependent); then the sort kernel on those 1,000 indices: linearIndex,
+    # remainder, sorted, orig, range, 8,000 B each; 1,000 <= 2,304: no cub buffers
+    assert allocs == [256_000, 8_000, 8_000, 8_000, 8_000, 8_000, 8_000]
+    assert _allocs(Device.CPU, lambda: aten.index_put(x, [mask], v, True)) == [256_000, 8_000]
 
 
 def test_backward_of_integer_indexing_reaches_the_sort_rule():

@@ -207,7 +207,7 @@ def index_put_sort_buffers(ctx, self: torch.Tensor, indices, values: torch.Tenso
     vals_shape = tuple(before) + tuple(torch.broadcast_shapes(*(i.shape for i in defined))) + tuple(after)
     e = self.element_size()
     held = _hold(ctx, 0 if self.is_contiguous() else self.numel() * e)
-    casts = [n * INDEX_BYTES for i in defined if i.dtype == torch.int32]
+    casts = [i.numel() * INDEX_BYTES for i in defined if i.dtype == torch.int32]  # before broadcasting
     held += _hold(ctx, n * INDEX_BYTES)  # linearIndex
     ctx.scratch(*casts, n * INDEX_BYTES, n * INDEX_BYTES if len(defined) > 1 else 0)
     value_copy = not (tuple(values.shape) == vals_shape and values.is_contiguous())

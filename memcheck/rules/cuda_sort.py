@@ -117,8 +117,8 @@ def _embedding_uses_fused_kernel(ctx, m: int, d: int, max_partial: int) -> bool:
 @register_op_rule(aten.embedding_dense_backward.default)
 def embedding_dense_backward(ctx, func, args, kwargs):
     """``embedding_dense_backward`` on the CUDA target: ``embedding_dense_backward_cuda``
-    (Embedding.cu:242-333) and ``embedding_backward_cuda_kernel`` (EmbeddingBackwardKernel.cu:
-    282-...). With N indices of I bytes, D features, W rows, M = min(N, W) and
+    (Embedding.cu:242-333) and ``embedding_backward_cuda_kernel`` (EmbeddingBackwardKernel.cu,
+    from line 282). With N indices of I bytes, D features, W rows, M = min(N, W) and
     P = N // 10 + M partial segments:
 
     * ``indices_.contiguous()``, ``grad_.contiguous()`` (Embedding.cu:250, 253): copies if needed;
@@ -126,7 +126,7 @@ def embedding_dense_backward(ctx, func, args, kwargs):
     * else ``sorted_indices``, ``orig_indices`` (289-290), while sorting ``range`` (293) and cub's
       temp (295-298, lower bound); ``count`` (302) with ``scale_grad_by_freq``; then the output
       (``grad_weight``, 297 of the kernel file), ``segment_offsets`` (304), ``num_of_segments``
-      (8 B, 305), ``unique_by_key``'s key output (N x I, cub.cuh ``unique_by_key`` in 2.13),
+      (8 B, 305), ``unique_by_key``'s key output (N x I, cub.cuh:200 in 2.13),
       ``partials_per_segment`` and its offsets (M x I each, 320, 334), ``num_of_partial_segments``
       (8 B, 341), ``partial_segment_offset`` (P x I, 353); then the two-pass path's
       ``grad_weight_per_segment`` (P x D in the opmath dtype, 447-449), or for few segments the

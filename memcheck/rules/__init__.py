@@ -9,6 +9,8 @@ below registers its own rules when imported; importing this package imports them
 * ``cuda_kernels``, ``cuda_attention`` and ``cuda_norms``: CUDA kernels whose memory differs
   from the meta kernel's (softmax, cuDNN convolutions; flash / efficient / cuDNN attention and
   the math backend's fused dropout; the fused RMSNorm);
+* ``cuda_sort``: sort-based CUDA kernels' index arrays and cub temp storage (the backward of
+  ``nn.Embedding`` and of ``x[idx]``, ``sort``);
 * ``data_dependent``: ops whose output size depends on values take the worst case;
 * ``dropout``: the fused CUDA dropout kernel (a bool mask) instead of the CPU's noise tensor;
 * ``autocast``: ``torch.autocast``'s casts, emulated on meta tensors;
@@ -21,6 +23,7 @@ from memcheck.rules import (  # noqa: F401  (each registers its rules)
     cuda_attention,
     cuda_kernels,
     cuda_norms,
+    cuda_sort,
     data_dependent,
     dropout,
     extensions,

@@ -16,7 +16,9 @@ On the CPU target the rules also emit what the CPU kernels allocate inside the o
 (torch 2.13; 64 to 100,000 elements; bool, 8-, 16-, 32- and 64-bit dtypes; 1 and 2
 threads; worst-case data: all-True masks, all-distinct values); each rule gives its
 figure. On CUDA only the outputs (and the index tensors that ATen's shared indexing
-code allocates) are traced; the CUDA kernels' own temporaries are not modelled.
+code allocates) are traced; the CUDA kernels' own temporaries are not modelled, except
+``index_put_with_sort_kernel``'s (``index_put`` with ``accumulate=True``), which
+``memcheck.rules.cuda_sort`` counts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from memcheck.enums import Device
+from memcheck.rules import cuda_sort
 from memcheck.rules.registry import bind, register_op_rule
 from memcheck.units import nbytes
 
@@ -254,10 +257,17 @@ def _index_put(ctx, func, args, kwargs):
     ``nonzero``'s indices; worst case, every element. A single mask with a one-element
     value and no accumulation is ``masked_fill_`` instead, with no indices
     (``canDispatchToMaskedFill``, aten/src/ATen/native/TensorAdvancedIndexingUtils.h).
-    Measured on CPU: exact."""
+    Measured on CPU: exact.
+
+    On the CUDA target, with ``accumulate=True`` (or deterministic algorithms) the kernel is
+    ``index_put_with_sort_kernel``, whose index arrays and sort buffers
+    ``memcheck.rules.cuda_sort`` counts, for integer indices and for the masks' indices alike."""
     b = bind(func, args, kwargs)
     indices = b["indices"]
+    sorts = cuda_sort.takes_sort_kernel(ctx, b["self"], b["accumulate"])
     if not any(_is_mask(i) for i in indices):
+        if sorts:
+            return cuda_sort.index_put_with_sort(ctx, func, args, kwargs)
         return func(*args, **kwargs)
     out = func(*args, **kwargs)
     defined = [i for i in indices if i is not None]
@@ -265,7 +275,10 @@ def _index_put(ctx, func, args, kwargs):
         return out  # masked_fill_
     ctx.assume("x[mask] = v (and the backward of x[mask]) assumed to write every element (worst case)")
     ctx.track(out)
-    ctx.scratch(_expand_masks(indices)[1])
+    expanded, nz_bytes = _expand_masks(indices)
+    ctx.scratch(nz_bytes)
+    if sorts:
+        cuda_sort.index_put_sort_buffers(ctx, b["self"], expanded, b["values"])
     return out
 
 

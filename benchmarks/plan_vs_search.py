@@ -44,7 +44,7 @@ OOM (it frees its cache and retries, then raises ``torch.cuda.OutOfMemoryError``
 The plan targets a GpuSpec with the local GPU's compute capability (its kernel
 choices and workspaces) and capacity CAP. Driver memory that grows after the first
 op (kernel modules loaded lazily by the first training step) is not under the
-allocator's limit; the plan's context estimate (``GpuSpec.context_bytes``) includes
+allocator's limit; the plan's context figure (``memcheck.cuda.overhead.context_bytes``) includes
 it. Both contexts, at the start and after training, are in the JSON.
 
 **The margin is part of the ratio.** The plan recommends a micro-batch whose
@@ -477,12 +477,15 @@ def main(argv=None) -> int:
         rows.append(row)
         print(_summary(row), flush=True)
 
+    from memcheck.cuda.overhead import context_bytes, context_source
+
     info = gpu_accuracy._versions()
     stamp = dt.date.today().isoformat()
     slug = local.name.replace(" ", "_")
     payload = {
         "date": stamp, "versions": info, "gpu": local.name, "emulated_gpu": gpu.name, "capacity_bytes": cap_bytes,
-        "planner_context_bytes": gpu.context_bytes, "margin": DEFAULT_MARGIN,
+        "planner_context_bytes": context_bytes(gpu), "planner_context_source": context_source(gpu),
+        "margin": DEFAULT_MARGIN,
         "search": {"start": START_MICRO_BATCH, "steps_per_trial": STEPS_PER_TRIAL, "max_trials": MAX_TRIALS},
         "verify_steps": VERIFY_STEPS, "targets": {"ratio_at_least": TARGET_RATIO, "planned_oom": False},
         "total_seconds": time.perf_counter() - start, "workloads": rows,

@@ -30,7 +30,7 @@ def test_json_has_the_documented_keys():
     data = json.loads(result.output)
     for key in ("schema_version", "model", "job", "optimizer_implementation", "gpu", "budget_bytes", "fits",
                 "peak_bytes", "reserved_bytes", "fragmentation_bytes", "context_bytes", "device_total_bytes",
-                "cuda_module_loading", "reserved_peak", "allocator_steady_step", "released_cached", "breakdown_at_peak", "peak_phase", "peak_in", "train_peak_bytes", "eval_peak_bytes", "peak_module",
+                "cuda_module_loading", "cuda_context_source", "reserved_peak", "allocator_steady_step", "released_cached", "breakdown_at_peak", "peak_phase", "peak_in", "train_peak_bytes", "eval_peak_bytes", "peak_module",
                 "peak_step", "batch", "strategy_label", "busiest_gpu", "per_device", "checkpointed_modules", "work",
                 "modules", "assumptions"):  # the README's table, row by row
         assert key in data
@@ -123,6 +123,21 @@ def test_gpus_command_lists_the_table():
     for name in ("V100-16GB", "T4", "A10G", "RTX-3090", "RTX-4090", "L4", "L40S", "A100-40GB", "A100-80GB",
                  "H100-80GB", "H200"):
         assert name in result.output
+    assert "context source" in result.output
+    line = next(ln for ln in result.output.splitlines() if ln.startswith("RTX-3090"))
+    # 256 MiB published bare context + 187 MiB estimated step kernels = 443 MiB
+    assert "443.0 MiB" in line and "published: 256 MiB bare (invoke-ai/InvokeAI#9413" in line
+    line = next(ln for ln in result.output.splitlines() if ln.startswith("T4"))
+    assert "360.0 MiB" in line and "estimated: 133 MiB + 40 SMs x 1024 threads x 1 KiB" in line
+
+
+def test_gpus_json_carries_the_context_source():
+    result = run("gpus", "--json")
+    assert result.exit_code == 0, result.output
+    rows = {r["name"]: r for r in json.loads(result.output)}
+    assert rows["RTX-3090"]["context_bytes"] == 443 * 2**20  # 256 + 187 MiB
+    assert rows["RTX-3090"]["context_source"].startswith("published: ")
+    assert rows["B200"]["context_source"].startswith("estimated: ")
 
 
 # ---- strategies (issue 4) ------------------------------------------------------------------------

@@ -181,6 +181,40 @@ def test_eager_module_loading_adds_the_measured_difference(monkeypatch):
     assert module_loading() == "eager" and context_bytes(gpu) == gpu.context_bytes + 379_584_512
 
 
+def test_context_source_names_the_figure_and_the_eager_addition(monkeypatch):
+    from memcheck.cuda.gpus import GPUS
+    from memcheck.cuda.overhead import context_source
+
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    assert context_source(GPUS["RTX-3090"]) == GPUS["RTX-3090"].context_source
+    assert context_source(None).startswith("estimated: 512 MiB")  # no GPU named: the generic estimate
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    # 379,584,512 B / 2**20 = 362.0 MiB, pytorch#86509's eager-minus-lazy difference
+    assert context_source(GPUS["T4"]).endswith("; + 362 MiB for eager module loading (measured, pytorch#86509)")
+    with pytest.raises(UsageError):
+        context_source("T4")
+
+
+def test_the_report_carries_the_context_source(monkeypatch):
+    import torch
+
+    import memcheck
+    from memcheck.report.text import render_estimate
+
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    with torch.device("meta"):
+        model = torch.nn.Linear(8, 8)
+    est = memcheck.estimate(model, torch.empty(4, 8, device="meta"), memcheck.Job(gpu="RTX-3090"))
+    # 256 MiB published bare context + 187 MiB estimated step kernels = 443 MiB
+    assert est.context_bytes == 443 * 2**20
+    assert est.to_dict()["cuda_context_source"].startswith("published: 256 MiB bare (invoke-ai/InvokeAI#9413")
+    assert "CUDA context and libraries (published bare context + estimate, lazy module loading)" in (
+        render_estimate(est))
+    assert any("invoke-ai/InvokeAI#9413" in a for a in est.assumptions)
+    cpu = memcheck.estimate(model, torch.empty(4, 8, device="meta"), memcheck.Job(device="cpu"))
+    assert cpu.to_dict()["cuda_context_source"] is None
+
+
 def test_the_report_names_the_module_loading(monkeypatch):
     import torch
 

@@ -43,10 +43,41 @@ def test_h100_capacity_is_what_cuda_reports_not_nvidia_smi():
 
 
 def test_context_estimate_grows_with_the_sm_count():
-    # 320 MiB + 132 SMs * 2048 threads * 1 KiB = 320 + 264 = 584 MiB on an H100;
-    # 320 MiB + 40 SMs * 1024 threads * 1 KiB = 320 + 40 = 360 MiB on a T4.
+    # bare 133 MiB + 132 SMs * 2048 threads * 1 KiB (264 MiB) + 187 MiB step kernels = 584 MiB on an H100;
+    # bare 133 MiB + 40 SMs * 1024 threads * 1 KiB (40 MiB) + 187 MiB step kernels = 360 MiB on a T4.
     assert GPUS["H100-80GB"].context_bytes == 584 * MiB
     assert GPUS["T4"].context_bytes == 360 * MiB
+    assert GPUS["H100-80GB"].context_source.startswith("estimated: 133 MiB + 132 SMs x 2048 threads x 1 KiB")
+
+
+def test_the_rtx_3090_uses_its_published_bare_context_plus_the_step_kernels():
+    # invoke-ai/InvokeAI#9413: a bare context (no kernel run, torch 2.7.1+cu128, lazy) held
+    # 256 MiB on an RTX 3090; memcheck adds its 187 MiB estimate of the kernels a training
+    # step loads: 256 + 187 = 443 MiB.
+    gpu = GPUS["RTX-3090"]
+    assert gpu.context_bytes == 443 * MiB
+    assert gpu.context_source.startswith("published: 256 MiB bare (invoke-ai/InvokeAI#9413")
+    assert "187 MiB step kernels (estimated)" in gpu.context_source
+
+
+def test_only_gpus_with_a_published_bare_context_are_marked_published():
+    published = sorted(name for name, gpu in GPUS.items() if gpu.context_source.startswith("published: "))
+    assert published == ["RTX-3090"]
+    for gpu in GPUS.values():
+        assert gpu.context_source.startswith(("published: ", "estimated: "))
+
+
+def test_gpus_outside_the_table_say_their_context_is_the_generic_estimate():
+    for gpu in (resolve_gpu("24GiB"), gpu_from_smi("NVIDIA H100 NVL, 95830, 9.0")):
+        assert gpu.context_bytes == 512 * MiB
+        assert gpu.context_source.startswith("estimated: 512 MiB")
+
+
+def test_a_hand_built_spec_says_its_context_was_given():
+    gpu = GpuSpec("test", capacity_bytes=GiB, arch=(8, 0), context_bytes=64 * MiB)
+    assert gpu.context_source.startswith("given: ")
+    with pytest.raises(UsageError, match="context source"):
+        GpuSpec("x", GiB, (8, 0), 0, context_source=" ")
 
 
 @pytest.mark.parametrize("text", ["H100-80GB", "h100-80gb", "h100_80gb", "H100 80GB", "NVIDIA H100-80GB"])

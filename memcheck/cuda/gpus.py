@@ -29,23 +29,51 @@ from memcheck.errors import UsageError, closest
 from memcheck.units import GiB, KiB, MiB, parse_size
 
 # --- the CUDA context ------------------------------------------------------------------
-# ESTIMATES, to be replaced by measurements from benchmarks/gpu_accuracy.py (nvidia-smi's
-# per-process memory minus torch.cuda.memory_reserved() after a first training step).
-# Published figures: a bare context (no kernels run) is 256 MiB on an RTX 3090 with
-# torch 2.7.1+cu128 (invoke-ai/InvokeAI#9413) and 426 MiB on an RTX 6000 Ada with
-# torch 2.10+cu130 (unslothai/unsloth-zoo#1053); ~300-400 MB with lazy module loading
-# (ptrblck in pytorch/pytorch#107667 and #109888); 287 MB vs 667 MB eager (pytorch#86509).
-# The context grows with the card because the driver reserves a per-thread stack
-# (cudaLimitStackSize, 1 KiB by default) for every thread the SMs can hold, and with the
-# kernels lazily loaded by a training step (torch's own, cuBLAS/cuBLASLt, cuDNN).
-# Model: context = base + SMs x max resident threads per SM x 1 KiB.
-CONTEXT_BASE = 320 * MiB  # estimate: driver state + kernels a first training step loads
+# memcheck's context figure is what a training process holds on the GPU outside the caching
+# allocator after a first training step, with lazy module loading (torch's default):
+#
+#     context = bare context + the kernel images a training step loads lazily
+#
+# The bare context is what a process holds once CUDA is initialised and before any kernel
+# ran (driver state, the per-thread stacks, torch's registered modules). It is published for
+# one GPU of the table (the RTX 3090 row below). Published bare figures outside the table:
+# 426 MiB on an RTX 6000 Ada, torch 2.10.0+cu130, nvidia-smi after torch.cuda.mem_get_info(0)
+# (unslothai/unsloth-zoo#1053); ~300-400 MB with lazy module loading (ptrblck in
+# pytorch/pytorch#107667 and #109888).
+#
+# Published EAGER contexts are not used per GPU. V100-SXM2-16GB: "GPU memory occupied: 1343 MB"
+# (NVML used, MiB) after torch.ones((1, 1)).to("cuda") (huggingface/transformers
+# docs/source/en/model_memory_anatomy.md, driver 460.91.03, CUDA 11.2, Jan 2022), less the
+# 2 MiB allocator segment = 1341 MiB. RTX 3090: 1644 MiB in nvidia-smi holding a
+# 64x16x200x200 fp32 tensor, torch 1.7.1+cu110 (pytorch/pytorch#49877), less its 158 MiB
+# segment (163,840,000 B rounded up to 2 MiB) = 1486 MiB; the same card showed 1687 MB with
+# torch 1.8.2+cu111 after torch.Tensor(1).cuda() (pytorch/pytorch#55277), 1687 - 2 = 1685 MiB.
+# They are torch 1.7-1.10 on CUDA 11.0-11.2, before lazy loading existed, and one card's two
+# figures differ by about 200 MiB (1685 against 1486) between torch versions, so they say
+# little about torch 2.13 under CUDA_MODULE_LOADING=EAGER; there memcheck adds the measured
+# eager-minus-lazy difference instead (memcheck.cuda.overhead.EAGER_EXTRA_BYTES).
+#
+# Where no bare figure is published it is estimated. The driver reserves a per-thread stack
+# (cudaLimitStackSize, 1 KiB by default) for every thread the SMs can hold, so:
+#
+#     bare context (estimated) = BARE_CONTEXT_BASE + SMs x max resident threads per SM x 1 KiB
+#
+# BARE_CONTEXT_BASE is set so that the rule gives the one published bare figure of a table
+# GPU: RTX 3090, 256 MiB - 82 SMs x 1536 threads x 1 KiB (123 MiB) = 133 MiB. On the RTX 6000
+# Ada (142 SMs x 1536 threads, not in the table) the rule gives 133 + 213 = 346 MiB against
+# the published 426 MiB (torch 2.10+cu130): it is 19% low there.
+#
+# The kernels a training step loads (torch's own, cuBLAS/cuBLASLt, cuDNN) are not published
+# for any GPU; STEP_KERNELS_BYTES is an estimate, and the part of memcheck's earlier single
+# 320 MiB base that is not the bare base (133 + 187 = 320 MiB), so estimated GPUs keep their
+# earlier figures. cuBLAS workspaces are not in it: they are caching-allocator blocks
+# (memcheck.cuda.overhead.workspace_allocations).
 STACK_PER_THREAD = 1 * KiB  # cudaLimitStackSize default (CUDA runtime API docs)
+BARE_CONTEXT_BASE = 133 * MiB  # estimate: RTX 3090's published 256 MiB bare context less its 123 MiB of stacks
+STEP_KERNELS_BYTES = 187 * MiB  # estimate, unmeasured: kernels a first training step loads lazily
 GENERIC_CONTEXT_BYTES = 512 * MiB  # estimate for a GPU outside the table (about an A100's)
-
-
-def _context_estimate(sms: int, threads_per_sm: int) -> int:
-    return CONTEXT_BASE + sms * threads_per_sm * STACK_PER_THREAD
+GENERIC_CONTEXT_SOURCE = "estimated: 512 MiB for a GPU outside the table (about an A100's)"
+GIVEN_CONTEXT_SOURCE = "given: context_bytes passed to GpuSpec"
 
 
 @dataclass(frozen=True)
@@ -57,9 +85,14 @@ class GpuSpec:
         capacity_bytes: total device memory as CUDA reports it (``torch.cuda.mem_get_info()[1]``).
         arch: compute capability, e.g. ``(9, 0)``.
         context_bytes: device memory the CUDA context and libraries take outside the
-            caching allocator after a first training step (an estimate; see module notes).
+            caching allocator after a first training step, lazy module loading (see
+            the module notes).
         named: True for a row of :data:`GPUS`; False for a GPU given by size or an
             unlisted local GPU, whose context (and, for sizes, arch) are generic guesses.
+        context_source: where ``context_bytes`` comes from: ``"published: <source>"``
+            when a measurement of this GPU's bare context was published (plus memcheck's
+            estimate of what it leaves out), ``"estimated: <rule>"`` otherwise, or
+            ``"given: ..."`` for a spec built by hand.
     """
 
     name: str
@@ -67,6 +100,7 @@ class GpuSpec:
     arch: tuple[int, int]
     context_bytes: int
     named: bool = True
+    context_source: str = GIVEN_CONTEXT_SOURCE
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -75,6 +109,8 @@ class GpuSpec:
             raise UsageError(f"GPU capacity {self.capacity_bytes!r} must be a positive number of bytes")
         if not isinstance(self.context_bytes, int) or self.context_bytes < 0:
             raise UsageError(f"GPU context size {self.context_bytes!r} must be a non-negative number of bytes")
+        if not isinstance(self.context_source, str) or not self.context_source.strip():
+            raise UsageError(f"GPU context source {self.context_source!r} must be a non-empty string")
         arch = tuple(self.arch)
         if len(arch) != 2 or not all(isinstance(v, int) and v >= 0 for v in arch):
             raise UsageError(f"GPU compute capability {self.arch!r} must be two integers, such as (8, 0)")
@@ -95,6 +131,24 @@ class _Row:
     sms: int
     threads_per_sm: int  # max resident threads per SM (CUDA programming guide, table by arch)
     pattern: str  # regex on the lower-cased nvidia-smi name
+    # A published bare CUDA context for this GPU (MiB, as nvidia-smi shows a process that
+    # initialised CUDA and ran no kernel, lazy module loading), and a short citation: where,
+    # which torch, which loading (the full conditions go in the comment above the row).
+    bare_context_mib: int | None = None
+    bare_context_source: str = ""
+
+
+def _context(row: _Row) -> tuple[int, str]:
+    """``(context_bytes, context_source)`` of a table row: its published bare context, or
+    the estimated one, plus the estimated kernels a training step loads."""
+    step = f"{STEP_KERNELS_BYTES // MiB} MiB step kernels (estimated)"
+    if row.bare_context_mib is not None:
+        return (row.bare_context_mib * MiB + STEP_KERNELS_BYTES,
+                f"published: {row.bare_context_mib} MiB bare ({row.bare_context_source}) + {step}")
+    stacks = row.sms * row.threads_per_sm * STACK_PER_THREAD
+    return (BARE_CONTEXT_BASE + stacks + STEP_KERNELS_BYTES,
+            f"estimated: {BARE_CONTEXT_BASE // MiB} MiB + {row.sms} SMs x {row.threads_per_sm} threads x 1 KiB "
+            f"+ {step}")
 
 
 # Sources for cuda_mib: "torch" = a published torch.cuda.get_device_properties() printout
@@ -110,8 +164,14 @@ _ROWS = (
     _Row("T4", 15102, 15360, (7, 5), 40, 1024, r"\bt4\b"),
     # torch: 'NVIDIA A10G' total_memory=22587MB; smi 23028
     _Row("A10G", 22587, 23028, (8, 6), 80, 1536, r"a10g"),
-    # torch: 'NVIDIA GeForce RTX 3090' total_memory=24259MB (24268 on older drivers); smi 24268-24576
-    _Row("RTX-3090", 24259, 24576, (8, 6), 82, 1536, r"3090(?!\s*ti)"),
+    # torch: 'NVIDIA GeForce RTX 3090' total_memory=24259MB (24268 on older drivers); smi 24268-24576.
+    # Bare context: invoke-ai/InvokeAI#9413 (2x RTX 3090, torch 2.7.1+cu128, driver 610.43.03):
+    # "InvokeAI allocates a CUDA context on a GPU at startup, before any generation has been
+    # requested ... On this host that is a flat 256 MiB" (nvidia-smi per process); the fix,
+    # invoke-ai/InvokeAI#9447, traced it to torch.cuda.mem_get_info() at startup, so no kernel
+    # had run. torch sets CUDA_MODULE_LOADING=LAZY when unset (pytorch#86509): lazy loading.
+    _Row("RTX-3090", 24259, 24576, (8, 6), 82, 1536, r"3090(?!\s*ti)", bare_context_mib=256,
+         bare_context_source="invoke-ai/InvokeAI#9413, torch 2.7.1+cu128, lazy"),
     # torch: 'NVIDIA GeForce RTX 4090' total_memory=24563MB; smi 24564
     _Row("RTX-4090", 24563, 24564, (8, 9), 128, 1536, r"4090"),
     # smi only: 'NVIDIA L4' 23034MiB (no CUDA figure found; likely ~2% lower, nominal)
@@ -132,9 +192,14 @@ _ROWS = (
     _Row("B200", 182631, 183359, (10, 0), 148, 2048, r"b200"),
 )
 
-GPUS: dict[str, GpuSpec] = {
-    r.name: GpuSpec(r.name, r.cuda_mib * MiB, r.arch, _context_estimate(r.sms, r.threads_per_sm)) for r in _ROWS
-}
+
+
+def _spec(row: _Row) -> GpuSpec:
+    context, source = _context(row)
+    return GpuSpec(row.name, row.cuda_mib * MiB, row.arch, context, context_source=source)
+
+
+GPUS: dict[str, GpuSpec] = {r.name: _spec(r) for r in _ROWS}
 
 _PREFIXES = ("nvidia", "geforce", "tesla", "quadro")
 
@@ -177,6 +242,7 @@ def sized_gpu(capacity_bytes: int) -> GpuSpec:
         arch=(8, 0),
         context_bytes=GENERIC_CONTEXT_BYTES,
         named=False,
+        context_source=GENERIC_CONTEXT_SOURCE,
     )
 
 
@@ -269,7 +335,8 @@ def gpu_from_smi(line: str) -> GpuSpec | None:
     if row is not None and (arch is None or arch == row.arch):
         return GPUS[row.name]
     return GpuSpec(
-        name=name, capacity_bytes=smi_mib * MiB, arch=arch or (8, 0), context_bytes=GENERIC_CONTEXT_BYTES, named=False
+        name=name, capacity_bytes=smi_mib * MiB, arch=arch or (8, 0), context_bytes=GENERIC_CONTEXT_BYTES, named=False,
+        context_source=GENERIC_CONTEXT_SOURCE,
     )
 
 

@@ -44,7 +44,7 @@ import os
 import re
 from collections.abc import Mapping
 
-from memcheck.cuda.gpus import GENERIC_CONTEXT_BYTES, GpuSpec
+from memcheck.cuda.gpus import GENERIC_CONTEXT_BYTES, GENERIC_CONTEXT_SOURCE, GpuSpec
 from memcheck.errors import UsageError
 from memcheck.units import KiB, MiB
 
@@ -267,14 +267,37 @@ def module_loading() -> str:
     return "eager" if os.environ.get("CUDA_MODULE_LOADING", "").strip().upper() == "EAGER" else "lazy"
 
 
-def context_bytes(gpu: GpuSpec | None) -> int:
-    """Device memory the CUDA context and libraries take outside the caching allocator (an estimate).
-
-    The GPU's table estimate (``memcheck.cuda.gpus``), or ``GENERIC_CONTEXT_BYTES`` for None
-    (no GPU named and none local), for lazy module loading; plus ``EAGER_EXTRA_BYTES`` when
-    the environment asks for eager loading.
-    """
+def _check_gpu(gpu) -> None:
     if gpu is not None and not isinstance(gpu, GpuSpec):
         raise UsageError(f"expected a GpuSpec or None, got {gpu!r}")
+
+
+def context_bytes(gpu: GpuSpec | None) -> int:
+    """Device memory the CUDA context and libraries take outside the caching allocator.
+
+    The GPU's table figure (``memcheck.cuda.gpus``: a published bare context plus the
+    estimated kernels of a training step where one was published, else the estimate;
+    :func:`context_source` says which), or ``GENERIC_CONTEXT_BYTES`` for None (no GPU
+    named and none local), for lazy module loading; plus ``EAGER_EXTRA_BYTES`` when the
+    environment asks for eager loading. The estimate and the planner both use this.
+
+    Raises:
+        UsageError: for something other than a GpuSpec or None.
+    """
+    _check_gpu(gpu)
     base = GENERIC_CONTEXT_BYTES if gpu is None else gpu.context_bytes
     return base + (EAGER_EXTRA_BYTES if module_loading() == "eager" else 0)
+
+
+def context_source(gpu: GpuSpec | None) -> str:
+    """Where :func:`context_bytes` comes from: ``"published: ..."`` or ``"estimated: ..."``
+    (``GpuSpec.context_source``), with the eager-loading addition when it applies.
+
+    Raises:
+        UsageError: for something other than a GpuSpec or None.
+    """
+    _check_gpu(gpu)
+    source = GENERIC_CONTEXT_SOURCE if gpu is None else gpu.context_source
+    if module_loading() == "eager":
+        source += f"; + {EAGER_EXTRA_BYTES / MiB:.0f} MiB for eager module loading (measured, pytorch#86509)"
+    return source

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from memcheck.cuda.allocator import AllocatorConfig, growing_run, simulate
 from memcheck.cuda.gpus import GpuSpec, local_library_versions, resolve_gpu
-from memcheck.cuda.overhead import context_bytes, module_loading, workspace_allocations
+from memcheck.cuda.overhead import context_bytes, context_source, module_loading, workspace_allocations
 from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Padding, Phase, Precision
 from memcheck.errors import (
     MemcheckError,
@@ -464,11 +464,11 @@ def _summarise(run: _Run, gpu_map: list[int], job: Job, target: GpuSpec | None, 
         devices.append(dataclasses.replace(traced_summaries[traced], index=index))
     if job.device is Device.CUDA:
         loading = module_loading()
-        run.tracer.assume(f"CUDA context size is an estimate per GPU model for {loading} module loading"
+        run.tracer.assume(f"CUDA context for {loading} module loading"
                           + (" (CUDA_MODULE_LOADING=EAGER: the measured eager-minus-lazy difference of "
                              "pytorch#86509 added)" if loading == "eager" else
                              " (torch's default; CUDA_MODULE_LOADING=EAGER adds every library kernel)")
-                          + ", not yet measured on this GPU")
+                          + f", {context_source(target)}")
     return devices
 
 
@@ -484,6 +484,7 @@ def _result(run: _Run, gpu_map: list[int], devices: list[DeviceMemory], job: Job
         busiest_gpu=busiest.index, assumptions=tuple(run.tracer.log.assumptions), budget_bytes=budget, gpu=target,
         checkpointing=run.wrapped, work=_work(run.tracer.log, step=job.steps - 1, micro_steps=min(job.accumulate, 2)),
         weights_dtype=run.weights_dtype, module_loading=module_loading() if job.device is Device.CUDA else None,
+        context_source=context_source(target) if job.device is Device.CUDA else None,
         timeline=_timeline(run.tracer.log, gpu_map[busiest.index], busiest, job.device, run.arch,
                            root=type(run.twin).__name__) if timeline else None,
     )

@@ -61,6 +61,7 @@ from typing import Any, Callable
 import torch
 
 from memcheck.cuda.gpus import GPUS, GpuSpec
+from memcheck.cuda.overhead import context_bytes
 from memcheck.engine.estimate import estimate, target_gpu
 from memcheck.enums import Device, Precision, Strategy
 from memcheck.errors import UsageError, closest, require_int
@@ -436,7 +437,7 @@ class _Search:
             candidates = [g for g in sorted(GPUS.values(), key=lambda g: g.capacity_bytes)
                           if g.capacity_bytes > self.budget]
             for spec in candidates:  # predicted from the trace on this GPU, then traced on that one
-                if base.reserved_bytes + spec.context_bytes > spec.capacity_bytes * (1 - margin):
+                if base.reserved_bytes + context_bytes(spec) > spec.capacity_bytes * (1 - margin):
                     continue
                 est = self.estimate_at(1, precision, checkpointing, self.accumulation(1), gpu=spec)
                 if est.total_bytes <= spec.capacity_bytes * (1 - margin):

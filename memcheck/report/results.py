@@ -153,6 +153,7 @@ class Estimate:
     work: Work | None = None  # the busiest GPU's compute per micro-step, for the planner
     weights_dtype: str = "float32"  # the traced weights' floating dtype (most bytes): "float32", "bfloat16", ...
     module_loading: str | None = None  # CUDA: "lazy" or "eager" module loading, which the context figure assumes
+    context_source: str | None = None  # CUDA: where the context figure comes from ("published: ..." / "estimated: ...")
     # estimate(timeline=True): the busiest GPU's memory event by event (--snapshot, --plot); not in to_dict
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
 
@@ -252,6 +253,7 @@ class Estimate:
             "fragmentation_bytes": self.fragmentation_bytes,
             "context_bytes": self.context_bytes,
             "cuda_module_loading": self.module_loading,
+            "cuda_context_source": self.context_source,
             "device_total_bytes": self.device_total_bytes,
             "reserved_peak": None if self.reserved_peak_phase is None else {
                 "phase": self.reserved_peak_phase.value, "step": self.reserved_peak_step},

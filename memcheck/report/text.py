@@ -106,8 +106,8 @@ def render_estimate(est: Estimate) -> str:
                 ["allocated peak (max_memory_allocated)", format_bytes(est.peak_bytes)],
                 ["reserved by the caching allocator (max_memory_reserved)", format_bytes(est.reserved_bytes)],
                 ["  of which beyond the allocated peak (fragmentation)", format_bytes(est.fragmentation_bytes)],
-                [f"CUDA context and libraries (estimate, {est.module_loading} module loading)",
-                 format_bytes(est.context_bytes)],
+                [f"CUDA context and libraries ({_context_kind(est.context_source)}, "
+                 f"{est.module_loading} module loading)", format_bytes(est.context_bytes)],
                 ["device total (as nvidia-smi shows)", format_bytes(est.device_total_bytes)],
             ],
             headers=[f"on the GPU ({_gpu_label(est)})", "memory"], tablefmt="simple",
@@ -441,18 +441,25 @@ def render_json(est) -> str:
     return json.dumps(est.to_dict(), indent=2)
 
 
+def _context_kind(source: str | None) -> str:
+    """How a context figure was got, for a label: a published bare context (plus memcheck's
+    estimate of what it leaves out), or an estimate."""
+    return "published bare context + estimate" if source and source.startswith("published:") else "estimate"
+
+
 def render_gpus(gpus, as_json: bool = False) -> str:
     """The table (or JSON) of ``memcheck gpus``."""
     rows = [
         {"name": g.name, "capacity_bytes": g.capacity_bytes, "arch": f"sm{g.arch[0]}{g.arch[1]}",
-         "context_bytes": g.context_bytes}
+         "context_bytes": g.context_bytes, "context_source": g.context_source}
         for g in gpus
     ]
     if as_json:
         return json.dumps(rows, indent=2)
     return tabulate(
-        [[r["name"], format_bytes(r["capacity_bytes"]), r["arch"], format_bytes(r["context_bytes"])] for r in rows],
-        headers=["GPU", "capacity", "arch", "CUDA context (estimate)"], tablefmt="simple",
+        [[r["name"], format_bytes(r["capacity_bytes"]), r["arch"], format_bytes(r["context_bytes"]),
+          r["context_source"]] for r in rows],
+        headers=["GPU", "capacity", "arch", "CUDA context", "context source"], tablefmt="simple",
     )
 
 

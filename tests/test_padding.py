@@ -109,3 +109,18 @@ def test_a_batch_that_fails_when_shortened_names_padding_not_the_model():
     assert result.exit_code == 2
     assert "--padding longest traces the batch with its dimensions of 40 cut to 20" in result.output
     assert "fix the model code" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_buffers_only_the_max_len_trace_has_are_matched_around():
+    # CUDA's embedding backward sorts above 3,072 indices (memcheck.rules.cuda_sort): at 512 tokens
+    # x 8 rows = 4,096 indices the trace has the sort's buffers, at 256 x 8 = 2,048 it has not
+    from memcheck.engine.estimate import _aligned
+    from memcheck.enums import ALLOC, FREE, Category, Phase
+
+    def ev(kind, sid, n, module="m"):
+        return (kind, sid, n, Category.TEMPORARY, module, Phase.BACKWARD, 0, 0)
+
+    long = [ev(ALLOC, 1, 100), ev(ALLOC, 2, 8, "wte"), ev(FREE, 2, 8, None), ev(ALLOC, 3, 50), ev(FREE, 1, 100, None)]
+    short = [ev(ALLOC, 7, 25), ev(ALLOC, 9, 12), ev(FREE, 7, 25, None)]
+    assert _aligned(long, short) == [0, None, None, 1, 2]
+    assert _aligned(short, long) is None  # a shorter trace with events the longer lacks: not replayed

@@ -699,6 +699,28 @@ def _lagrange(points: list[tuple[int, int]], x: int) -> int:
     return max(0, -(-total.numerator // total.denominator))
 
 
+def _signature(ev: tuple) -> tuple:
+    """What must agree for two traces' events to be the same op's: kind, category, phase, step,
+    and for an allocation its module."""
+    return ev[0], ev[3], ev[5], ev[6], ev[4] if ev[0] == ALLOC else None
+
+
+def _aligned(base: list, other: list) -> list | None:
+    """For each event of ``base`` (the max_len trace), the index of the same event in ``other``
+    (a shorter trace), or None where only ``base`` has it (a kernel that takes another
+    algorithm above a size: CUDA's embedding backward sorts above 3,072 indices); None when
+    ``other`` has events ``base`` lacks. Matched in order: an event of ``base`` that does not
+    match ``other``'s next is taken as one only ``base`` has."""
+    pairs, j = [], 0
+    for ev in base:
+        if j < len(other) and _signature(other[j]) == _signature(ev):
+            pairs.append(j)
+            j += 1
+        else:
+            pairs.append(None)
+    return pairs if j == len(other) else None
+
+
 def _growing_life(events: list, start: int, eval_start: int, gpu: GpuSpec | None, shorter: list, traced: int,
                   arch, margin: float, assume: Callable[[str], None]):
     """The caching allocator over a run whose batches grow to the traced length (issue 22).
@@ -711,30 +733,45 @@ def _growing_life(events: list, start: int, eval_start: int, gpu: GpuSpec | None
     figures are those of a GPU that keeps the margin free. Falls back to the steady
     max-length life (with a note) when the traces differ op for op."""
     (length, _), *others = shorter
-    points = [(length, events)]
+    base = events[:eval_start]
+    points = []  # (length, its trace's index of each max_len event, or None, and its events)
+    partial = False
     for l, log in others:
-        evs, s = _device_events(log, traced, Device.CUDA, arch)
-        if s != start or len(evs) < eval_start or any(
-                a[0] != b[0] or a[3] != b[3] or a[5] != b[5] or a[6] != b[6] for a, b in zip(evs, events[:eval_start])):
+        evs, _ = _device_events(log, traced, Device.CUDA, arch)
+        pairs = _aligned(base, evs)
+        if pairs is None:
             assume(f"padding=longest: the traces at {length} and {l} tokens differ op for op, so the run of "
                    f"growing lengths was not replayed; reserved is that of steps at {length} tokens")
             return None
-        points.append((l, evs))
+        partial |= None in pairs
+        points.append((l, pairs, evs))
     lengths = growing_lengths(length)
 
     def sizes_at(l: int) -> list[int]:
-        known = next((evs for x, evs in points if x == l), None)
-        if known is not None:
-            return [ev[2] for ev in known[:eval_start]]
-        return [_lagrange([(x, evs[n][2]) for x, evs in points], l) for n in range(eval_start)]
+        sizes = [ev[2] for ev in base]
+        if l == length:
+            return sizes
+        known = next(((pairs, evs) for x, pairs, evs in points if x == l), None)
+        for n in range(len(base)):
+            if known is not None:
+                pairs, evs = known
+                if pairs[n] is not None:
+                    sizes[n] = evs[pairs[n]][2]
+            elif all(pairs[n] is not None for _, pairs, _ in points):
+                sizes[n] = _lagrange([(length, sizes[n])] + [(x, evs[pairs[n]][2]) for x, pairs, evs in points], l)
+        return sizes
 
     run, last = growing_run(events, start, eval_start, sizes_at, lengths)
     run += [(*ev[:6], len(lengths), *ev[7:]) for ev in events[eval_start:]]  # the evaluation, after training
     room = None if gpu is None else int(gpu.capacity_bytes * (1 - margin)) - context_bytes(gpu)
     sim, grown = _replayed(run, (last, last + eval_start - start), room)
+    traced_lengths = ", ".join(str(x) for x in [length] + [p[0] for p in points])
     note = (f"padding=longest: the caching allocator replayed {len(lengths)} steps of lengths growing from "
-            f"{lengths[0]} to {length} tokens (sizes between the traced {', '.join(str(x) for x, _ in points)} "
-            f"interpolated per allocation), then {length} until it settled")
+            f"{lengths[0]} to {length} tokens (sizes between the traced {traced_lengths} "
+            f"interpolated per allocation), then {length} until it settled"
+            + (f"; buffers only the {length}-token trace has (a kernel that switches algorithm with the "
+               f"size, such as CUDA's sorting embedding backward) are replayed at their {length}-token size "
+               "at every length" if partial else ""))
     if sim.peak_reserved_bytes < grown:  # the bounded replay completed
         note += (f"; unbounded its cache would grow to {format_bytes(grown)}, so it was "
                  f"replayed on the {gpu.name} less the {margin:.0%} margin, where it gives cached segments "

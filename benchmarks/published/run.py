@@ -100,6 +100,30 @@ def optimizer_for(case: dict):
     return lambda params: cls(params, **kwargs)
 
 
+def _shift_ce(model, batch, upcast: bool):
+    import torch
+
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    if upcast:
+        logits = logits.float()
+    shift_logits = logits[..., :-1, :].contiguous()
+    shift_labels = batch["labels"][..., 1:].contiguous()
+    return torch.nn.functional.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+
+
+# The loss code of the transformers version a case ran, where it allocates otherwise than the installed
+# version's model(**batch).loss: the model is called without labels and the loss computed here.
+#   shift-ce:       CrossEntropyLoss on the logits' shifted contiguous copy in the logits' dtype
+#                   (transformers 4.45/4.48 GPTBigCodeForCausalLM.forward).
+#   float-shift-ce: logits.float(), then the shifted contiguous copy and cross entropy
+#                   (transformers 4.48 ForCausalLMLoss; 4.45 GraniteForCausalLM.forward).
+LOSSES = {
+    "shift-ce": lambda model, batch: _shift_ce(model, batch, upcast=False),
+    "float-shift-ce": lambda model, batch: _shift_ce(model, batch, upcast=True),
+}
+
+
 def predict(case: dict):
     import memcheck
 
@@ -108,6 +132,10 @@ def predict(case: dict):
     settings = dict(device="cuda", gpu=case["gpu"], precision=case["precision"], optimizer=optimizer_for(case),
                     checkpointing=case["checkpointing"], batch_size=case["batch_size"], max_len=case["max_len"],
                     accumulate=case.get("accumulate", 1))
+    if case.get("max_grad_norm"):
+        settings["max_grad_norm"] = case["max_grad_norm"]
+    if case["model"].get("loss"):
+        settings["loss_fn"] = LOSSES[case["model"]["loss"]]
     if case["checkpointing"] != "none":
         settings["use_reentrant"] = bool(case.get("use_reentrant", False))
     if case.get("strategy", "single") != "single":

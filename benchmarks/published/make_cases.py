@@ -301,5 +301,49 @@ for key, model, note, loss, path, commit, stack, rows in [
                              batch_size=bs, max_len=seq, metric=metric, value=value, loss=loss, stack=stack,
                              model_note=note))
 
+# --- ackaudit (siddddd17/ackaudit): eager forward + backward of a 32-layer Llama on a GTX 1650 ----------------
+ACK_COMMIT = "7dfeca000ed898fd24a42aff66c93b4475825d53"
+ACK_PATH = "results/measured_backward/endpoints/llama_scale8_eager.json"
+cases.append({
+    "id": "ackaudit-llama-scale8-eager-fwd-bwd",
+    "source": {
+        "url": f"https://github.com/siddddd17/ackaudit/blob/{ACK_COMMIT}/{ACK_PATH}",
+        "repo": "siddddd17/ackaudit", "path": ACK_PATH, "commit": ACK_COMMIT,
+        "quote": "\"model\": \"llama\", \"budget\": 0.0, \"scale\": 8, \"torch_version\": \"2.14.0+cu130\", "
+                 "\"device_name\": \"NVIDIA GeForce GTX 1650\", \"eager\": true, ... \"resident_before\": 221613056, "
+                 "\"measured_peaks\": [1642860544, 1642860544, 1642860544, 1642860544, 1642860544]",
+        "code": "experiments/measured_backward/run_d.py @ 29d506f8 (measure(..., eager=True): model(*args).backward() "
+                "once, model.zero_grad(set_to_none=False), then per repetition torch.cuda.reset_peak_memory_stats(); "
+                "model(*args).backward(); torch.cuda.max_memory_allocated(); model.zero_grad(set_to_none=False)); "
+                "ackaudit/hf_models.py @ 92275d5e (LlamaWrap, hf_models(scale): layers 4*scale, sequence 128*scale, "
+                "batch 2); results/measured_backward/README.md @ fbc533f7",
+    },
+    "model": {
+        "config_class": "LlamaConfig",
+        "kwargs": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 32, "num_attention_heads": 8,
+                   "num_key_value_heads": 8, "vocab_size": 1000, "use_cache": False},
+        "note": "LlamaWrap(layers=32): LlamaModel(LlamaConfig(hidden_size=256, intermediate_size=int(256 * 2.6875), "
+                "num_hidden_layers=32, num_attention_heads=8, num_key_value_heads=8, vocab_size=1000, "
+                "use_cache=False)), forward returns model(input_ids=ids).last_hidden_state.sum(); the other "
+                "settings are LlamaConfig's defaults",
+        "task": "base-model", "loss": "sum-last-hidden", "attn_implementation": None,
+        "inputs": ["input_ids"],
+    },
+    "protocol": "forward-backward",
+    "batch_size": 2, "max_len": 1024, "accumulate": 1,
+    "precision": "fp32", "optimizer": "sgd",
+    "checkpointing": "none", "use_reentrant": False, "strategy": "single", "gpus": 1,
+    "gpu": "T4", "gpu_published": "NVIDIA GeForce GTX 1650 (4 GB, sm75); traced as the T4, memcheck's sm75 card",
+    "torch_version": "2.14.0+cu130",
+    "metric": "max_memory_allocated", "value_bytes": 1642860544,
+    "unit_conversion": "bytes as written (the median of five identical readings, all 1642860544)",
+    "stack_notes": "forward + backward only, no optimizer (protocol forward-backward; memcheck's sgd is built "
+                   "but never stepped); torch 2.14.0 against the installed 2.13; transformers version not pinned "
+                   "(pyproject: transformers unpinned; torch>=2.10), so LlamaConfig's defaults and the default "
+                   "attention implementation are the installed version's; the hf_models.py read is the stored "
+                   "copy (92275d5e), not pinned to the results commit; GTX 1650 traced as a T4 (same sm75, "
+                   "other SM count)",
+})
+
 Path(__file__).with_name("cases.json").write_text(json.dumps({"cases": cases}, indent=1) + "\n")
 print(len(cases), "cases")

@@ -42,6 +42,7 @@ _AUTO = {
     "causal-lm": "AutoModelForCausalLM",
     "classification": "AutoModelForSequenceClassification",
     "question-answering": "AutoModelForQuestionAnswering",
+    "base-model": "AutoModel",  # the bare model, no head: its loss is the case's `loss`
 }
 
 
@@ -121,7 +122,19 @@ def _shift_ce(model, batch, upcast: bool):
 LOSSES = {
     "shift-ce": lambda model, batch: _shift_ce(model, batch, upcast=False),
     "float-shift-ce": lambda model, batch: _shift_ce(model, batch, upcast=True),
+    # a bare model's output summed, as a wrapper module's forward returns it
+    "sum-last-hidden": lambda model, batch: model(**batch).last_hidden_state.sum(),
 }
+
+
+def _forward_backward(loss_fn):
+    """protocol forward-backward: each step is the loss's forward and backward only, no optimizer step,
+    then zero_grad(set_to_none=False): the gradients stay allocated across steps (zeroed in place), so a
+    step after the first starts with parameters and gradients resident."""
+    def forward_backward(model, batch, optimizer):
+        loss_fn(model, batch).backward()
+        optimizer.zero_grad(set_to_none=False)
+    return forward_backward
 
 
 def predict(case: dict):
@@ -136,6 +149,8 @@ def predict(case: dict):
         settings["max_grad_norm"] = case["max_grad_norm"]
     if case["model"].get("loss"):
         settings["loss_fn"] = LOSSES[case["model"]["loss"]]
+    if case.get("protocol", "train") == "forward-backward":
+        settings["train_step"] = _forward_backward(settings.pop("loss_fn"))  # the case names its loss
     if case["checkpointing"] != "none":
         settings["use_reentrant"] = bool(case.get("use_reentrant", False))
     if case.get("strategy", "single") != "single":

@@ -301,6 +301,41 @@ for key, model, note, loss, path, commit, stack, rows in [
                              batch_size=bs, max_len=seq, metric=metric, value=value, loss=loss, stack=stack,
                              model_note=note))
 
+# fms-acceleration's `standard-peft` scenario without a framework config (plain peft LoRA): the same runs
+# with learning_rate 2e-4, peft_method lora, r 16, lora_alpha 16, lora_dropout 0.1, target_modules
+# q_proj k_proj v_proj o_proj, torch_dtype bfloat16 (no --bf16).
+LORA = {"method": "lora", "r": 16, "lora_alpha": 16, "lora_dropout": 0.1,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "task_type": "CAUSAL_LM",
+        "input_require_grads": True}
+LORA_NOTES = ("LoRA through trl's SFTTrainer (peft 0.13.2 at the published commit; the installed peft traces): "
+              "model.enable_input_require_grads() (gradient checkpointing with use_reentrant=True), then "
+              "get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.1, target_modules=q/k/v/o)) "
+              "with peft's default autocast_adapter_dtype=True: frozen bf16 base weights, float32 adapter weights, "
+              "gradients and AdamW state (consistent with the published mem_torch_mem_alloc_in_bytes: bf16 weights "
+              "plus 12 bytes per adapter parameter); the model is built in bfloat16 (`dtype`) so the adapters "
+              "keep float32. ")
+for key, model, note, loss, path, commit, stack, rows in [
+    ("mistral-7b", MISTRAL7B, MISTRAL_NOTE, "float-shift-ce", MAIN_PATH, FMS_MAIN_COMMIT,
+     MAIN_STACK + "transformers 4.48.1's MistralForCausalLM: bf16 logits, then ForCausalLMLoss (logits.float(), "
+     "shifted contiguous copy, cross entropy): loss 'float-shift-ce'",
+     [(4, 4096, ",0.15,,none,2.00E-04,16,0.1,29576,26704571904,14664493056,mistralai/Mistral-7B-v0.1,1,lora,4,16,q_proj k_proj v_proj o_proj,bfloat16,0.862205324,492.8771,0.812,0.203,3324.155", 26704571904, 29576),
+      (8, 4096, ",0.29,,none,2.00E-04,16,0.1,43232,38742912512,14664886272,mistralai/Mistral-7B-v0.1,1,lora,8,16,q_proj k_proj v_proj o_proj,bfloat16,0.858190823,977.0384,0.819,0.102,3353.809", 38742912512, 43232)]),
+    ("powerlm-3b", POWERLM3B, POWERLM_NOTE, "float-shift-ce", GRANITE_PATH, FMS_GRANITE_COMMIT,
+     GRANITE_STACK.replace("'full-finetuning'", "'standard-peft'") + "peft 0.12.0 at that commit. transformers "
+     "4.45.2's GraniteForCausalLM: logits / logits_scaling, logits.float(), shifted contiguous copy, "
+     "CrossEntropyLoss: loss 'float-shift-ce' after the installed model's own division",
+     [(4, 4096, ",0.14,,none,0.0002,16.0,0.1,24591.0,20169870848,7183026688,ibm/PowerLM-3b,1,lora,4,16.0,q_proj k_proj v_proj o_proj,bfloat16,1.0160441780090332,325.5188,1.229,0.307,5033.196", 20169870848, 24591),
+      (8, 4096, ",0.29,,none,0.0002,16.0,0.1,41237.0,33152880128,7183419904,ibm/PowerLM-3b,1,lora,8,16.0,q_proj k_proj v_proj o_proj,bfloat16,1.015061044692993,641.7595,1.247,0.156,5105.963", 33152880128, 41237)]),
+]:
+    for bs, seq, row, alloc, smi in rows:
+        for metric, value, tag in (("max_memory_allocated", alloc, "alloc"), ("nvidia-smi", smi, "smi")):
+            case = fms(f"fms-{key}-lora-bs{bs}-{seq}-{tag}", commit=commit, path=path, row=row,
+                       model={**model, "dtype": "bfloat16", "peft": LORA},
+                       batch_size=bs, max_len=seq, metric=metric, value=value, loss=loss,
+                       stack=LORA_NOTES + stack, model_note=note)
+            case["source"]["settings"] = case["source"]["settings"].replace("'full-finetuning'", "'standard-peft'")
+            cases.append(case)
+
 # --- ackaudit (siddddd17/ackaudit): eager forward + backward of a 32-layer Llama on a GTX 1650 ----------------
 ACK_COMMIT = "7dfeca000ed898fd24a42aff66c93b4475825d53"
 ACK_PATH = "results/measured_backward/endpoints/llama_scale8_eager.json"

@@ -14,7 +14,8 @@ figure is compared with the matching field of the estimate:
 
 Error is (predicted - published) / published. Summary lines give the median and worst
 |error| over the cases whose published stack matches the installed semantics
-(``stack_notes`` empty) and over all cases, per metric. Nothing here needs a GPU.
+(``stack_notes`` empty), over the cases whose published torch is 2.3 or newer, and over
+all cases, per metric. Nothing here needs a GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -60,9 +62,28 @@ def build_model(spec: dict):
     config = getattr(transformers, spec["config_class"])(**kwargs)
     auto = getattr(transformers, _AUTO[spec["task"]])
     extra = {"attn_implementation": spec["attn_implementation"]} if spec.get("attn_implementation") else {}
+    if spec.get("dtype"):  # the published torch_dtype, where adapters added after loading keep another dtype
+        extra["dtype"] = getattr(torch, spec["dtype"])
     with torch.device("meta"):
         model = auto.from_config(config, **extra)
+    if spec.get("peft"):
+        model = _with_peft(model, spec["peft"])
     return model, config
+
+
+def _with_peft(model, spec: dict):
+    """LoRA adapters as trl's SFTTrainer adds them: ``enable_input_require_grads()`` first when the
+    job checkpoints with use_reentrant=True (``input_require_grads``), then
+    ``peft.get_peft_model(model, LoraConfig(...))``, which keeps the base weights frozen in their
+    dtype and, by default, makes the adapter weights float32."""
+    from peft import LoraConfig, get_peft_model
+
+    kwargs = {k: v for k, v in spec.items() if k not in ("method", "input_require_grads")}
+    if spec["method"] != "lora":
+        raise ValueError(f"unknown peft method {spec['method']!r}")
+    if spec.get("input_require_grads"):
+        model.enable_input_require_grads()
+    return get_peft_model(model, LoraConfig(**kwargs))
 
 
 def build_batch(spec: dict, config, batch_size: int, max_len: int) -> dict:
@@ -159,6 +180,12 @@ def predict(case: dict):
     return memcheck.estimate(model, batch, model_name=case["id"], **settings)
 
 
+def recent_torch(case: dict) -> bool:
+    """Whether the published run's torch is known to be 2.3 or newer (``torch_version`` starts with it)."""
+    match = re.match(r"(\d+)\.(\d+)", case["torch_version"])
+    return bool(match) and (int(match[1]), int(match[2])) >= (2, 3)
+
+
 def gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
@@ -207,13 +234,15 @@ def main(argv=None) -> int:
         published = case["value_bytes"]
         error = None if predicted is None else (predicted - published) / published
         row = {"id": case["id"], "metric": case["metric"], "published_bytes": published, "predicted_bytes": predicted,
-               "error": error, "stack_matches": not case["stack_notes"], "seconds": round(time.perf_counter() - start, 1)}
+               "error": error, "stack_matches": not case["stack_notes"], "recent_torch": recent_torch(case),
+               "seconds": round(time.perf_counter() - start, 1)}
         rows.append(row)
         err_text = "-" if error is None else f"{error:+.1%}"
         print(f"{case['id']:<46} {case['metric']:<21} {gib(published):>13} {gib(predicted):>13} {err_text:>8}  "
               f"{'matches' if row['stack_matches'] else 'differs'}")
     print()
-    lines = summary([r for r in rows if r["stack_matches"]], "stack matches") + summary(rows, "all cases")
+    lines = (summary([r for r in rows if r["stack_matches"]], "stack matches")
+             + summary([r for r in rows if r["recent_torch"]], "torch >= 2.3") + summary(rows, "all cases"))
     print("\n".join(lines))
     if skipped:
         print("\nskipped (failed to trace):")

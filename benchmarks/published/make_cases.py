@@ -229,15 +229,18 @@ def fms(case_id, *, commit, path, row, model, batch_size, max_len, metric, value
 SANTACODER = {
     "config_class": "GPTBigCodeConfig",
     "kwargs": {"vocab_size": 49280, "n_positions": 2048, "n_embd": 2048, "n_layer": 24, "n_head": 16,
-               "n_inner": 8192, "multi_query": True,
+               "n_inner": 8192, "activation_function": "gelu_pytorch_tanh", "multi_query": True,
                "layer_norm_epsilon": 1e-5, "attention_softmax_in_fp32": True,
-               "scale_attention_softmax_in_fp32": True},
+               "scale_attention_softmax_in_fp32": True, "scale_attn_weights": True,
+               "attn_pdrop": 0.1, "embd_pdrop": 0.1, "resid_pdrop": 0.1,
+               "bos_token_id": 49152, "eos_token_id": 49152},
     "task": "causal-lm", "attn_implementation": "sdpa",
     "inputs": ["input_ids", "labels"],
 }
-SANTA_NOTE = ("bigcode/gpt_bigcode-santacoder's published hyper-parameters (SantaCoder: 24 layers, d_model 2048, "
-              "16 heads with multi-query attention, 2048 positions, vocabulary 49280); tied embeddings; the "
-              "activation is GPTBigCodeConfig's default (gelu_pytorch_tanh), not checked against the hub config")
+SANTA_NOTE = ("bigcode/gpt_bigcode-santacoder's config.json (transformers_version 4.28.0.dev0), as quoted "
+              "field-for-field in another project's test file (search index file id 58528290474: "
+              "n_embd 2048, n_head 16, n_inner 8192, n_layer 24, n_positions 2048, multi_query, "
+              "gelu_pytorch_tanh, dropouts 0.1, bos/eos 49152, vocab_size 49280); tied embeddings")
 MISTRAL7B = {
     "config_class": "MistralConfig",
     "kwargs": {"vocab_size": 32001, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,

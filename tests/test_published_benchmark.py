@@ -53,3 +53,29 @@ def test_run_prints_a_row_for_one_case():
     assert len(rows) == 1 and "SKIPPED" not in rows[0], out.stdout
     assert "max_memory_allocated" in rows[0] and "%" in rows[0]
     assert "median |error|" in out.stdout
+
+
+def test_every_loss_and_protocol_is_one_run_py_knows():
+    sys.path.insert(0, str(HERE))
+    try:
+        import run
+    finally:
+        sys.path.remove(str(HERE))
+    for case in _cases():
+        assert case["model"]["task"] in run._AUTO, case["id"]
+        assert case["model"].get("loss") in (None, *run.LOSSES), case["id"]
+        assert case.get("protocol", "train") in ("train", "forward-backward"), case["id"]
+        if case.get("protocol") == "forward-backward":
+            assert case["model"].get("loss"), case["id"]  # the step needs a named loss
+
+
+def test_recent_torch_reads_the_version_prefix():
+    sys.path.insert(0, str(HERE))
+    try:
+        import run
+    finally:
+        sys.path.remove(str(HERE))
+    assert run.recent_torch({"torch_version": "2.4.1"})
+    assert run.recent_torch({"torch_version": "2.14.0+cu130"})
+    assert not run.recent_torch({"torch_version": "2.2.0"})
+    assert not run.recent_torch({"torch_version": "unknown (early 2022; CUDA 11.2 driver)"})

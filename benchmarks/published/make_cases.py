@@ -161,5 +161,227 @@ row = "2, 20228, 21662, 2.368081557058567"
 cases.append(gpjt("gpjt-qwen1.5-0.5b-zero3-bs2-2048-alloc", BS_PATH, BS_COMMIT, row, 2048, 2, "max_memory_allocated", 20228, BS_SCRIPT))
 cases.append(gpjt("gpjt-qwen1.5-0.5b-zero3-bs2-2048-reserved", BS_PATH, BS_COMMIT, row, 2048, 2, "max_memory_reserved", 21662, BS_SCRIPT))
 
+
+# --- IBM fms-acceleration benchmark references: HF Trainer full fine-tuning on one A100-80GB ------
+# scripts/benchmarks/benchmark.py runs `python -m tuning.sft_trainer` (fms-hf-tuning) for one GPU (accelerate/FSDP
+# only for num_gpus > 1), with scenarios.yaml's `full-finetuning` arguments (torch_dtype bfloat16, no bf16/fp16
+# flag: pure bf16 weights, grads and AdamW state, no autocast), defaults.yaml (use_flash_attn True,
+# gradient_checkpointing True, weight_decay 0.01, adam_epsilon 1e-4, max_steps 100, gradient_accumulation_steps 1)
+# and benchmark.py's matrices (packing True, max_seq_len 4096, effective batch 4 or 8 -> per_device_train_batch_size).
+FMS_REPO = "foundation-model-stack/fms-acceleration"
+FMS_MAIN_COMMIT = "24bdadb228e2d55bc0c69deec034b86a73da6917"   # refs/a100_80gb.csv + refs/requirements.txt (2025-02-07)
+FMS_GRANITE_COMMIT = "fc78b55b65446fbade0306ac2e619a6182bfea47"  # refs/a100_80gb_granite.csv (2024-10-18)
+FMS_HEADER = ("bf16,epoch,fp16,framework_config,learning_rate,lora_alpha,lora_dropout,mem_nvidia_mem_reserved,"
+              "mem_peak_torch_mem_alloc_in_bytes,mem_torch_mem_alloc_in_bytes,model_name_or_path,num_gpus,peft_method,"
+              "per_device_train_batch_size,r,target_modules,torch_dtype,train_loss,train_runtime,"
+              "train_samples_per_second,train_steps_per_second,train_tokens_per_second")
+FMS_METRICS = {
+    "max_memory_allocated": (
+        "mem_peak_torch_mem_alloc_in_bytes, bytes as printed. benchmark.py extract_gpu_memory_metrics: "
+        "before_init_mem_gpu + init_mem_gpu_alloc_delta + train_mem_gpu_alloc_delta + train_mem_gpu_peaked_delta of "
+        "the HF Trainer's memory tracker (skip_memory_metrics=False), i.e. torch.cuda.max_memory_allocated() over "
+        "trainer.train() (the tracker resets the peak at the stage's start)"),
+    "nvidia-smi": (
+        "mem_nvidia_mem_reserved in MiB (nvidia-smi --query-gpu memory.used --format csv --loop 1, "
+        "get_peak_mem_usage_by_device_id: the peak reading minus the first reading, which is taken before the "
+        "training subprocess initialises CUDA): value_bytes = N * 1048576"),
+}
+FMS_COMMON_NOTES = (
+    "fms-hf-tuning's sft_trainer.py on one GPU (no accelerate/FSDP), HF Trainer, torch_dtype=bfloat16 without "
+    "--bf16 (pure bf16 weights, grads and optimizer state); optim adamw_torch = torch.optim.AdamW(eps=1e-4, "
+    "weight_decay=0.01), foreach by torch's CUDA default; the Trainer's two parameter groups (no weight decay "
+    "for biases and norm weights) are traced as one group; max_grad_norm 1.0 (Trainer default); "
+    "gradient_checkpointing=True with the Trainer's default use_reentrant=True; packing=True (trl "
+    "ConstantLengthDataset: every sample is max_seq_length tokens, confirmed by train_tokens_per_second x "
+    "train_runtime = 100 steps x batch x length) through DataCollatorForLanguageModeling (input_ids, an "
+    "all-ones attention_mask, labels); the flash-attention paths of transformers 4.45/4.48 drop an attention_mask "
+    "without zeros (Mistral/Granite _update_causal_mask returns None, GPTBigCodeModel keeps it only when "
+    "`0 in attention_mask`), so the batch is traced without it (no mask is built); use_flash_attn=True (flash_attention_2, flash-attn 2.7.3) is traced "
+    "with attn_implementation='sdpa', which on the CUDA target takes SDPA's flash kernel (same outputs and "
+    "logsumexp, not the flash-attn package's buffers); the loss is the published transformers version's code, "
+    "reproduced by run.py's `loss` (the installed transformers computes it differently). ")
+
+
+def fms(case_id, *, commit, path, row, model, batch_size, max_len, metric, value, loss, stack, model_note):
+    quote = f"CSV header '{FMS_HEADER}'; row '{row}'"
+    return {
+        "id": case_id,
+        "source": {
+            "url": f"https://github.com/{FMS_REPO}/blob/{commit}/{path}",
+            "repo": FMS_REPO, "path": path, "commit": commit, "quote": quote,
+            "settings": f"https://github.com/{FMS_REPO}/blob/{commit}/scripts/benchmarks/ (benchmark.py, "
+                        "scenarios*.yaml 'full-finetuning', defaults.yaml, ../run_benchmarks.sh)",
+        },
+        "model": {**model, "note": model_note, "loss": loss},
+        "batch_size": batch_size, "max_len": max_len, "accumulate": 1,
+        "precision": "bf16", "optimizer": "adamw",
+        "optimizer_kwargs": {"eps": 1e-4, "weight_decay": 0.01, "foreach": True},
+        "max_grad_norm": 1.0,
+        "checkpointing": "full", "use_reentrant": True, "strategy": "single", "gpus": 1,
+        "gpu": "A100-80GB", "gpu_published": "A100 80GB (refs file name a100_80gb; one GPU, num_gpus=1)",
+        "torch_version": "2.4.1",
+        "metric": metric, "value_bytes": value if metric == "max_memory_allocated" else value * MiB,
+        "unit_conversion": FMS_METRICS[metric],
+        "stack_notes": FMS_COMMON_NOTES + stack,
+    }
+
+
+SANTACODER = {
+    "config_class": "GPTBigCodeConfig",
+    "kwargs": {"vocab_size": 49280, "n_positions": 2048, "n_embd": 2048, "n_layer": 24, "n_head": 16,
+               "n_inner": 8192, "activation_function": "gelu_pytorch_tanh", "multi_query": True,
+               "layer_norm_epsilon": 1e-5, "attention_softmax_in_fp32": True,
+               "scale_attention_softmax_in_fp32": True, "scale_attn_weights": True,
+               "attn_pdrop": 0.1, "embd_pdrop": 0.1, "resid_pdrop": 0.1,
+               "bos_token_id": 49152, "eos_token_id": 49152},
+    "task": "causal-lm", "attn_implementation": "sdpa",
+    "inputs": ["input_ids", "labels"],
+}
+SANTA_NOTE = ("bigcode/gpt_bigcode-santacoder's config.json (transformers_version 4.28.0.dev0), as quoted "
+              "field-for-field in another project's test file (search index file id 58528290474: "
+              "n_embd 2048, n_head 16, n_inner 8192, n_layer 24, n_positions 2048, multi_query, "
+              "gelu_pytorch_tanh, dropouts 0.1, bos/eos 49152, vocab_size 49280); tied embeddings")
+MISTRAL7B = {
+    "config_class": "MistralConfig",
+    "kwargs": {"vocab_size": 32001, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": None, "tie_word_embeddings": False},
+    "task": "causal-lm", "attn_implementation": "sdpa",
+    "inputs": ["input_ids", "labels"],
+}
+MISTRAL_NOTE = ("mistralai/Mistral-7B-v0.1's published hyper-parameters (Mistral 7B paper / model card); "
+                "vocabulary 32000 + 1: fms-hf-tuning adds '<pad>' to a LlamaTokenizerFast and resizes the "
+                "embeddings to len(tokenizer) (tokenizer_and_embedding_resize, multiple_of=1). The published "
+                "sliding_window 4096 is left out: at 4096 tokens it masks nothing, and transformers 4.48.1's "
+                "flash-attention path applies it only when the length exceeds it")
+POWERLM3B = {
+    "config_class": "GraniteConfig",
+    "kwargs": {"vocab_size": 49152, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 40,
+               "num_attention_heads": 36, "num_key_value_heads": 36, "max_position_embeddings": 4096,
+               "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "embedding_multiplier": 12.0,
+               "residual_multiplier": 0.22, "logits_scaling": 8.0, "attention_multiplier": 0.015625},
+    "task": "causal-lm", "attn_implementation": "sdpa",
+    "inputs": ["input_ids", "labels"],
+}
+POWERLM_NOTE = ("ibm/PowerLM-3b's hyper-parameters from the Power Scheduler paper (arXiv 2408.13359, Table 4: "
+                "embedding 2304, 40 layers, 36 heads of 64, 36 KV heads, MLP 9216 swiglu, sequence 4096, "
+                "mwidth 8, memb 12, mresidual 0.22). Vocabulary (49152, the StarCoder tokenizer) and tied "
+                "embeddings are not in the paper: tied is implied by the published mem_torch_mem_alloc_in_bytes "
+                "(6 bytes x 3.51e9 parameters; untied would be 3.62e9); the multipliers' values do not change "
+                "memory")
+
+MAIN_PATH = "scripts/benchmarks/refs/a100_80gb.csv"
+MAIN_STACK = ("torch 2.4.1, transformers 4.48.1, trl 0.13.0, accelerate 1.0.1, fms-hf-tuning 2.5.0, flash-attn 2.7.3 "
+              "(refs/requirements.txt at the same commit). ")
+GRANITE_PATH = "scripts/benchmarks/refs/a100_80gb_granite.csv"
+GRANITE_STACK = ("torch 2.4.1, transformers 4.45.2, accelerate 0.34.2, fms-hf-tuning @ b33634c8, trl @ 9b80f3d5 "
+                 "(refs/requirements_granite.txt at the same commit); scenarios-granite.yaml 'full-finetuning'. ")
+for key, model, note, loss, path, commit, stack, rows in [
+    ("santacoder", SANTACODER, SANTA_NOTE, "shift-ce", MAIN_PATH, FMS_MAIN_COMMIT,
+     MAIN_STACK + "max_seq_length = min(4096, tokenizer.model_max_length) = 2048 (train_tokens_per_second x "
+     "train_runtime = 100 x batch x 2048). transformers 4.48.1's GPTBigCodeForCausalLM computes "
+     "CrossEntropyLoss on the bf16 logits' shifted contiguous copy (no fp32 upcast): loss 'shift-ce'. "
+     "fms-hf-tuning adds a '<PAD>' token and resizes the embeddings to len(tokenizer) (not published; at most "
+     "49281 rows, against the config's 49280); flash-attn takes MQA's single KV head as is, SDPA in the "
+     "installed transformers may expand it",
+     [(4, 2048, ",0.07,,none,2.00E-05,,,15116,11267745280,6770300416,bigcode/gpt_bigcode-santacoder,1,,4,,,bfloat16,2.33703125,47.6604,8.393,2.098,17188.262", 11267745280, 15116),
+      (8, 2048, ",0.14,,none,2.00E-05,,,18102,15193274880,6769448448,bigcode/gpt_bigcode-santacoder,1,,8,,,bfloat16,2.30890625,88.991,8.99,1.124,18410.851", 15193274880, 18102)]),
+    ("mistral-7b", MISTRAL7B, MISTRAL_NOTE, "float-shift-ce", MAIN_PATH, FMS_MAIN_COMMIT,
+     MAIN_STACK + "transformers 4.48.1's MistralForCausalLM: bf16 logits, then ForCausalLMLoss (logits.float(), "
+     "shifted contiguous copy, cross entropy): loss 'float-shift-ce'. nvidia-smi read within 4.6 GiB of the "
+     "card's 80 GiB, so the caching allocator may have freed cached blocks and retried (not recorded)",
+     [(4, 4096, ",0.15,,none,2.00E-05,,,77256,72434837504,43467876352,mistralai/Mistral-7B-v0.1,1,,4,,,bfloat16,0.840260801,534.9538,0.748,0.187,3062.694", 72434837504, 77256),
+      (8, 4096, ",0.29,,none,2.00E-05,,,72988,72435230720,43468269568,mistralai/Mistral-7B-v0.1,1,,8,,,bfloat16,0.833927689,1042.5316,0.767,0.096,3143.118", 72435230720, 72988)]),
+    ("powerlm-3b", POWERLM3B, POWERLM_NOTE, "float-shift-ce", GRANITE_PATH, FMS_GRANITE_COMMIT,
+     GRANITE_STACK + "transformers 4.45.2's GraniteForCausalLM: logits / logits_scaling, logits.float(), shifted "
+     "contiguous copy, CrossEntropyLoss: loss 'float-shift-ce' after the installed model's own division",
+     [(4, 4096, ",0.14,,none,2e-05,,,47683.0,35134836736,21089537536,ibm/PowerLM-3b,1,,4,,,bfloat16,0.9708438396453858,321.2872,1.245,0.311,5099.488", 35134836736, 47683),
+      (8, 4096, ",0.29,,none,2e-05,,,52927.0,47059390976,21089930752,ibm/PowerLM-3b,1,,8,,,bfloat16,0.9677363204956054,627.2531,1.275,0.159,5224.047", 47059390976, 52927)]),
+]:
+    for bs, seq, row, alloc, smi in rows:
+        for metric, value, tag in (("max_memory_allocated", alloc, "alloc"), ("nvidia-smi", smi, "smi")):
+            cases.append(fms(f"fms-{key}-full-bs{bs}-{seq}-{tag}", commit=commit, path=path, row=row, model=model,
+                             batch_size=bs, max_len=seq, metric=metric, value=value, loss=loss, stack=stack,
+                             model_note=note))
+
+# fms-acceleration's `standard-peft` scenario without a framework config (plain peft LoRA): the same runs
+# with learning_rate 2e-4, peft_method lora, r 16, lora_alpha 16, lora_dropout 0.1, target_modules
+# q_proj k_proj v_proj o_proj, torch_dtype bfloat16 (no --bf16).
+LORA = {"method": "lora", "r": 16, "lora_alpha": 16, "lora_dropout": 0.1,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "task_type": "CAUSAL_LM",
+        "input_require_grads": True}
+LORA_NOTES = ("LoRA through trl's SFTTrainer (peft 0.13.2 at the published commit; the installed peft traces): "
+              "model.enable_input_require_grads() (gradient checkpointing with use_reentrant=True), then "
+              "get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.1, target_modules=q/k/v/o)) "
+              "with peft's default autocast_adapter_dtype=True: frozen bf16 base weights, float32 adapter weights, "
+              "gradients and AdamW state (consistent with the published mem_torch_mem_alloc_in_bytes: bf16 weights "
+              "plus 12 bytes per adapter parameter); the model is built in bfloat16 (`dtype`) so the adapters "
+              "keep float32. ")
+for key, model, note, loss, path, commit, stack, rows in [
+    ("mistral-7b", MISTRAL7B, MISTRAL_NOTE, "float-shift-ce", MAIN_PATH, FMS_MAIN_COMMIT,
+     MAIN_STACK + "transformers 4.48.1's MistralForCausalLM: bf16 logits, then ForCausalLMLoss (logits.float(), "
+     "shifted contiguous copy, cross entropy): loss 'float-shift-ce'",
+     [(4, 4096, ",0.15,,none,2.00E-04,16,0.1,29576,26704571904,14664493056,mistralai/Mistral-7B-v0.1,1,lora,4,16,q_proj k_proj v_proj o_proj,bfloat16,0.862205324,492.8771,0.812,0.203,3324.155", 26704571904, 29576),
+      (8, 4096, ",0.29,,none,2.00E-04,16,0.1,43232,38742912512,14664886272,mistralai/Mistral-7B-v0.1,1,lora,8,16,q_proj k_proj v_proj o_proj,bfloat16,0.858190823,977.0384,0.819,0.102,3353.809", 38742912512, 43232)]),
+    ("powerlm-3b", POWERLM3B, POWERLM_NOTE, "float-shift-ce", GRANITE_PATH, FMS_GRANITE_COMMIT,
+     GRANITE_STACK.replace("'full-finetuning'", "'standard-peft'") + "peft 0.12.0 at that commit. transformers "
+     "4.45.2's GraniteForCausalLM: logits / logits_scaling, logits.float(), shifted contiguous copy, "
+     "CrossEntropyLoss: loss 'float-shift-ce' after the installed model's own division",
+     [(4, 4096, ",0.14,,none,0.0002,16.0,0.1,24591.0,20169870848,7183026688,ibm/PowerLM-3b,1,lora,4,16.0,q_proj k_proj v_proj o_proj,bfloat16,1.0160441780090332,325.5188,1.229,0.307,5033.196", 20169870848, 24591),
+      (8, 4096, ",0.29,,none,0.0002,16.0,0.1,41237.0,33152880128,7183419904,ibm/PowerLM-3b,1,lora,8,16.0,q_proj k_proj v_proj o_proj,bfloat16,1.015061044692993,641.7595,1.247,0.156,5105.963", 33152880128, 41237)]),
+]:
+    for bs, seq, row, alloc, smi in rows:
+        for metric, value, tag in (("max_memory_allocated", alloc, "alloc"), ("nvidia-smi", smi, "smi")):
+            case = fms(f"fms-{key}-lora-bs{bs}-{seq}-{tag}", commit=commit, path=path, row=row,
+                       model={**model, "dtype": "bfloat16", "peft": LORA},
+                       batch_size=bs, max_len=seq, metric=metric, value=value, loss=loss,
+                       stack=LORA_NOTES + stack, model_note=note)
+            case["source"]["settings"] = case["source"]["settings"].replace("'full-finetuning'", "'standard-peft'")
+            cases.append(case)
+
+# --- ackaudit (siddddd17/ackaudit): eager forward + backward of a 32-layer Llama on a GTX 1650 ----------------
+ACK_COMMIT = "7dfeca000ed898fd24a42aff66c93b4475825d53"
+ACK_PATH = "results/measured_backward/endpoints/llama_scale8_eager.json"
+cases.append({
+    "id": "ackaudit-llama-scale8-eager-fwd-bwd",
+    "source": {
+        "url": f"https://github.com/siddddd17/ackaudit/blob/{ACK_COMMIT}/{ACK_PATH}",
+        "repo": "siddddd17/ackaudit", "path": ACK_PATH, "commit": ACK_COMMIT,
+        "quote": "\"model\": \"llama\", \"budget\": 0.0, \"scale\": 8, \"torch_version\": \"2.14.0+cu130\", "
+                 "\"device_name\": \"NVIDIA GeForce GTX 1650\", \"eager\": true, ... \"resident_before\": 221613056, "
+                 "\"measured_peaks\": [1642860544, 1642860544, 1642860544, 1642860544, 1642860544]",
+        "code": "experiments/measured_backward/run_d.py @ 29d506f8 (measure(..., eager=True): model(*args).backward() "
+                "once, model.zero_grad(set_to_none=False), then per repetition torch.cuda.reset_peak_memory_stats(); "
+                "model(*args).backward(); torch.cuda.max_memory_allocated(); model.zero_grad(set_to_none=False)); "
+                "ackaudit/hf_models.py @ 92275d5e (LlamaWrap, hf_models(scale): layers 4*scale, sequence 128*scale, "
+                "batch 2); results/measured_backward/README.md @ fbc533f7",
+    },
+    "model": {
+        "config_class": "LlamaConfig",
+        "kwargs": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 32, "num_attention_heads": 8,
+                   "num_key_value_heads": 8, "vocab_size": 1000, "use_cache": False},
+        "note": "LlamaWrap(layers=32): LlamaModel(LlamaConfig(hidden_size=256, intermediate_size=int(256 * 2.6875), "
+                "num_hidden_layers=32, num_attention_heads=8, num_key_value_heads=8, vocab_size=1000, "
+                "use_cache=False)), forward returns model(input_ids=ids).last_hidden_state.sum(); the other "
+                "settings are LlamaConfig's defaults",
+        "task": "base-model", "loss": "sum-last-hidden", "attn_implementation": None,
+        "inputs": ["input_ids"],
+    },
+    "protocol": "forward-backward",
+    "batch_size": 2, "max_len": 1024, "accumulate": 1,
+    "precision": "fp32", "optimizer": "sgd",
+    "checkpointing": "none", "use_reentrant": False, "strategy": "single", "gpus": 1,
+    "gpu": "T4", "gpu_published": "NVIDIA GeForce GTX 1650 (4 GB, sm75); traced as the T4, memcheck's sm75 card",
+    "torch_version": "2.14.0+cu130",
+    "metric": "max_memory_allocated", "value_bytes": 1642860544,
+    "unit_conversion": "bytes as written (the median of five identical readings, all 1642860544)",
+    "stack_notes": "forward + backward only, no optimizer (protocol forward-backward; memcheck's sgd is built "
+                   "but never stepped); torch 2.14.0 against the installed 2.13; transformers version not pinned "
+                   "(pyproject: transformers unpinned; torch>=2.10), so LlamaConfig's defaults and the default "
+                   "attention implementation are the installed version's; the hf_models.py read is the stored "
+                   "copy (92275d5e), not pinned to the results commit; GTX 1650 traced as a T4 (same sm75, "
+                   "other SM count)",
+})
+
 Path(__file__).with_name("cases.json").write_text(json.dumps({"cases": cases}, indent=1) + "\n")
 print(len(cases), "cases")

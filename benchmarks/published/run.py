@@ -14,7 +14,8 @@ figure is compared with the matching field of the estimate:
 
 Error is (predicted - published) / published. Summary lines give the median and worst
 |error| over the cases whose published stack matches the installed semantics
-(``stack_notes`` empty) and over all cases, per metric. Nothing here needs a GPU.
+(``stack_notes`` empty), over the cases whose published torch is 2.3 or newer, and over
+all cases, per metric. Nothing here needs a GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -42,6 +44,7 @@ _AUTO = {
     "causal-lm": "AutoModelForCausalLM",
     "classification": "AutoModelForSequenceClassification",
     "question-answering": "AutoModelForQuestionAnswering",
+    "base-model": "AutoModel",  # the bare model, no head: its loss is the case's `loss`
 }
 
 
@@ -59,9 +62,28 @@ def build_model(spec: dict):
     config = getattr(transformers, spec["config_class"])(**kwargs)
     auto = getattr(transformers, _AUTO[spec["task"]])
     extra = {"attn_implementation": spec["attn_implementation"]} if spec.get("attn_implementation") else {}
+    if spec.get("dtype"):  # the published torch_dtype, where adapters added after loading keep another dtype
+        extra["dtype"] = getattr(torch, spec["dtype"])
     with torch.device("meta"):
         model = auto.from_config(config, **extra)
+    if spec.get("peft"):
+        model = _with_peft(model, spec["peft"])
     return model, config
+
+
+def _with_peft(model, spec: dict):
+    """LoRA adapters as trl's SFTTrainer adds them: ``enable_input_require_grads()`` first when the
+    job checkpoints with use_reentrant=True (``input_require_grads``), then
+    ``peft.get_peft_model(model, LoraConfig(...))``, which keeps the base weights frozen in their
+    dtype and, by default, makes the adapter weights float32."""
+    from peft import LoraConfig, get_peft_model
+
+    kwargs = {k: v for k, v in spec.items() if k not in ("method", "input_require_grads")}
+    if spec["method"] != "lora":
+        raise ValueError(f"unknown peft method {spec['method']!r}")
+    if spec.get("input_require_grads"):
+        model.enable_input_require_grads()
+    return get_peft_model(model, LoraConfig(**kwargs))
 
 
 def build_batch(spec: dict, config, batch_size: int, max_len: int) -> dict:
@@ -100,6 +122,42 @@ def optimizer_for(case: dict):
     return lambda params: cls(params, **kwargs)
 
 
+def _shift_ce(model, batch, upcast: bool):
+    import torch
+
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    if upcast:
+        logits = logits.float()
+    shift_logits = logits[..., :-1, :].contiguous()
+    shift_labels = batch["labels"][..., 1:].contiguous()
+    return torch.nn.functional.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+
+
+# The loss code of the transformers version a case ran, where it allocates otherwise than the installed
+# version's model(**batch).loss: the model is called without labels and the loss computed here.
+#   shift-ce:       CrossEntropyLoss on the logits' shifted contiguous copy in the logits' dtype
+#                   (transformers 4.45/4.48 GPTBigCodeForCausalLM.forward).
+#   float-shift-ce: logits.float(), then the shifted contiguous copy and cross entropy
+#                   (transformers 4.48 ForCausalLMLoss; 4.45 GraniteForCausalLM.forward).
+LOSSES = {
+    "shift-ce": lambda model, batch: _shift_ce(model, batch, upcast=False),
+    "float-shift-ce": lambda model, batch: _shift_ce(model, batch, upcast=True),
+    # a bare model's output summed, as a wrapper module's forward returns it
+    "sum-last-hidden": lambda model, batch: model(**batch).last_hidden_state.sum(),
+}
+
+
+def _forward_backward(loss_fn):
+    """protocol forward-backward: each step is the loss's forward and backward only, no optimizer step,
+    then zero_grad(set_to_none=False): the gradients stay allocated across steps (zeroed in place), so a
+    step after the first starts with parameters and gradients resident."""
+    def forward_backward(model, batch, optimizer):
+        loss_fn(model, batch).backward()
+        optimizer.zero_grad(set_to_none=False)
+    return forward_backward
+
+
 def predict(case: dict):
     import memcheck
 
@@ -108,12 +166,24 @@ def predict(case: dict):
     settings = dict(device="cuda", gpu=case["gpu"], precision=case["precision"], optimizer=optimizer_for(case),
                     checkpointing=case["checkpointing"], batch_size=case["batch_size"], max_len=case["max_len"],
                     accumulate=case.get("accumulate", 1))
+    if case.get("max_grad_norm"):
+        settings["max_grad_norm"] = case["max_grad_norm"]
+    if case["model"].get("loss"):
+        settings["loss_fn"] = LOSSES[case["model"]["loss"]]
+    if case.get("protocol", "train") == "forward-backward":
+        settings["train_step"] = _forward_backward(settings.pop("loss_fn"))  # the case names its loss
     if case["checkpointing"] != "none":
         settings["use_reentrant"] = bool(case.get("use_reentrant", False))
     if case.get("strategy", "single") != "single":
         settings["strategy"] = case["strategy"]
         settings["gpus"] = case.get("gpus", 1)
     return memcheck.estimate(model, batch, model_name=case["id"], **settings)
+
+
+def recent_torch(case: dict) -> bool:
+    """Whether the published run's torch is known to be 2.3 or newer (``torch_version`` starts with it)."""
+    match = re.match(r"(\d+)\.(\d+)", case["torch_version"])
+    return bool(match) and (int(match[1]), int(match[2])) >= (2, 3)
 
 
 def gib(n: int | None) -> str:
@@ -164,13 +234,15 @@ def main(argv=None) -> int:
         published = case["value_bytes"]
         error = None if predicted is None else (predicted - published) / published
         row = {"id": case["id"], "metric": case["metric"], "published_bytes": published, "predicted_bytes": predicted,
-               "error": error, "stack_matches": not case["stack_notes"], "seconds": round(time.perf_counter() - start, 1)}
+               "error": error, "stack_matches": not case["stack_notes"], "recent_torch": recent_torch(case),
+               "seconds": round(time.perf_counter() - start, 1)}
         rows.append(row)
         err_text = "-" if error is None else f"{error:+.1%}"
         print(f"{case['id']:<46} {case['metric']:<21} {gib(published):>13} {gib(predicted):>13} {err_text:>8}  "
               f"{'matches' if row['stack_matches'] else 'differs'}")
     print()
-    lines = summary([r for r in rows if r["stack_matches"]], "stack matches") + summary(rows, "all cases")
+    lines = (summary([r for r in rows if r["stack_matches"]], "stack matches")
+             + summary([r for r in rows if r["recent_torch"]], "torch >= 2.3") + summary(rows, "all cases"))
     print("\n".join(lines))
     if skipped:
         print("\nskipped (failed to trace):")

@@ -174,9 +174,9 @@ def _workload_options(command):
               help="The weights' dtype under amp-*: auto keeps the model's own (for hf: config.json's dtype, as "
                    "from_pretrained loads it); fp32 and bf16/fp16 precisions name their own.")
 @click.option("--accumulate", type=int, default=1, show_default=True, help="Gradient accumulation steps.")
-@click.option("--checkpointing", default="none", show_default=True, metavar="none|full|LIST",
-              help="Gradient checkpointing: full wraps every repeated block; or comma-separated module "
-                   "names/patterns (transformer.h.*).")
+@click.option("--checkpointing", default="none", show_default=True, metavar="none|full|half|every:N|LIST",
+              help="Gradient checkpointing: full wraps every repeated block, half every second, every:N every "
+                   "Nth (transformers' every_n_layers); or comma-separated module names/patterns (transformer.h.*).")
 @click.option("--max-grad-norm", type=float, default=None, metavar="NORM",
               help="Clip gradients before each step (clip_grad_norm_); 0: no clipping. Default: the HF Trainer's "
                    "1.0 for hf: models, none for model files.")

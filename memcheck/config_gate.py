@@ -36,6 +36,7 @@ from pathlib import Path
 from memcheck.enums import Device
 from memcheck.errors import UsageError, closest
 from memcheck.job import SPELLING, SPELLINGS, VALUE_ALIASES, Job, SettingError, check_setting, translate_alias
+from memcheck.training.checkpointing import parse_checkpointing
 from memcheck.workloads.trainer_files import parse_data
 
 # The keys of a job: the model, then the job's settings as configs spell them (memcheck.job.SPELLINGS).
@@ -56,15 +57,20 @@ def _model(v):
 
 
 def _checkpointing(v):
-    """A config spells modules as a list: a string is 'none' or 'full' (a typo is not a module name)."""
-    if isinstance(v, str) and v.strip().lower() not in ("none", "full"):
-        hint = closest(v.strip().lower(), ("none", "full"))
-        raise UsageError(f"checkpointing {v!r} is neither 'none' nor 'full'{hint}; "
-                         "name modules as a list, such as [\"transformer.h.0\", \"transformer.h.2\"]")
+    """A config spells modules as a list: a string is 'none', 'full', 'half' or 'every:N' (a typo is
+    not a module name)."""
+    if isinstance(v, str):
+        text = v.strip().lower()
+        if text.startswith("every:"):
+            return parse_checkpointing(text)  # names a bad N
+        if text not in ("none", "full", "half"):
+            hint = closest(text, ("none", "full", "half"))
+            raise UsageError(f"checkpointing {v!r} is none of 'none', 'full', 'half' or 'every:N'{hint}; "
+                             "name modules as a list, such as [\"transformer.h.0\", \"transformer.h.2\"]")
     if not isinstance(v, str) and not (isinstance(v, (list, tuple)) and v
                                        and all(isinstance(n, str) and n.strip() for n in v)):
-        raise UsageError(f"checkpointing must be 'none', 'full', 'half' or a non-empty list of module names or patterns; "
-                         f"got {v!r}")
+        raise UsageError(f"checkpointing must be 'none', 'full', 'half', 'every:N' or a non-empty list of module "
+                         f"names or patterns; got {v!r}")
     return v
 
 

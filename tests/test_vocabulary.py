@@ -40,6 +40,19 @@ def test_half_checkpointing_wraps_every_second_repeated_block_in_estimate():
     assert data["job"]["checkpointing"] == "half"
 
 
+def test_every_n_checkpointing_wraps_every_nth_repeated_block_as_every_n_layers_does():
+    # every:5 over h.0 to h.11: h.0, h.5, h.10 (transformers' every_n_layers=5 picks the same)
+    data = _json("--checkpointing", "every:5")
+    assert data["checkpointed_modules"] == ["transformer.h.0", "transformer.h.5", "transformer.h.10"]
+    assert memcheck.Job(checkpointing="every:2") is not None
+
+
+@pytest.mark.parametrize("bad", ["every:0", "every:x", "every:"])
+def test_every_n_names_a_bad_n(bad):
+    with pytest.raises(memcheck.UsageError, match="every:N needs a whole number N of at least 1"):
+        memcheck.Job(checkpointing=bad)
+
+
 def test_trainingarguments_names_are_the_same_job():
     hf = memcheck.Job.from_settings({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
                                      "bf16": True, "optim": "adamw_torch_fused", "gradient_checkpointing": True})

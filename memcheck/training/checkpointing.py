@@ -26,6 +26,7 @@ from memcheck.errors import UsageError, closest
 
 NONE, FULL = "none", "full"
 HALF = "half"  # the planner's selective option: every second repeated block
+EVERY = "every:"  # every:N: every Nth repeated block from the first (transformers' every_n_layers)
 
 
 def half_of(blocks) -> tuple[str, ...]:
@@ -34,7 +35,8 @@ def half_of(blocks) -> tuple[str, ...]:
 
 
 def parse_checkpointing(value) -> str | tuple[str, ...]:
-    """``"none"``, ``"full"``, ``"half"``, or a tuple of module names/patterns from ``"a,b"`` or a list."""
+    """``"none"``, ``"full"``, ``"half"``, ``"every:N"``, or a tuple of module names/patterns from
+    ``"a,b"`` or a list."""
     if value is None or value is False:
         return NONE
     if value is True:
@@ -43,11 +45,17 @@ def parse_checkpointing(value) -> str | tuple[str, ...]:
         text = value.strip()
         if text.lower() in (NONE, FULL, HALF):
             return text.lower()
+        if text.lower().startswith(EVERY):
+            step = text[len(EVERY):].strip()
+            if not step.isdigit() or int(step) < 1:
+                raise UsageError(f"checkpointing every:N needs a whole number N of at least 1, got {value!r}")
+            return f"{EVERY}{int(step)}"
         names = tuple(n.strip() for n in text.split(",") if n.strip())
     elif isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
         names = tuple(n.strip() for n in value if n.strip())
     else:
-        raise UsageError(f"checkpointing must be 'none', 'full', 'half' or a list of module names, got {value!r}")
+        raise UsageError(f"checkpointing must be 'none', 'full', 'half', 'every:N' or a list of module names, "
+                         f"got {value!r}")
     if not names:
         raise UsageError(f"checkpointing names no modules: {value!r}")
     return names
@@ -104,7 +112,7 @@ def apply_checkpointing(model: torch.nn.Module, spec, *, use_reentrant: bool = F
     if spec == NONE:
         return ()
     names = dict(model.named_modules())
-    if spec in (FULL, HALF):
+    if spec in (FULL, HALF) or (isinstance(spec, str) and spec.startswith(EVERY)):
         blocks = repeated_blocks(model)
         if not blocks:
             raise UsageError(
@@ -113,6 +121,8 @@ def apply_checkpointing(model: torch.nn.Module, spec, *, use_reentrant: bool = F
             )
         if spec == HALF:  # every second repeated block, from the first (the planner's option)
             blocks = list(half_of(blocks))
+        elif spec != FULL:  # every:N, as transformers' every_n_layers picks layers 0, N, 2N, ...
+            blocks = blocks[::int(spec[len(EVERY):])]
         elif _hf_enable(model, use_reentrant):
             return ("(transformers' own checkpointing)",)
     else:

@@ -8,23 +8,16 @@ The decoder of ``train_loop.py`` with its optimizer and DataLoader handed to
 through ``accelerator.backward`` and gradients are clipped with ``accelerator.clip_grad_norm_``.
 """
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from train_loop import TinyDecoder, pad_to_longest, sequences
+from train_loop import TinyDecoder, arguments, pad_to_longest, sequences
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-len", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=16)
-    parser.add_argument("--max-steps", type=int, default=100)
-    args = parser.parse_args(argv)
+    args = arguments(argv)
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(0)

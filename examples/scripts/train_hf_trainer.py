@@ -8,12 +8,13 @@ by ``transformers.Trainer`` with its defaults (``adamw_torch_fused``, ``max_grad
 on synthetic token sequences of varying length, padded per batch to the longest.
 """
 
-import argparse
 import random
 import tempfile
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from train_loop import arguments
 
 
 def sequences(count: int, vocab: int, min_len: int, max_len: int, seed: int = 0):
@@ -35,14 +36,8 @@ def pad_to_longest(samples):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-len", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=16)
-    parser.add_argument("--max-steps", type=int, default=100)
-    parser.add_argument("--output-dir", default=None)
-    parser.add_argument("--bf16", action="store_true", help="mixed precision (torch.autocast, bfloat16)")
-    args = parser.parse_args(argv)
+    args = arguments(argv, **{"--output-dir": dict(default=None),
+                              "--bf16": dict(action="store_true", help="mixed precision (autocast, bfloat16)")})
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=8000, n_positions=args.max_len, n_embd=256, n_layer=4, n_head=4)

@@ -8,14 +8,12 @@ CPU (``precision="32-true"``, Adam, gradient clipping at 1.0) on synthetic token
 of varying length, padded per batch to the longest.
 """
 
-import argparse
-
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from train_loop import TinyDecoder, pad_to_longest, sequences
+from train_loop import TinyDecoder, arguments, pad_to_longest, sequences
 
 
 class LitDecoder(pl.LightningModule):
@@ -32,12 +30,7 @@ class LitDecoder(pl.LightningModule):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-len", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=16)
-    parser.add_argument("--max-steps", type=int, default=100)
-    args = parser.parse_args(argv)
+    args = arguments(argv)
 
     torch.manual_seed(0)
     data = sequences(64 * args.batch_size, 8000, args.min_len, args.max_len)

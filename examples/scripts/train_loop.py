@@ -49,14 +49,20 @@ def pad_to_longest(samples):
     return ids
 
 
-def main(argv=None):
+def arguments(argv=None, **extra):
+    """The examples' command line: batch size, sample lengths, steps; ``extra`` adds options."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-steps", type=int, default=100)
-    parser.add_argument("--width", type=int, default=256)
-    args = parser.parse_args(argv)
+    for flag, options in extra.items():
+        parser.add_argument(flag, **options)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = arguments(argv, **{"--width": dict(type=int, default=256)})
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

@@ -37,7 +37,7 @@ from memcheck.report.results import (
 )
 from memcheck.rules import extensions
 from memcheck.rules.autocast import MetaAutocast, MetaGradScaler, UserAutocast
-from memcheck.trace.device_redirect import redirect_cuda
+from memcheck.trace.device_redirect import DATA_READ, redirect_cuda
 from memcheck.trace.tracer import MemoryTracer, TraceLog
 from memcheck.training.checkpointing import apply_checkpointing
 from memcheck.training.loop import LossFn, default_loss, run_eval, to_precision
@@ -94,9 +94,6 @@ _NO_KERNEL = (
     re.compile(r"register_meta function for (torch\.[\w.]+)\(\)"),
 )
 _OP_NAME = re.compile(r"\b(\w+::[\w.]+)")
-# How torch says Python code read a meta tensor's data (it has none).
-_DATA_READ = ("Cannot copy out of meta tensor", "cannot be called on meta tensors",
-              "can't convert meta device type tensor to numpy", "Not available for 'meta' device type")
 
 
 def _missing_meta_kernel(exc: Exception) -> str | None:
@@ -118,7 +115,7 @@ def _translate(exc: Exception, model_name: str) -> MemcheckError:
     known = extensions.explain_failure(exc)  # an extension that calls its CUDA library directly
     if known:
         return UnsupportedOpError(f"{known}; cannot trace {model_name}")
-    if any(phrase in str(exc) for phrase in _DATA_READ):  # not a missing kernel: the model reads values
+    if any(phrase in str(exc) for phrase in DATA_READ):  # not a missing kernel: the model reads values
         return TraceError(
             f"{model_name} reads tensor data (.numpy()/.tolist()/...) that meta tensors do not have, "
             f"so memcheck cannot trace it ({type(exc).__name__}: {text})"

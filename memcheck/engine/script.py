@@ -53,7 +53,7 @@ from memcheck.errors import MemcheckError, TraceError, UsageError
 from memcheck.job import Job, as_job
 from memcheck.report.results import Estimate
 from memcheck.rules.autocast import UserAutocast
-from memcheck.trace.device_redirect import redirect_cuda
+from memcheck.trace.device_redirect import meta_parameters, redirect_cuda
 from memcheck.trace.tracer import MemoryTracer
 from memcheck.training.optimizers import implementation, prefill_fused_state
 
@@ -224,15 +224,7 @@ def _patched(session: _Session):
     module_cls, tensor_cls, optim_cls = torch.nn.Module, torch.Tensor, torch.optim.Optimizer
     originals = dict(call=module_cls.__call__, backward=tensor_cls.backward, opt_zero=optim_cls.zero_grad,
                      mod_zero=module_cls.zero_grad)
-    from torch.nn.modules import module as module_mod
     from torch.optim import optimizer as optim_mod
-
-    def to_meta(module, name, value):
-        if value is None or value.is_meta:
-            return None
-        if isinstance(value, torch.nn.Parameter):
-            return torch.nn.Parameter(torch.empty_like(value, device="meta"), requires_grad=value.requires_grad)
-        return torch.empty_like(value, device="meta")
 
     def call(module, *args, **kwargs):
         if session.depth == 0 and torch._C._current_graph_task_id() == -1 and session.is_model(module):
@@ -261,8 +253,6 @@ def _patched(session: _Session):
         return marked
 
     handles = [
-        module_mod.register_module_parameter_registration_hook(to_meta),
-        module_mod.register_module_buffer_registration_hook(to_meta),
         optim_mod.register_optimizer_step_pre_hook(lambda opt, a, k: session.step_starts(opt)),
         optim_mod.register_optimizer_step_post_hook(lambda opt, a, k: session.step_ends(opt)),
     ]
@@ -271,7 +261,7 @@ def _patched(session: _Session):
     optim_cls.zero_grad = zero_grad(originals["opt_zero"])
     module_cls.zero_grad = zero_grad(originals["mod_zero"])
     try:
-        with session.autocast.patched(), _meta_from_pretrained():
+        with meta_parameters(), session.autocast.patched(), _meta_from_pretrained():
             yield
     finally:
         module_cls.__call__ = originals["call"]

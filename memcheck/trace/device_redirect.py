@@ -247,3 +247,54 @@ def on_meta(gpu=None):
     (``torch.device("meta")``), and every device named is redirected to meta."""
     with torch.device("meta"), redirect_cuda(gpu, devices=("cuda", "cpu")):
         yield
+
+
+# How torch says Python code read a meta tensor's data (it has none).
+DATA_READ = ("Cannot copy out of meta tensor", "cannot be called on meta tensors",
+             "can't convert meta device type tensor to numpy", "Not available for 'meta' device type")
+
+
+def reads_meta_data(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is torch refusing to read a meta tensor's values."""
+    while exc is not None:
+        if any(text in str(exc) for text in DATA_READ):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+@contextlib.contextmanager
+def meta_parameters():
+    """Every parameter and buffer a module registers becomes a meta tensor of the same shape and
+    dtype as it is registered (torch's global ``register_module_parameter_registration_hook`` and
+    buffer hook), so a module holds one real parameter at a time while it is built and none
+    after; tensors that are not registered stay as they are. Parameters already on meta (a tied
+    weight assigned again) are kept, so ties hold. The hooks are removed on exit."""
+    from torch.nn.modules import module as module_mod
+
+    def to_meta(module, name, value):
+        if value is None or value.is_meta:
+            return None
+        if isinstance(value, torch.nn.Parameter):
+            return torch.nn.Parameter(torch.empty_like(value, device="meta"), requires_grad=value.requires_grad)
+        return torch.empty_like(value, device="meta")
+
+    handles = [module_mod.register_module_parameter_registration_hook(to_meta),
+               module_mod.register_module_buffer_registration_hook(to_meta)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def on_meta_keeping_host(gpu=None):
+    """Build on meta, but leave the host tensors a model's code makes as they are: factory calls
+    without a device run on the CPU for real (a drop-path schedule from
+    ``torch.linspace(...).tolist()`` reads its values), while every parameter and buffer becomes
+    meta as it is registered (``meta_parameters``) and ``cuda`` is redirected. What memcheck
+    builds under when ``on_meta`` fails because the code read a meta tensor's values."""
+    with meta_parameters(), redirect_cuda(gpu, devices=("cuda",)):
+        yield
+

@@ -22,7 +22,7 @@ import torch
 from memcheck.enums import Attention, Task
 from memcheck.errors import MemcheckError, ModelLoadError, UsageError, require_int
 from memcheck.job import Job, SettingError, check_setting, escape
-from memcheck.trace.device_redirect import on_meta
+from memcheck.trace.device_redirect import on_meta, on_meta_keeping_host, reads_meta_data
 from memcheck.workloads import hf
 
 
@@ -115,10 +115,28 @@ def _call(path: Path, fn, what: str, *args):
         raise ModelLoadError(f"{_where(exc, path)}: {what} raised {_one_line(exc)}") from exc
 
 
-def _building(device: str):
+def _building(device: str, keep_host: bool = False):
     """Where the model's code runs while memcheck builds a model or batch on ``device``: for
-    meta, every ``.cuda()``/``.to(...)``/``device=`` lands on meta, and the GPU is never touched."""
-    return on_meta() if device == "meta" else torch.device(device)
+    meta, every ``.cuda()``/``.to(...)``/``device=`` lands on meta, and the GPU is never touched;
+    with ``keep_host``, the CPU tensors the code makes stay real and only what modules register
+    goes to meta (``on_meta_keeping_host``)."""
+    if device != "meta":
+        return torch.device(device)
+    return on_meta_keeping_host() if keep_host else on_meta()
+
+
+def _built(device: str, build):
+    """``build(keep_host)`` under ``_building``; once more keeping host tensors real when the model's
+    code read a meta tensor's values while it was built (a drop-path schedule from
+    ``torch.linspace(...).tolist()``: ConvNext, Swinv2, PvtV2 ...). Returns (result, keep_host)."""
+    try:
+        with _building(device):
+            return build(False), False
+    except Exception as exc:
+        if device != "meta" or not reads_meta_data(exc):
+            raise
+    with _building(device, keep_host=True):
+        return build(True), True
 
 
 def _check_sizes(batch_size, max_len, target_len):
@@ -154,8 +172,8 @@ def load_workload(
         if not name:
             raise UsageError("hf: needs a model name or a directory holding config.json, as in hf:gpt2")
         config = hf.load_config(name, allow_download=allow_download)
-        with _building(device):
-            model = hf.build_model(config, task, attn, device=device)
+        model, _ = _built(device, lambda keep_host: hf.build_model(config, task, attn,
+                                                                   device="cpu" if keep_host else device))
         task = task or hf.infer_task(config, model)
         if max_len is None and not hf.is_vision(model):
             max_len = hf.default_max_len(model, config)
@@ -175,16 +193,17 @@ def load_workload(
         raise UsageError(
             f"model {spec!r} is neither a Python file (*.py) nor hf:NAME_OR_DIR"
         )
-    with _building(device):
+    def build(keep_host):
         module = _import_file(path)
         if hasattr(module, "build_model"):
-            model = _call(path, module.build_model, "build_model()")
-        elif isinstance(getattr(module, "model", None), torch.nn.Module):
-            model = module.model
-        else:
-            raise ModelLoadError(
-                f"{path}: defines neither build_model() nor a module-level `model`; add one returning an nn.Module"
-            )
+            return module, _call(path, module.build_model, "build_model()")
+        if isinstance(getattr(module, "model", None), torch.nn.Module):
+            return module, module.model
+        raise ModelLoadError(
+            f"{path}: defines neither build_model() nor a module-level `model`; add one returning an nn.Module")
+
+    (module, model), keep_host = _built(device, build)
+    with _building(device, keep_host):
         if not isinstance(model, torch.nn.Module):
             raise ModelLoadError(f"{path}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
         if attn is not None and hasattr(model, "set_attn_implementation"):

@@ -9,6 +9,8 @@ below registers its own rules when imported; importing this package imports them
 * ``cuda_kernels``, ``cuda_attention`` and ``cuda_norms``: CUDA kernels whose memory differs
   from the meta kernel's (softmax, cuDNN convolutions; flash / efficient / cuDNN attention and
   the math backend's fused dropout; the fused RMSNorm);
+* ``grouped_mm``: ``aten._grouped_mm``, the experts' grouped GEMM of mixture-of-experts
+  layers, whose meta kernel accepts bf16 only;
 * ``data_dependent``: ops whose output size depends on values take the worst case;
 * ``dropout``: the fused CUDA dropout kernel (a bool mask) instead of the CPU's noise tensor;
 * ``autocast``: ``torch.autocast``'s casts, emulated on meta tensors;
@@ -24,5 +26,6 @@ from memcheck.rules import (  # noqa: F401  (each registers its rules)
     data_dependent,
     dropout,
     extensions,
+    grouped_mm,
     sdpa,
 )

@@ -22,6 +22,7 @@ from memcheck.errors import (
     TraceError,
     UnsupportedOpError,
     UsageError,
+    meta_kernel_failure,
     model_frame,
     require_int,
 )
@@ -130,6 +131,14 @@ def _translate(exc: Exception, model_name: str) -> MemcheckError:
         )
     where = model_frame(exc)
     text = text if len(text) <= 200 else text[:199] + "…"
+    op = meta_kernel_failure(exc)
+    if op is not None:  # the model's inputs may be wrong, or the meta kernel stricter than the real one
+        return TraceError(
+            f"{where + ': ' if where else ''}{model_name} failed while being traced, in the meta kernel of "
+            f"{op}: {type(exc).__name__}: {text} (either the model passes it inputs no kernel accepts, or that "
+            "meta kernel is stricter than the target's real kernel: then register a rule for the op with "
+            "memcheck.register_op_rule, see examples/custom_op_rule.py; --debug shows the traceback)"
+        )
     return TraceError(f"{where + ': ' if where else ''}{model_name} failed while being traced: "
                       f"{type(exc).__name__}: {text} (fix the model code there; --debug shows the traceback)")
 

@@ -141,8 +141,9 @@ _WORKLOAD_OPTIONS = [
     click.option("--device", default="cuda", show_default=True, metavar="DEVICE",
                  help="Target device of the estimate: cpu or cuda."),
     click.option("--optimizer", default=None, metavar="NAME",
-                 help="adamw (default), adamw-foreach, adamw-fused, adam, adam-fused, adafactor, adamw-8bit, sgd, "
-                      "sgd-momentum; a model file's make_optimizer wins unless this is given."),
+                 help="adamw (default), adamw-foreach, adamw-fused, adam, adam-fused, adafactor, adamw-8bit, "
+                      "paged-adamw-8bit, paged-adamw-32bit, sgd, sgd-momentum; a model file's make_optimizer wins "
+                      "unless this is given."),
     click.option("--steps", default=2, show_default=True, type=int,
                  help="Training steps to trace; the peak is taken from step 2 on."),
     click.option("--gpu", default=None, metavar="NAME|SIZE",

@@ -2,6 +2,8 @@
 tensors the traced code built itself (``torch.ones`` masks) read their true value, checks on
 the user's batch keep the worst case, and encoder-decoder models match a real CPU run."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -75,10 +77,12 @@ def test_reductions_over_dims_count_the_elements_each_output_reduces():
                 tr.known.value(t.sum((0, 2))),  # 2 * 4 = 8 elements of 2: 16
                 tr.known.value(t.amax(-1)),  # the largest of equal values: 2
                 tr.known.value(t[:, :0].all(1)),  # nothing reduced: all() of nothing is True
-                tr.known.value(t[:, :0].any(1)))  # and any() of nothing is False
+                tr.known.value(t[:, :0].any(1)),  # and any() of nothing is False
+                tr.known.value(t.float().mean(1)),  # the mean of equal values: 2.0
+                tr.known.value(t[:, :0].float().mean(1)))  # the mean of nothing is NaN
 
     _, values = traced(fn)
-    assert values == (6, 16, 2, True, False)
+    assert values[:6] == (6, 16, 2, True, False, 2.0) and math.isnan(values[6])
 
 
 def test_casts_and_arithmetic_convert_as_a_real_tensor_does():

@@ -89,7 +89,8 @@ _REDUCTIONS = {
     aten.sum: lambda v, n: v * n,
     aten.all: lambda v, n: n == 0 or bool(v),
     aten.any: lambda v, n: n > 0 and bool(v),
-    aten.amax: lambda v, n: v, aten.amin: lambda v, n: v, aten.mean: lambda v, n: v,
+    aten.amax: lambda v, n: v, aten.amin: lambda v, n: v,
+    aten.mean: lambda v, n: v if n else float("nan"),  # the mean of nothing is NaN
 }
 
 # Ops whose output elements are some of their input's elements.
@@ -106,12 +107,6 @@ def _written_slots(func) -> tuple:
                  if a.alias_info is not None and a.alias_info.is_write)
 
 
-def _covers(t: torch.Tensor) -> bool:
-    """Whether ``t`` is every element of its storage, once each."""
-    return (t.storage_offset() == 0 and t.is_contiguous()
-            and t.numel() * t.element_size() == t.untyped_storage().nbytes())
-
-
 def _is_meta(t) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "meta"
 
@@ -121,6 +116,13 @@ def _storage(t):
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def _covers(t: torch.Tensor) -> bool:
+    """Whether ``t`` is every element of its storage, once each."""
+    st = _storage(t)
+    return (st is not None and t.storage_offset() == 0 and t.is_contiguous()
+            and t.numel() * t.element_size() == st.nbytes())
 
 
 class KnownValues:

@@ -21,6 +21,9 @@ rules when imported; importing this package imports them all:
 * ``dropout``: the fused CUDA dropout kernel (a bool mask) instead of the CPU's noise tensor;
 * ``autocast``: ``torch.autocast``'s casts, emulated on meta tensors;
 * ``extensions``: flash-attn and bitsandbytes, by qualified op name.
+
+``known_values`` registers no rule: the tracer follows with it the values the traced code
+made itself (``torch.ones`` masks), and ``data_dependent``'s checks read them.
 """
 
 from memcheck.rules import (  # noqa: F401  (each registers its rules)

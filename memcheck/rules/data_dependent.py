@@ -15,6 +15,10 @@ Two kinds of answer, and every rule says which it gives in the report (``ctx.ass
   its slices (one per expert) selects that many elements in all, not every element of
   every slice (see "Routing masks" below).
 
+A check on a tensor whose values the trace itself made known (``torch.ones`` and what
+follows from it: ``memcheck.rules.known_values``) reads the true value instead, and lists
+no assumption: the all-ones mask a decoder builds when given none is all ones.
+
 On the CPU target the rules also emit what the CPU kernels allocate inside the op
 (``ctx.scratch``). Those sizes were measured with the profiler's allocator events
 (torch 2.13; 64 to 100,000 elements; bool, 8-, 16-, 32- and 64-bit dtypes; 1 and 2
@@ -58,7 +62,8 @@ def _index(n: int) -> torch.Tensor:
 # padding*, i.e. its values are not uniform: ``all`` and ``==`` on a scalar are False,
 # ``any`` and ``!=`` are True. transformers checks ``mask.sum() == mask.numel()``
 # (masking_utils.fast_all) before it materialises an attention mask; the answer False
-# takes the branch that allocates the mask, the costlier one.
+# takes the branch that allocates the mask, the costlier one. Tensors the trace made
+# itself (``ctx.known``, memcheck.rules.known_values) answer with their true value.
 
 _REDUCTION_TAG = "_memcheck_reduction"
 _KNOWN_TAG = "_memcheck_known"  # the answer of ``==``/``!=`` on an index whose value memcheck chose
@@ -96,9 +101,13 @@ register_op_rule(aten.ne, _tag_reduction("!="))
 _FALSE_WHEN = ("all", "==")
 
 
-def synthetic_value(t: torch.Tensor):
-    """The value memcheck reads from an element of meta tensor ``t``: 1 (1.0, 1+0j), and
-    for bool the answer of the check that made ``t`` (see above), True by default."""
+def synthetic_value(t: torch.Tensor, ctx=None):
+    """The value memcheck reads from an element of meta tensor ``t``: its known value where
+    the trace made it (``ctx.known``), else 1 (1.0, 1+0j), and for bool the answer of the
+    check that made ``t`` (see above), True by default."""
+    known = ctx.known.value(t) if ctx is not None else None
+    if known is not None:
+        return known
     if t.dtype == torch.bool:
         known = getattr(t, _KNOWN_TAG, None)
         return known if known is not None else getattr(t, _REDUCTION_TAG, None) not in _FALSE_WHEN
@@ -113,6 +122,9 @@ def local_scalar_dense(ctx, func, args, kwargs):
     t = args[0]
     if t.device.type != "meta":
         return func(*args, **kwargs)
+    known = ctx.known.value(t)
+    if known is not None:
+        return known  # made by the trace (torch.ones(...).all()): no stand-in needed
     kind = getattr(t, _REDUCTION_TAG, None)
     if t.dtype == torch.bool and getattr(t, _KNOWN_TAG, None) is not None:
         return getattr(t, _KNOWN_TAG)  # follows from an index memcheck chose (position), already listed
@@ -137,9 +149,15 @@ def local_scalar_dense(ctx, func, args, kwargs):
 def _unequal(what: str):
     def rule(ctx, func, args, kwargs):
         """``torch.equal`` / ``torch.allclose`` on meta tensors: False, as ``==`` on a scalar
-        (the batch is assumed to contain padding, so two tensors are not the same)."""
+        (the batch is assumed to contain padding, so two tensors are not the same); the
+        true answer where the trace made both tensors' values known."""
         if not any(_is_meta(a) for a in args[:2]):
             return func(*args, **kwargs)
+        a, b = (ctx.known.value(x) if _is_meta(x) else None for x in args[:2])
+        if a is not None and b is not None:  # both made by the trace: compare one element of each
+            with torch._C.DisableTorchFunction():
+                real = [torch.tensor(v, dtype=x.dtype).expand(x.shape) for x, v in zip(args[:2], (a, b))]
+                return func(*real, *args[2:], **kwargs)
         ctx.assume(f"{what} resolved to False: the batch is assumed to contain padding")
         return False
 
@@ -182,15 +200,21 @@ def tolist(ctx, func, args, kwargs):
     t = args[0]
     if not _is_meta(t):
         return func(*args, **kwargs)
-    value = synthetic_value(t)
-    ctx.assume(f"Tensor.tolist() of a meta tensor read every element as {value!r}")
+    value = synthetic_value(t, ctx)
+    if ctx.known.value(t) is None:
+        ctx.assume(f"Tensor.tolist() of a meta tensor read every element as {value!r}")
     return _nested(tuple(t.shape), value)
 
 
-def _ones_array(t: torch.Tensor, dtype):
+def _ones_array(ctx, t: torch.Tensor, dtype):
     """A read-only array of ``t``'s shape whose every element is the synthetic value, backed
     by one element (zero strides, ``np.broadcast_to``): no host memory for the data."""
-    return np.broadcast_to(np.asarray(synthetic_value(t), dtype=dtype), tuple(t.shape))
+    return np.broadcast_to(np.asarray(synthetic_value(t, ctx), dtype=dtype), tuple(t.shape))
+
+
+def _assume_read(ctx, t: torch.Tensor) -> None:
+    if ctx.known.value(t) is None:
+        ctx.assume(f"Tensor.numpy() of a meta tensor read every element as {synthetic_value(t)!r} (a read-only array)")
 
 
 @register_op_rule(torch.Tensor.numpy)
@@ -201,8 +225,8 @@ def numpy(ctx, func, args, kwargs):
     t = args[0]
     if not _is_meta(t):
         return func(*args, **kwargs)
-    out = _ones_array(t, _numpy_dtype(t.dtype))
-    ctx.assume(f"Tensor.numpy() of a meta tensor read every element as {synthetic_value(t)!r} (a read-only array)")
+    out = _ones_array(ctx, t, _numpy_dtype(t.dtype))
+    _assume_read(ctx, t)
     return out
 
 
@@ -214,8 +238,8 @@ def array(ctx, func, args, kwargs):
     if not _is_meta(t):
         return func(*args, **kwargs)
     dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
-    out = _ones_array(t, dtype if dtype is not None else _numpy_dtype(t.dtype))
-    ctx.assume(f"Tensor.numpy() of a meta tensor read every element as {synthetic_value(t)!r} (a read-only array)")
+    out = _ones_array(ctx, t, dtype if dtype is not None else _numpy_dtype(t.dtype))
+    _assume_read(ctx, t)
     return out
 
 

@@ -182,9 +182,11 @@ def _workload_options(command):
               help="The weights' dtype under amp-*: auto keeps the model's own (for hf: config.json's dtype, as "
                    "from_pretrained loads it); fp32 and bf16/fp16 precisions name their own.")
 @click.option("--accumulate", type=int, default=1, show_default=True, help="Gradient accumulation steps.")
-@click.option("--checkpointing", default="none", show_default=True, metavar="none|full|half|every:N|LIST",
+@click.option("--checkpointing", default="none", show_default=True,
+              metavar="none|full|half|every:N|selective-op|LIST",
               help="Gradient checkpointing: full wraps every repeated block, half every second, every:N every "
-                   "Nth (transformers' every_n_layers); or comma-separated module names/patterns (transformer.h.*).")
+                   "Nth (transformers' every_n_layers), selective-op every block with torchtitan's op-level "
+                   "policy; or comma-separated module names/patterns (transformer.h.*).")
 @click.option("--lora", default=None, metavar="r=R,alpha=A,targets=T,dropout=D",
               help="Fine-tune LoRA adapters (PEFT) over the frozen model: settings as key=value (targets: module "
                    "names or all-linear); 'default' for PEFT's defaults.")

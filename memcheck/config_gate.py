@@ -57,20 +57,20 @@ def _model(v):
 
 
 def _checkpointing(v):
-    """A config spells modules as a list: a string is 'none', 'full', 'half' or 'every:N' (a typo is
+    """A config spells modules as a list: a string is 'none', 'full', 'half', 'every:N' or 'selective-op' (a typo is
     not a module name)."""
     if isinstance(v, str):
         text = v.strip().lower()
         if text.startswith("every:"):
             return parse_checkpointing(text)  # names a bad N
-        if text not in ("none", "full", "half"):
-            hint = closest(text, ("none", "full", "half"))
-            raise UsageError(f"checkpointing {v!r} is none of 'none', 'full', 'half' or 'every:N'{hint}; "
+        if text not in ("none", "full", "half", "selective-op"):
+            hint = closest(text, ("none", "full", "half", "selective-op"))
+            raise UsageError(f"checkpointing {v!r} is none of 'none', 'full', 'half', 'every:N' or 'selective-op'{hint}; "
                              "name modules as a list, such as [\"transformer.h.0\", \"transformer.h.2\"]")
     if not isinstance(v, str) and not (isinstance(v, (list, tuple)) and v
                                        and all(isinstance(n, str) and n.strip() for n in v)):
-        raise UsageError(f"checkpointing must be 'none', 'full', 'half', 'every:N' or a non-empty list of module "
-                         f"names or patterns; got {v!r}")
+        raise UsageError(f"checkpointing must be 'none', 'full', 'half', 'every:N', 'selective-op' or a non-empty "
+                         f"list of module names or patterns; got {v!r}")
     return v
 
 

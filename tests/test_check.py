@@ -228,7 +228,7 @@ BASE = 'model = "model.py"\ngpu = "T4"\n'
     ('model = "model.py"\ngpu_memory = "24 gigs"\n', ["gpu_memory '24 gigs' is not a size"]),
     (BASE + "margin = 1.5\n", ["margin must be a fraction in [0, 1)"]),
     (BASE + 'reentrant = "yes"\n', ["reentrant must be true or false"]),
-    (BASE + "checkpointing = 3\n", ["checkpointing must be 'none', 'full', 'half', 'every:N' or a non-empty list"]),
+    (BASE + "checkpointing = 3\n", ["checkpointing must be 'none', 'full', 'half', 'every:N', 'selective-op' or a non-empty list"]),
     ('model = "model.py"\n', ["no capacity", "gpu", "gpu_memory"]),
     ('gpu = "T4"\n', ["no model"]),
     ('model = "model.py"\ndevice = "cpu"\ngpu = "T4"\n', ["gpu = 'T4' applies to device = \"cuda\" only"]),

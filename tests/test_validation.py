@@ -418,7 +418,7 @@ API_CASES = [
     ("estimate", dict(optimizer="adamx"), ["unknown optimizer 'adamx'", "did you mean 'adam'?"]),
     ("estimate", dict(optimizer=3), ["optimizer must be a name", "not int"]),
     ("estimate", dict(checkpointing="ful"), ["checkpointing", "'ful'", "did you mean 'full'?"]),
-    ("estimate", dict(checkpointing=3), ["checkpointing must be 'none', 'full', 'half' or a list", "got 3"]),
+    ("estimate", dict(checkpointing=3), ["checkpointing must be 'none', 'full', 'half', 'every:N', 'selective-op' or a list", "got 3"]),
     ("estimate", dict(strategy="zero3", offload="param"), ["unknown offload 'param'", "did you mean 'params'?"]),
     ("estimate", dict(strategy="ddp", bucket_cap_mb=float("inf")), ["bucket_cap_mb must be a positive number"]),
     ("estimate", dict(strategy="ddp", bucket_cap_mb="25"), ["bucket_cap_mb must be a positive number, got '25'"]),

@@ -65,8 +65,8 @@ def parse_checkpointing(value) -> str | tuple[str, ...]:
     elif isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
         names = tuple(n.strip() for n in value if n.strip())
     else:
-        raise UsageError(f"checkpointing must be 'none', 'full', 'half', 'every:N' or a list of module names, "
-                         f"got {value!r}")
+        raise UsageError(f"checkpointing must be 'none', 'full', 'half', 'every:N', 'selective-op' or a list of "
+                         f"module names, got {value!r}")
     if not names:
         raise UsageError(f"checkpointing names no modules: {value!r}")
     return names

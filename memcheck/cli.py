@@ -99,6 +99,13 @@ def _load(model: str, job, optimizer: str | None, allow_download: bool, **load):
     return work, work.job_for(job, optimizer)
 
 
+def _lora(lora: str | None, dora: bool):
+    """--lora's settings, with --dora's use_dora=True added."""
+    if not dora:
+        return lora
+    return "dora=true" if lora in (None, "", "default") else f"{lora},dora=true"
+
+
 def _quiet_transformers() -> None:
     """transformers logs warnings about configs it builds; the CLI's output is memcheck's alone."""
     try:
@@ -134,8 +141,9 @@ _WORKLOAD_OPTIONS = [
     click.option("--device", default="cuda", show_default=True, metavar="DEVICE",
                  help="Target device of the estimate: cpu or cuda."),
     click.option("--optimizer", default=None, metavar="NAME",
-                 help="adamw (default), adamw-foreach, adamw-fused, adam, adam-fused, adafactor, adamw-8bit, sgd, "
-                      "sgd-momentum; a model file's make_optimizer wins unless this is given."),
+                 help="adamw (default), adamw-foreach, adamw-fused, adam, adam-fused, adafactor, adamw-8bit, "
+                      "paged-adamw-8bit, paged-adamw-32bit, sgd, sgd-momentum; a model file's make_optimizer wins "
+                      "unless this is given."),
     click.option("--steps", default=2, show_default=True, type=int,
                  help="Training steps to trace; the peak is taken from step 2 on."),
     click.option("--gpu", default=None, metavar="NAME|SIZE",
@@ -174,9 +182,18 @@ def _workload_options(command):
               help="The weights' dtype under amp-*: auto keeps the model's own (for hf: config.json's dtype, as "
                    "from_pretrained loads it); fp32 and bf16/fp16 precisions name their own.")
 @click.option("--accumulate", type=int, default=1, show_default=True, help="Gradient accumulation steps.")
-@click.option("--checkpointing", default="none", show_default=True, metavar="none|full|half|every:N|LIST",
+@click.option("--checkpointing", default="none", show_default=True,
+              metavar="none|full|half|every:N|selective-op|LIST",
               help="Gradient checkpointing: full wraps every repeated block, half every second, every:N every "
-                   "Nth (transformers' every_n_layers); or comma-separated module names/patterns (transformer.h.*).")
+                   "Nth (transformers' every_n_layers), selective-op every block with torchtitan's op-level "
+                   "policy; or comma-separated module names/patterns (transformer.h.*).")
+@click.option("--lora", default=None, metavar="r=R,alpha=A,targets=T,dropout=D",
+              help="Fine-tune LoRA adapters (PEFT) over the frozen model: settings as key=value (targets: module "
+                   "names or all-linear); 'default' for PEFT's defaults.")
+@click.option("--dora", is_flag=True, help="DoRA: LoRA with use_dora=True (with --lora's settings, if given).")
+@click.option("--qlora", is_flag=True,
+              help="The QLoRA recipe: linear layers in 4-bit NF4 (double quantization, bf16 compute), "
+                   "prepare_model_for_kbit_training, LoRA adapters (--lora's settings, else PEFT's defaults).")
 @click.option("--max-grad-norm", type=float, default=None, metavar="NORM",
               help="Clip gradients before each step (clip_grad_norm_); 0: no clipping. Default: the HF Trainer's "
                    "1.0 for hf: models, none for model files.")
@@ -194,7 +211,8 @@ def _workload_options(command):
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png",
               help="Draw memory over the steady-state training step, by category (needs matplotlib).")
 def estimate(model, max_len, target_len, batch_size, task, attn, device, precision, optimizer, steps,
-             gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, padding, weights_dtype, max_grad_norm,
+             gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, padding, weights_dtype, lora, dora, qlora,
+             max_grad_norm,
              reentrant, bucket_view, bucket_cap_mb,
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
              snapshot_path, plot_path):
@@ -228,7 +246,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, device, precisi
                    target_len=target_len, precision=precision, weights_dtype=weights_dtype,
                    optimizer=optimizer or "adamw", steps=steps,
                    accumulate=accumulate, checkpointing=checkpointing, padding=padding, use_reentrant=reentrant,
-                   max_grad_norm=max_grad_norm,
+                   max_grad_norm=max_grad_norm, lora=_lora(lora, dora), qlora=qlora,
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
                    bucket_cap_mb=bucket_cap_mb, offload=offload, eval_batch_size=eval_batch_size,
                    eval_accumulate_predictions=eval_accumulate_predictions, task=task, attn=attn)

@@ -84,3 +84,28 @@ def model_frame(exc: BaseException) -> str | None:
         if not frame.filename.startswith(skip) and not frame.filename.startswith("<"):
             found = f"{frame.filename}:{frame.lineno}"
     return found
+
+
+# Where torch keeps its Python meta kernels (relative to the torch package).
+_META_KERNEL_FILES = ("_meta_registrations.py", "_refs", "_prims", "_prims_common", "_decomp")
+
+
+def meta_kernel_failure(exc: BaseException) -> str | None:
+    """The aten op whose Python meta kernel raised ``exc`` while the tracer ran it (as
+    ``"aten._grouped_mm.default"``), or None when the error came from elsewhere (the
+    model's code, a memcheck rule, a C++ kernel)."""
+    from pathlib import Path
+
+    import torch
+
+    meta_dirs = tuple(str(Path(torch.__file__).parent / name) for name in _META_KERNEL_FILES)
+    op = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "__torch_dispatch__" and isinstance(frame.f_locals.get("func"), torch._ops.OpOverload):
+            op = frame.f_locals["func"]  # the innermost op the tracer was running
+        elif op is not None and frame.f_code.co_filename.startswith(meta_dirs):
+            return str(op)
+        tb = tb.tb_next
+    return None

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 from memcheck.cuda.gpus import GpuSpec, resolve_gpu
 from memcheck.enums import Attention, Device, Offload, Padding, Precision, Strategy, Task, WeightsDtype
 from memcheck.errors import UsageError, closest
+from memcheck.training.adapters import Lora
 from memcheck.training.checkpointing import parse_checkpointing
 from memcheck.training.optimizers import OPTIMIZERS, hf_optimizer
 from memcheck.training.strategies import StrategyConfig
@@ -74,6 +75,8 @@ SPELLINGS: tuple[Spelling, ...] = (
              aliases=("gradient_accumulation_steps", "accumulate_grad_batches")),  # HF, Lightning
     Spelling("checkpointing", "--checkpointing", "checkpointing", "checkpointing"),
     Spelling("use_reentrant", "--reentrant", "reentrant", "use_reentrant"),
+    Spelling("lora", "--lora", "lora", "lora"),
+    Spelling("qlora", "--qlora", "qlora", "qlora"),
     Spelling("max_grad_norm", "--max-grad-norm", "max_grad_norm", "max_grad_norm",
              aliases=("gradient_clip_val",)),  # HF TrainingArguments' own name; Lightning's Trainer
     Spelling("strategy", "--strategy", "strategy", "strategy"),
@@ -213,6 +216,12 @@ class Job:
     """``none``, ``full`` (every repeated block) or module names/patterns."""
     use_reentrant: bool = False
     """torch.utils.checkpoint's implementation."""
+    lora: Lora | None = None
+    """LoRA adapters set up by PEFT (``"r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05"``, ``all-linear``
+    targets, ``dora=true``; True: PEFT's defaults), the base frozen; None: full fine-tuning."""
+    qlora: bool = False
+    """The QLoRA recipe: linear layers in 4-bit NF4 (bitsandbytes), ``prepare_model_for_kbit_training``,
+    and ``lora`` (PEFT's defaults when None)."""
     max_grad_norm: float | None = None
     """Gradient clipping before each optimizer step (``clip_grad_norm_``); None or 0: none. For
     ``hf:`` models the installed Trainer's default (1.0)."""
@@ -318,6 +327,8 @@ class Job:
                 value = value.name
             elif isinstance(value, tuple):
                 value = list(value)
+            elif isinstance(value, Lora):
+                value = str(value)
             elif hasattr(value, "value"):  # an enum
                 value = value.value
             out[s.json] = value
@@ -365,6 +376,13 @@ def _checkpointing(value):
         return parse_checkpointing(value)
     except UsageError as exc:
         raise SettingError("checkpointing", escape(str(exc))) from None
+
+
+def _lora(value):
+    try:
+        return Lora.parse(value)
+    except UsageError as exc:
+        raise SettingError("lora", escape(str(exc))) from None
 
 
 def _margin(value):
@@ -426,6 +444,8 @@ _CHECKS = {
     "accumulate": lambda v: _int("accumulate", v, optional=False),
     "checkpointing": _checkpointing,
     "use_reentrant": lambda v: _flag("use_reentrant", v),
+    "lora": _lora,
+    "qlora": lambda v: _flag("qlora", v),
     "max_grad_norm": _max_grad_norm,
     "strategy": lambda v: _choice("strategy", Strategy, v),
     "gpus": lambda v: _int("gpus", v),

@@ -101,6 +101,29 @@ def test_failing_forward_is_a_trace_error():
         memcheck.estimate(Broken(), torch.empty(2, 2, device="meta"), device="cpu")
 
 
+def test_a_meta_kernel_that_refuses_a_call_is_named_not_blamed_on_the_model(monkeypatch):
+    # Issue 18: aten._grouped_mm's meta kernel accepts bf16 only, where the CPU and CUDA
+    # kernels take float32 too. Without memcheck's rule the error names the meta kernel.
+    from memcheck.rules import registry
+
+    monkeypatch.delitem(registry.DISPATCH_RULES, torch.ops.aten._grouped_mm.default)
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 32, 64))
+
+        def forward(self, x):
+            offs = torch.tensor([8, 16, 24, 32], dtype=torch.int32, device=x.device)
+            return torch.nn.functional.grouped_mm(x, self.w, offs=offs).sum()
+
+    with torch.device("meta"):
+        model, x = Experts(), torch.empty(32, 32)
+    with pytest.raises(memcheck.TraceError, match="in the meta kernel of aten._grouped_mm.default") as info:
+        memcheck.estimate(model, x, device="cpu", loss_fn=lambda m, b: m(b))
+    assert "fix the model code" not in str(info.value) and "register_op_rule" in str(info.value)
+
+
 def test_a_model_with_nothing_to_train_is_a_usage_error():
     with pytest.raises(UsageError, match="no trainable parameters"):
         memcheck.estimate(nn.ReLU(), torch.empty(2, 2, device="meta"), device="cpu")

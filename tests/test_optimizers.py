@@ -236,7 +236,8 @@ def test_unknown_optimizer_name_is_a_usage_error_naming_value_closest_and_allowe
     message = str(info.value)
     assert "'adamw8bit'" in message
     assert "did you mean 'adamw-8bit'?" in message
-    assert "allowed: adamw, adamw-foreach, adamw-fused, adam, adam-fused, adafactor, adamw-8bit, sgd, sgd-momentum" in message
+    assert ("allowed: adamw, adamw-foreach, adamw-fused, adam, adam-fused, adafactor, adamw-8bit, paged-adamw-8bit, "
+            "paged-adamw-32bit, sgd, sgd-momentum") in message
     with torch.device("meta"):
         model = nn.Linear(2, 2)
     with pytest.raises(UsageError, match="unknown optimizer 'lion'"):

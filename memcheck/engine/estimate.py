@@ -22,6 +22,7 @@ from memcheck.errors import (
     TraceError,
     UnsupportedOpError,
     UsageError,
+    meta_kernel_failure,
     model_frame,
     require_int,
 )
@@ -39,6 +40,7 @@ from memcheck.rules import extensions
 from memcheck.rules.autocast import MetaAutocast, MetaGradScaler, UserAutocast
 from memcheck.trace.device_redirect import DATA_READ, redirect_cuda
 from memcheck.trace.tracer import MemoryTracer, TraceLog
+from memcheck.training.adapters import apply_adapters, quantize_4bit
 from memcheck.training.checkpointing import apply_checkpointing
 from memcheck.training.loop import LossFn, default_loss, run_eval, to_precision
 from memcheck.training.optimizers import resolve_optimizer
@@ -129,6 +131,14 @@ def _translate(exc: Exception, model_name: str) -> MemcheckError:
         )
     where = model_frame(exc)
     text = text if len(text) <= 200 else text[:199] + "…"
+    op = meta_kernel_failure(exc)
+    if op is not None:  # the model's inputs may be wrong, or the meta kernel stricter than the real one
+        return TraceError(
+            f"{where + ': ' if where else ''}{model_name} failed while being traced, in the meta kernel of "
+            f"{op}: {type(exc).__name__}: {text} (either the model passes it inputs no kernel accepts, or that "
+            "meta kernel is stricter than the target's real kernel: then register a rule for the op with "
+            "memcheck.register_op_rule, see examples/custom_op_rule.py; --debug shows the traceback)"
+        )
     return TraceError(f"{where + ': ' if where else ''}{model_name} failed while being traced: "
                       f"{type(exc).__name__}: {text} (fix the model code there; --debug shows the traceback)")
 
@@ -304,8 +314,13 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
     if not any(p.requires_grad for p in model.parameters()):
         raise UsageError(f"{name} has no trainable parameters (none with requires_grad=True); nothing to train")
     twin = meta_twin(model)
-    wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
     weights, cast, how = resolve_weights_dtype(model, job)
+    if cast:
+        twin = twin.to(weights)
+    if job.qlora:  # 4-bit linear layers, then a twin of those: bitsandbytes' quantized sizes (twin_memo)
+        twin = meta_twin(quantize_4bit(twin))
+    twin, adapted = apply_adapters(twin, job.lora, job.qlora)  # LoRA / QLoRA over the cast base
+    wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
     dtype = precision.weights_dtype  # pure bf16/fp16: float inputs in that dtype too
 
     def prepare(b):
@@ -313,8 +328,6 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
 
     mbatch = prepare(batch)
     ebatch = prepare(eval_batch) if eval_batch is not None else None
-    if cast:
-        twin = twin.to(weights)
     info = describe_batch(mbatch, job.batch_size, job.max_len, job.target_len)
 
     arch = target.arch if target is not None else DEFAULT_ARCH
@@ -331,6 +344,8 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
         )
     if how:
         tracer.assume(how)
+    for note in adapted:
+        tracer.assume(note)
     run = _Run(twin, wrapped, mbatch, ebatch, info, tracer, arch, opt_label, make_optimizer,
                weights_dtype=_dtype_name(weights))
     if precision.autocast_dtype is not None:

@@ -84,9 +84,18 @@ def render_estimate(est: Estimate) -> str:
     if est.checkpointing:
         how.append(f"checkpointing {len(est.checkpointing)} module(s)" if est.checkpointing[0][0] != "("
                    else "checkpointing " + est.checkpointing[0])
+    job = est.job
+    weights, adapters = f"{est.weights_dtype} weights", ""
+    if job is not None and (job.qlora or job.lora is not None):
+        lora = job.lora
+        kind = "DoRA" if lora is not None and lora.dora else "LoRA"
+        adapters = (f"{kind} {lora if lora is not None else 'default'} adapters"
+                    + (" (QLoRA)" if job.qlora else "") + ", ")
+        if job.qlora:
+            weights = f"4-bit NF4 linear weights ({est.weights_dtype} others)"
     lines = [
-        f"memcheck: {est.model} on {est.device.value}, {est.precision.value}, {est.weights_dtype} weights, "
-        f"{est.optimizer}, "
+        f"memcheck: {est.model} on {est.device.value}, {est.precision.value}, {weights}, "
+        f"{adapters}{est.optimizer}, "
         f"batch {b.batch_size}" + (f" x {b.max_len} tokens" if b.max_len else ""),
         f"strategy: {', '.join(how)}",
         f"worst-case batch: {shapes}" if shapes else "",

@@ -10,6 +10,14 @@ Two kinds of answer, and every rule says which it gives in the report (``ctx.ass
   value: ``.item()``, ``.tolist()`` and ``.numpy()`` read 1 (``True`` for bool, and the
   checks of ``any``/``all``/``==``/``!=`` below), ``bincount``'s largest value gives it
   as many bins as it has inputs, and each of ``repeat_interleave``'s repeats is 1.
+* **A known total**, for the routing masks of mixture-of-experts layers: a one-hot mask
+  holds one 1 per index it was made from, ``tokens * top_k`` in all, so ``nonzero`` over
+  its slices (one per expert) selects that many elements in all, not every element of
+  every slice (see "Routing masks" below).
+
+A check on a tensor whose values the trace itself made known (``torch.ones`` and what
+follows from it: ``memcheck.rules.known_values``) reads the true value instead, and lists
+no assumption: the all-ones mask a decoder builds when given none is all ones.
 
 On the CPU target the rules also emit what the CPU kernels allocate inside the op
 (``ctx.scratch``). Those sizes were measured with the profiler's allocator events
@@ -31,6 +39,7 @@ import torch
 from memcheck.enums import Device
 from memcheck.rules import cuda_sort
 from memcheck.rules.registry import bind, register_op_rule
+from memcheck.rules.tags import StorageTags
 from memcheck.units import nbytes
 
 aten = torch.ops.aten
@@ -53,9 +62,11 @@ def _index(n: int) -> torch.Tensor:
 # padding*, i.e. its values are not uniform: ``all`` and ``==`` on a scalar are False,
 # ``any`` and ``!=`` are True. transformers checks ``mask.sum() == mask.numel()``
 # (masking_utils.fast_all) before it materialises an attention mask; the answer False
-# takes the branch that allocates the mask, the costlier one.
+# takes the branch that allocates the mask, the costlier one. Tensors the trace made
+# itself (``ctx.known``, memcheck.rules.known_values) answer with their true value.
 
 _REDUCTION_TAG = "_memcheck_reduction"
+_KNOWN_TAG = "_memcheck_known"  # the answer of ``==``/``!=`` on an index whose value memcheck chose
 
 
 def _tag_reduction(kind):
@@ -63,9 +74,24 @@ def _tag_reduction(kind):
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.device.type == "meta":
             setattr(out, _REDUCTION_TAG, kind)
+            known = _compared_position(kind, args)
+            if known is not None:
+                setattr(out, _KNOWN_TAG, known)
         return out
 
     return rule
+
+
+def _compared_position(kind, args) -> bool | None:
+    """``i == n`` / ``i != n`` where ``i`` is one index read from a ``nonzero`` output of
+    this module (``position``): the answer for the position memcheck gives ``i``, so that
+    ``if expert_idx == num_experts: continue`` skips the same experts ``.item()`` reads."""
+    if kind not in ("==", "!=") or len(args) < 2 or not isinstance(args[1], int) or not _is_meta(args[0]):
+        return None
+    at = position(args[0]) if args[0].numel() == 1 else None
+    if at is None:
+        return None
+    return (at == args[1]) == (kind == "==")
 
 
 register_op_rule(aten.all, _tag_reduction("all"))
@@ -75,11 +101,16 @@ register_op_rule(aten.ne, _tag_reduction("!="))
 _FALSE_WHEN = ("all", "==")
 
 
-def synthetic_value(t: torch.Tensor):
-    """The value memcheck reads from an element of meta tensor ``t``: 1 (1.0, 1+0j), and
-    for bool the answer of the check that made ``t`` (see above), True by default."""
+def synthetic_value(t: torch.Tensor, ctx=None):
+    """The value memcheck reads from an element of meta tensor ``t``: its known value where
+    the trace made it (``ctx.known``), else 1 (1.0, 1+0j), and for bool the answer of the
+    check that made ``t`` (see above), True by default."""
+    known = ctx.known.value(t) if ctx is not None else None
+    if known is not None:
+        return known
     if t.dtype == torch.bool:
-        return getattr(t, _REDUCTION_TAG, None) not in _FALSE_WHEN
+        known = getattr(t, _KNOWN_TAG, None)
+        return known if known is not None else getattr(t, _REDUCTION_TAG, None) not in _FALSE_WHEN
     if t.is_complex():
         return 1 + 0j
     return 1.0 if t.is_floating_point() else 1
@@ -91,7 +122,12 @@ def local_scalar_dense(ctx, func, args, kwargs):
     t = args[0]
     if t.device.type != "meta":
         return func(*args, **kwargs)
+    known = ctx.known.value(t)
+    if known is not None:
+        return known  # made by the trace (torch.ones(...).all()): no stand-in needed
     kind = getattr(t, _REDUCTION_TAG, None)
+    if t.dtype == torch.bool and getattr(t, _KNOWN_TAG, None) is not None:
+        return getattr(t, _KNOWN_TAG)  # follows from an index memcheck chose (position), already listed
     if t.dtype == torch.bool:
         value = kind not in _FALSE_WHEN
         ctx.assume(
@@ -101,6 +137,11 @@ def local_scalar_dense(ctx, func, args, kwargs):
     if t.is_floating_point():
         ctx.assume("a data-dependent float (.item()) was taken as 1.0")
         return 1.0
+    at = position(t)
+    if at is not None:
+        ctx.assume("an index read from nonzero() (.item()) was taken as the position of the element it "
+                   "selects, every element being selected")
+        return at
     ctx.assume("a data-dependent integer (.item()) was taken as 1")
     return 1
 
@@ -108,9 +149,15 @@ def local_scalar_dense(ctx, func, args, kwargs):
 def _unequal(what: str):
     def rule(ctx, func, args, kwargs):
         """``torch.equal`` / ``torch.allclose`` on meta tensors: False, as ``==`` on a scalar
-        (the batch is assumed to contain padding, so two tensors are not the same)."""
+        (the batch is assumed to contain padding, so two tensors are not the same); the
+        true answer where the trace made both tensors' values known."""
         if not any(_is_meta(a) for a in args[:2]):
             return func(*args, **kwargs)
+        a, b = (ctx.known.value(x) if _is_meta(x) else None for x in args[:2])
+        if a is not None and b is not None:  # both made by the trace: compare one element of each
+            with torch._C.DisableTorchFunction():
+                real = [torch.tensor(v, dtype=x.dtype).expand(x.shape) for x, v in zip(args[:2], (a, b))]
+                return func(*real, *args[2:], **kwargs)
         ctx.assume(f"{what} resolved to False: the batch is assumed to contain padding")
         return False
 
@@ -153,15 +200,21 @@ def tolist(ctx, func, args, kwargs):
     t = args[0]
     if not _is_meta(t):
         return func(*args, **kwargs)
-    value = synthetic_value(t)
-    ctx.assume(f"Tensor.tolist() of a meta tensor read every element as {value!r}")
+    value = synthetic_value(t, ctx)
+    if ctx.known.value(t) is None:
+        ctx.assume(f"Tensor.tolist() of a meta tensor read every element as {value!r}")
     return _nested(tuple(t.shape), value)
 
 
-def _ones_array(t: torch.Tensor, dtype):
+def _ones_array(ctx, t: torch.Tensor, dtype):
     """A read-only array of ``t``'s shape whose every element is the synthetic value, backed
     by one element (zero strides, ``np.broadcast_to``): no host memory for the data."""
-    return np.broadcast_to(np.asarray(synthetic_value(t), dtype=dtype), tuple(t.shape))
+    return np.broadcast_to(np.asarray(synthetic_value(t, ctx), dtype=dtype), tuple(t.shape))
+
+
+def _assume_read(ctx, t: torch.Tensor) -> None:
+    if ctx.known.value(t) is None:
+        ctx.assume(f"Tensor.numpy() of a meta tensor read every element as {synthetic_value(t)!r} (a read-only array)")
 
 
 @register_op_rule(torch.Tensor.numpy)
@@ -172,8 +225,8 @@ def numpy(ctx, func, args, kwargs):
     t = args[0]
     if not _is_meta(t):
         return func(*args, **kwargs)
-    out = _ones_array(t, _numpy_dtype(t.dtype))
-    ctx.assume(f"Tensor.numpy() of a meta tensor read every element as {synthetic_value(t)!r} (a read-only array)")
+    out = _ones_array(ctx, t, _numpy_dtype(t.dtype))
+    _assume_read(ctx, t)
     return out
 
 
@@ -185,8 +238,8 @@ def array(ctx, func, args, kwargs):
     if not _is_meta(t):
         return func(*args, **kwargs)
     dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
-    out = _ones_array(t, dtype if dtype is not None else _numpy_dtype(t.dtype))
-    ctx.assume(f"Tensor.numpy() of a meta tensor read every element as {synthetic_value(t)!r} (a read-only array)")
+    out = _ones_array(ctx, t, dtype if dtype is not None else _numpy_dtype(t.dtype))
+    _assume_read(ctx, t)
     return out
 
 
@@ -202,17 +255,135 @@ def format_scalar(ctx, func, args, kwargs):
 
 
 # --------------------------------------------------------------------------------------
+# Routing masks. A mixture-of-experts layer that loops over its experts (transformers'
+# "eager" experts implementation, Switch Transformers) builds a one-hot mask of the top-k
+# expert indices, ``one_hot(top_k_index, num_experts)``, and takes each expert's tokens
+# with ``torch.where(mask[expert])``, i.e. ``nonzero``. The worst case of ``nonzero`` alone,
+# every element of every slice, would send every token to every expert: E * tokens rows
+# instead of tokens * top_k. But a one-hot mask holds exactly one 1 per index it was made
+# from, so memcheck gives each mask a budget of ``numel(indices)`` ones, shared by the
+# tensors made from it (views, ``mask[expert]``, ``mask * capacity_mask``), and each
+# ``nonzero`` over them takes as many as its slice holds while the budget lasts.
+#
+# The split across experts is what the trace cannot know. memcheck assumes every expert
+# hit (``nonzero``'s worst case on the "hit" mask, whose indices ``position`` reads back as
+# 0, 1, 2, ...) and takes the budget in the order the experts are looped over: the first
+# experts get every token (at most once each when the indices are ``topk``'s), the rest
+# none. The rows saved for backward add up to tokens * top_k whatever the split; with
+# every expert's weight gradient alive and the largest per-expert buffers, this was the
+# costliest split measured (a real Mixtral block routed so, 127 tokens on two experts and
+# one on the others, is within 0.3% of the trace; a random router's split, or one that
+# hits only top_k experts, needs up to 20% less there).
+
+class _Ones:
+    """The ones left to select in a one-hot mask and the tensors made from it, and the most
+    one ``nonzero`` can take: the number of tokens when the indices are ``topk``'s (each
+    token picks an expert at most once), else every one."""
+
+    __slots__ = ("left", "per_call")
+
+    def __init__(self, left: int, per_call: int):
+        self.left, self.per_call = left, per_call
+
+
+_ONE_HOT = StorageTags()  # a one-hot mask and the tensors made from it -> their _Ones
+_TOP_K = StorageTags()  # topk's indices -> k
+ROUTING_ASSUMPTION = (
+    "MoE routing: every expert hit, tokens x top_k rows in all, the first experts looped over taking "
+    "every token (the costliest split; a real router's split needs less)"
+)
+
+
+def _ones_of(t) -> _Ones | None:
+    return _ONE_HOT.get(t)
+
+
+def _mark(out, ones: _Ones) -> None:
+    _ONE_HOT.put(out, ones)
+
+
+@register_op_rule(aten.topk.default)
+def topk(ctx, func, args, kwargs):
+    """``topk``: as torch runs it; its indices are remembered as ``k`` distinct picks per row."""
+    out = func(*args, **kwargs)
+    b = bind(func, args, kwargs)
+    if _is_meta(out[1]) and b["k"] > 0:
+        _TOP_K.put(out[1], int(b["k"]))
+    return out
+
+
+@register_op_rule(torch.nn.functional.one_hot)
+def one_hot(ctx, func, args, kwargs):
+    """``F.one_hot``: as torch runs it, and its output holds ``numel(indices)`` ones (above)."""
+    out = func(*args, **kwargs)
+    indices = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
+    if _is_meta(indices):
+        k = _TOP_K.get(indices)
+        n = indices.numel()
+        _mark(out, _Ones(n, n // k if k else n))
+    return out
+
+
+def _keep_ones(ctx, func, args, kwargs):
+    """An op that makes a new tensor from a one-hot mask with at most its ones: ``mask[i]``
+    (the expert's slice), ``mask * keep`` (Switch Transformers' capacity mask), a copy to
+    another dtype. The output shares the mask's budget."""
+    out = func(*args, **kwargs)
+    for a in args:
+        ones = _ones_of(a) if isinstance(a, torch.Tensor) else None
+        if ones is not None:
+            _mark(out, ones)
+            break
+    return out
+
+
+for _op in (aten.mul.Tensor, aten._to_copy.default):
+    register_op_rule(_op, _keep_ones)
+
+
+# --------------------------------------------------------------------------------------
 # Ops whose output's size depends on the data.
+
+
+_POSITIONS = StorageTags()  # nonzero's output -> its input's shape
+
+
+def _positions(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``nonzero(t)``'s output when it selects the first ``n`` elements of ``t``: ``(n, dim)``
+    int64. Its values, if read (``.item()``), are those elements' positions (``position``)."""
+    out = torch.empty((n, t.dim()), dtype=torch.long, device="meta")
+    _POSITIONS.put(out, tuple(t.shape))
+    return out
+
+
+def position(t: torch.Tensor) -> int | None:
+    """The value ``.item()`` reads from one element of a ``nonzero`` output of this module:
+    row ``r``, column ``c`` holds coordinate ``c`` of the input's ``r``-th element in
+    row-major order (what a real ``nonzero`` gives when it selects every element). So
+    ``for i in mask.nonzero(): experts[i]`` visits every expert, not expert 1 each time."""
+    shape = _POSITIONS.get(t)
+    if not shape:
+        return None
+    row, col = divmod(t.storage_offset(), len(shape))
+    return int(np.unravel_index(row, shape)[col]) if row < math.prod(shape) else None
 
 
 @register_op_rule(aten.nonzero.default)
 def nonzero(ctx, func, args, kwargs):
-    """Worst case for ``nonzero``: every element is non-zero, so ``(numel, dim)`` int64 indices."""
+    """Worst case for ``nonzero``: every element is non-zero, so ``(numel, dim)`` int64 indices;
+    over a one-hot routing mask, as many as its slice holds while the mask's ones last
+    ("Routing masks" above)."""
     t = args[0]
     if t.device.type != "meta":
         return func(*args, **kwargs)
-    ctx.assume("nonzero() assumed to select every element (worst case)")
-    return torch.empty((t.numel(), t.dim()), dtype=torch.long, device="meta")
+    ones = _ones_of(t)
+    if ones is None:
+        ctx.assume("nonzero() assumed to select every element (worst case)")
+        return _positions(t, t.numel())
+    n = min(t.numel(), ones.left, ones.per_call)
+    ones.left -= n
+    ctx.assume(ROUTING_ASSUMPTION)
+    return _positions(t, n)
 
 
 def _is_mask(i) -> bool:
@@ -242,7 +413,7 @@ def index_with_mask(ctx, func, args, kwargs):
     indices while the output is written (measured on CPU: exact)."""
     b = bind(func, args, kwargs)
     if not any(_is_mask(i) for i in b["indices"]):
-        return func(*args, **kwargs)
+        return _keep_ones(ctx, func, args, kwargs)
     indices, nz_bytes = _expand_masks(b["indices"])
     out = func(b["self"], indices)
     ctx.assume("boolean-mask indexing x[mask] assumed to select every element (worst case)")

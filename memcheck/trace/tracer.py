@@ -15,6 +15,10 @@ registration; tensors autograd saves for backward become activations (a
 accumulated ``.grad`` become gradients (``register_post_accumulate_grad_hook``);
 tensors held in ``optimizer.state`` after a step become optimizer state;
 everything else is a temporary.
+
+Alongside, ``KnownValues`` (``memcheck.rules.known_values``) follows the values that the
+traced code itself made known (``torch.ones`` and what follows from it), which the
+data-dependent rules read instead of their worst-case stand-ins.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from torch.utils.module_tracker import ModuleTracker
 import memcheck.rules  # noqa: F401  (every rule module registers its rules)
 from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Phase
 from memcheck.rules.extensions import weight_side_tensors
+from memcheck.rules.known_values import KnownValues
 from memcheck.rules.registry import DISPATCH_RULES, FUNCTION_RULES, named_rule
 
 
@@ -226,6 +231,7 @@ class MemoryTracer(TorchDispatchMode):
         self.autocast = None  # a memcheck.rules.autocast.MetaAutocast while tracing mixed precision
         self.on_phase = None  # called as on_phase(step, phase) when the loop enters a phase (progress)
         self.log = TraceLog()
+        self.known = KnownValues()  # values the trace made known (torch.ones, ...): rules read them
         self.phase = Phase.SETUP
         self.step = 0
         self.live_bytes = 0
@@ -270,6 +276,7 @@ class MemoryTracer(TorchDispatchMode):
             self._handles.clear()
             self._closed = True
             self._refs.clear()
+            self.known.clear()
 
     # ---- what the loop tells the tracer --------------------------------------------
     @contextlib.contextmanager
@@ -359,6 +366,7 @@ class MemoryTracer(TorchDispatchMode):
             for t in tree_flatten(batch)[0]:
                 if isinstance(t, torch.Tensor):
                     self.register(t, Category.INPUT, _GLOBAL)
+                    self.known.forget(t)  # the user's data: its checks keep the worst case
         if optimizer is not None:
             self._optimizers.append(optimizer)
             self._register_optimizer_state()
@@ -509,6 +517,7 @@ class MemoryTracer(TorchDispatchMode):
             rule = DISPATCH_RULES.get(func) or named_rule(func)
             out = rule(self, func, args, kwargs) if rule is not None else func(*args, **kwargs)
             self.track(out)
+            self.known.observe(func, args, kwargs, out)
             self._count_work(func, args, kwargs, out)
             return out
         finally:

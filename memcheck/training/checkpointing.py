@@ -27,6 +27,17 @@ from memcheck.errors import UsageError, closest
 NONE, FULL = "none", "full"
 HALF = "half"  # the planner's selective option: every second repeated block
 EVERY = "every:"  # every:N: every Nth repeated block from the first (transformers' every_n_layers)
+SELECTIVE_OP = "selective-op"  # op-level selective checkpointing of every repeated block, torchtitan's policy
+
+# torchtitan's op-level selective activation checkpointing (torchtitan/distributed/activation_checkpoint.py,
+# ``_apply_op_sac`` with the ``op_sac_save_list`` of its Llama models, 2025): inside each checkpointed block
+# the outputs of these ops are saved, every other op is recomputed in backward, and of the matmuls
+# (``aten.mm``) every second one is recomputed too ("Saves output of all compute ops, except every
+# second mm"). Run through torch.utils.checkpoint's own ``create_selective_checkpoint_contexts``.
+_SAC_SAVE = (
+    "mm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention", "max",
+)
 
 
 def half_of(blocks) -> tuple[str, ...]:
@@ -35,7 +46,7 @@ def half_of(blocks) -> tuple[str, ...]:
 
 
 def parse_checkpointing(value) -> str | tuple[str, ...]:
-    """``"none"``, ``"full"``, ``"half"``, ``"every:N"``, or a tuple of module names/patterns from
+    """``"none"``, ``"full"``, ``"half"``, ``"every:N"``, ``"selective-op"``, or a tuple of module names/patterns from
     ``"a,b"`` or a list."""
     if value is None or value is False:
         return NONE
@@ -43,7 +54,7 @@ def parse_checkpointing(value) -> str | tuple[str, ...]:
         return FULL
     if isinstance(value, str):
         text = value.strip()
-        if text.lower() in (NONE, FULL, HALF):
+        if text.lower() in (NONE, FULL, HALF, SELECTIVE_OP):
             return text.lower()
         if text.lower().startswith(EVERY):
             step = text[len(EVERY):].strip()
@@ -79,15 +90,35 @@ def repeated_blocks(model: torch.nn.Module) -> list[str]:
     return found
 
 
-def _wrap(module: torch.nn.Module, use_reentrant: bool) -> None:
+def _wrap(module: torch.nn.Module, use_reentrant: bool, context_fn=None) -> None:
     forward = module.forward
+    extra = {} if context_fn is None else {"context_fn": context_fn}
 
     @functools.wraps(forward)
     def checkpointed(*args, **kwargs):
         # Reentrant checkpointing takes positional tensors only; kwargs ride in a partial, as in HF.
-        return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=use_reentrant)
+        return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=use_reentrant, **extra)
 
     module.forward = checkpointed
+
+
+def selective_op_context():
+    """A fresh ``context_fn`` result for one checkpointed block under torchtitan's op-level policy
+    (``_SAC_SAVE``; every second ``mm`` recomputed, counted apart in the forward and the recompute)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {getattr(aten, name).default for name in _SAC_SAVE if hasattr(aten, name)}
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == aten.mm.default:
+            counts[mode] += 1
+        keep = func in save and not (func == aten.mm.default and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _hf_enable(model: torch.nn.Module, use_reentrant: bool) -> bool:
@@ -111,8 +142,9 @@ def apply_checkpointing(model: torch.nn.Module, spec, *, use_reentrant: bool = F
     spec = parse_checkpointing(spec)
     if spec == NONE:
         return ()
+    context_fn = None
     names = dict(model.named_modules())
-    if spec in (FULL, HALF) or (isinstance(spec, str) and spec.startswith(EVERY)):
+    if spec in (FULL, HALF, SELECTIVE_OP) or (isinstance(spec, str) and spec.startswith(EVERY)):
         blocks = repeated_blocks(model)
         if not blocks:
             raise UsageError(
@@ -121,6 +153,11 @@ def apply_checkpointing(model: torch.nn.Module, spec, *, use_reentrant: bool = F
             )
         if spec == HALF:  # every second repeated block, from the first (the planner's option)
             blocks = list(half_of(blocks))
+        elif spec == SELECTIVE_OP:
+            if use_reentrant:
+                raise UsageError("checkpointing selective-op needs use_reentrant=False (torch.utils.checkpoint's "
+                                 "context_fn); drop --reentrant")
+            context_fn = selective_op_context
         elif spec != FULL:  # every:N, as transformers' every_n_layers picks layers 0, N, 2N, ...
             blocks = blocks[::int(spec[len(EVERY):])]
         elif _hf_enable(model, use_reentrant):
@@ -144,5 +181,5 @@ def apply_checkpointing(model: torch.nn.Module, spec, *, use_reentrant: bool = F
         # recomputed; transformers turns the cache off under checkpointing, and so do we.
         config.use_cache = False
     for name in blocks:
-        _wrap(names[name], use_reentrant)
+        _wrap(names[name], use_reentrant, context_fn)
     return tuple(blocks)

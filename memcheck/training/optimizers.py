@@ -270,6 +270,15 @@ OPTIMIZERS: dict[str, OptimizerChoice] = {
         _adafactor, {"lr": None, "scale_parameter": True, "relative_step": True, "warmup_init": False}
     ),
     "adamw-8bit": OptimizerChoice(lambda: _AdamW8bitLayout, label="adamw-8bit (bitsandbytes layout)"),
+    # bitsandbytes' paged AdamW (PagedAdamW8bit, PagedAdamW32bit): the same state in CUDA unified memory
+    # (cudaMallocManaged, outside torch's caching allocator): max_memory_allocated never shows it, nvidia-smi
+    # does while it is resident, and the driver pages it to host memory when the GPU runs short. Counted
+    # here as resident, in the allocated peak (a real max_memory_allocated reads lower by the state).
+    "paged-adamw-8bit": OptimizerChoice(lambda: _AdamW8bitLayout,
+                                        label="paged-adamw-8bit (bitsandbytes layout, paged state counted as resident)"),
+    "paged-adamw-32bit": OptimizerChoice(lambda: _AdamW8bitLayout, {"optim_bits": 32},
+                                         label="paged-adamw-32bit (bitsandbytes layout, paged state counted as "
+                                               "resident)"),
     "sgd": OptimizerChoice(lambda: torch.optim.SGD, {"lr": 1e-3}),
     "sgd-momentum": OptimizerChoice(lambda: torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
 }
@@ -427,6 +436,8 @@ HF_OPTIMIZERS = {
     "sgd": "sgd",
     "adamw_bnb_8bit": "adamw-8bit",
     "adamw_8bit": "adamw-8bit",  # OptimizerNames.ADAMW_8BIT: an alias of adamw_bnb_8bit
+    "paged_adamw_8bit": "paged-adamw-8bit",
+    "paged_adamw_32bit": "paged-adamw-32bit",
 }
 
 

@@ -1,0 +1,199 @@
+"""Fine-tuning through adapters: LoRA, DoRA and QLoRA, set up on the meta twin as PEFT does it.
+
+``--lora r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05`` (``all-linear`` for every linear
+layer but the output head; without ``targets``, PEFT's default for the architecture), ``--dora``
+(LoRA with ``use_dora=True``) and ``--qlora`` (the QLoRA recipe: every linear layer but the
+head in 4-bit NF4 with double quantization and bf16 compute, ``bitsandbytes.nn.Linear4bit``
+as transformers' ``replace_with_bnb_linear`` puts it, then PEFT's
+``prepare_model_for_kbit_training`` and LoRA adapters). The same in configs (``lora``,
+``dora``, ``qlora``) and the Python API (``Job(lora="r=16", qlora=True)``).
+
+What is traced is PEFT's own code (``get_peft_model``, ``LoraConfig``), installed beside
+memcheck (``pip install 'memcheck[peft]'``):
+
+* the frozen base keeps its dtype (4-bit for QLoRA, with bitsandbytes' statistics);
+  ``prepare_model_for_kbit_training`` casts the other floating parameters (norms,
+  embeddings, the head) to fp32, as it does (peft/utils/other.py);
+* the adapters are fp32 (``autocast_adapter_dtype=True``, PEFT's default), trainable;
+  gradients and optimizer state exist for them only;
+* ``prepare_model_for_kbit_training`` is called with ``use_gradient_checkpointing=False``:
+  its default turns gradient checkpointing on, which here is the job's ``checkpointing``
+  setting (``full`` for the recipe's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memcheck.errors import UsageError
+
+_KEYS = ("r", "alpha", "dropout", "targets", "dora")
+
+
+@dataclass(frozen=True)
+class Lora:
+    """LoRA's settings; None fields take PEFT's ``LoraConfig`` defaults (r 8, alpha 8, dropout 0,
+    the architecture's default target modules)."""
+
+    r: int | None = None
+    alpha: float | None = None
+    dropout: float | None = None
+    targets: tuple[str, ...] | str | None = None  # module names, or "all-linear"
+    dora: bool = False
+
+    @classmethod
+    def parse(cls, value) -> "Lora | None":
+        """From ``"r=16,alpha=32,targets=q_proj,v_proj"``, a mapping, True (PEFT's defaults),
+        False/None/"none" (no LoRA) or a Lora."""
+        if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+            return None
+        if isinstance(value, Lora):
+            return value
+        if value is True or (isinstance(value, str) and value.strip().lower() in ("true", "default")):
+            return cls()
+        if isinstance(value, str):
+            value = _pairs(value)
+        if not isinstance(value, dict):
+            raise UsageError(f"lora must be settings such as 'r=16,alpha=32,targets=q_proj,v_proj', got {value!r}")
+        unknown = [k for k in value if k not in _KEYS]
+        if unknown:
+            raise UsageError(f"lora has no setting {unknown[0]!r}; its settings are {', '.join(_KEYS)}")
+        return cls(r=_number(value, "r", int, 1), alpha=_number(value, "alpha", float, 0),
+                   dropout=_number(value, "dropout", float, 0, below=1), targets=_targets(value.get("targets")),
+                   dora=_flag(value.get("dora", False)))
+
+    def __str__(self) -> str:
+        parts = [f"{k}={_text(getattr(self, k))}" for k in ("r", "alpha", "dropout", "targets")
+                 if getattr(self, k) is not None]
+        return ",".join(parts + (["dora=true"] if self.dora else [])) or "default"
+
+    def config(self, task_type: str | None):
+        """PEFT's ``LoraConfig`` for these settings."""
+        from peft import LoraConfig
+
+        kwargs = {"r": self.r, "lora_alpha": self.alpha, "lora_dropout": self.dropout, "use_dora": self.dora,
+                  "target_modules": list(self.targets) if isinstance(self.targets, tuple) else self.targets}
+        return LoraConfig(task_type=task_type, **{k: v for k, v in kwargs.items() if v is not None})
+
+
+def _pairs(text: str) -> dict:
+    """``"r=16,targets=q_proj,v_proj"`` -> ``{"r": "16", "targets": "q_proj,v_proj"}``: a piece
+    without ``=`` continues the setting before it (targets are comma-separated too)."""
+    out: dict = {}
+    key = None
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if "=" in piece:
+            key, _, value = piece.partition("=")
+            key = key.strip().lower()
+            out[key] = value.strip()
+        elif key == "targets":
+            out[key] += "," + piece
+        else:
+            raise UsageError(f"lora setting {piece!r} has no value; write key=value, as in r=16,alpha=32")
+    return out
+
+
+def _number(values: dict, key: str, kind, minimum, below=None):
+    if key not in values:
+        return None
+    try:
+        number = kind(values[key])
+    except (TypeError, ValueError):
+        raise UsageError(f"lora {key} must be a number, got {values[key]!r}") from None
+    if isinstance(values[key], bool) or number < minimum or (below is not None and number >= below):
+        bound = f"at least {minimum}" + (f" and below {below}" if below is not None else "")
+        raise UsageError(f"lora {key} must be {bound}, got {values[key]!r}")
+    return number
+
+
+def _targets(value):
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.strip()
+        if value.lower() == "all-linear":
+            return "all-linear"
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise UsageError(f"lora targets must be module names or all-linear, got {value!r}")
+    return tuple(v.strip() for v in value)
+
+
+def _flag(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise UsageError(f"lora dora must be true or false, got {value!r}")
+
+
+def _text(value) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise UsageError("LoRA, DoRA and QLoRA need PEFT: pip install 'memcheck[peft]'") from None
+    return peft
+
+
+def _task_type(model: torch.nn.Module) -> str | None:
+    """PEFT's task type for a transformers model (CAUSAL_LM, SEQ_2_SEQ_LM, ...), None otherwise."""
+    name = type(model).__name__
+    for suffix, task in (("ForCausalLM", "CAUSAL_LM"), ("ForConditionalGeneration", "SEQ_2_SEQ_LM"),
+                         ("ForSequenceClassification", "SEQ_CLS"), ("ForTokenClassification", "TOKEN_CLS"),
+                         ("ForQuestionAnswering", "QUESTION_ANS")):
+        if name.endswith(suffix):
+            return task
+    return None
+
+
+def quantize_4bit(model: torch.nn.Module) -> torch.nn.Module:
+    """Every linear layer but the output head as bitsandbytes' NF4 ``Linear4bit`` with double
+    quantization and bf16 compute (the QLoRA recipe's ``BitsAndBytesConfig``), as transformers'
+    ``replace_with_bnb_linear`` puts them (on meta: no weight is quantized for real; the twin
+    sizes the 4-bit weight and its statistics, ``memcheck.rules.extensions.bitsandbytes``)."""
+    try:
+        from transformers import BitsAndBytesConfig
+        from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    except ImportError:
+        raise UsageError("QLoRA needs transformers and bitsandbytes: pip install transformers bitsandbytes") from None
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16)
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    keep = [name for name, module in model.named_modules() if head is not None and module is head] or ["lm_head"]
+    with torch.device("meta"):
+        return replace_with_bnb_linear(model, modules_to_not_convert=keep, quantization_config=config)
+
+
+def apply_adapters(model: torch.nn.Module, lora: Lora | None, qlora: bool) -> tuple[torch.nn.Module, list[str]]:
+    """The meta twin with QLoRA's quantization and LoRA's adapters set up as PEFT does; and what
+    was assumed, for the report. ``model`` unchanged (and no notes) without either."""
+    if lora is None and not qlora:
+        return model, []
+    peft = _peft()
+    notes = []
+    if isinstance(model, peft.PeftModel):
+        raise UsageError(f"the model is already a PEFT model ({type(model).__name__}); drop --lora/--qlora/--dora "
+                         "(memcheck traces its adapters as they are)")
+    if qlora:  # the caller has quantized the twin (quantize_4bit) and sized its 4-bit weights
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        notes.append("QLoRA: linear layers but the head in 4-bit NF4 (double quantization, bf16 compute), other "
+                     "weights cast to fp32 by prepare_model_for_kbit_training, whose own gradient checkpointing "
+                     "is the job's checkpointing setting")
+    lora = lora or Lora()
+    model = peft.get_peft_model(model, lora.config(_task_type(model)))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    notes.append(f"{'DoRA' if lora.dora else 'LoRA'} {lora} through PEFT {peft.__version__}: {trainable:,} "
+                 "trainable parameters (fp32 adapters), the base frozen")
+    return model, notes

@@ -1,0 +1,158 @@
+"""LoRA, DoRA and QLoRA (issue 18): ``--lora``, ``--dora``, ``--qlora`` set up on the meta twin as
+PEFT does (memcheck.training.adapters), checked against real CPU runs of the same PEFT models
+(``measure_cpu``: the allocator's events under the profiler) and against hand arithmetic."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+peft = pytest.importorskip("peft")
+bnb = pytest.importorskip("bitsandbytes")
+
+import memcheck  # noqa: E402
+from memcheck.cli import main  # noqa: E402
+from memcheck.measure.local import measure_cpu  # noqa: E402
+from memcheck.training.adapters import Lora  # noqa: E402
+
+ROWS, TOKENS = 2, 64
+
+
+def _config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False,
+                       architectures=["LlamaForCausalLM"])
+
+
+def _batch(device):
+    ids = torch.zeros(ROWS, TOKENS, dtype=torch.long, device=device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _meta_model():
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(_config())
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def _real(lora: Lora, qlora: bool = False):
+    """The same model built for real on the CPU, set up with PEFT directly (the oracle)."""
+    from transformers import LlamaForCausalLM
+
+    def build():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(_config())
+        if qlora:  # each linear layer but the head as NF4 Linear4bit, quantized by .to("cpu")
+            for name, module in list(model.named_modules()):
+                for child_name, child in list(module.named_children()):
+                    if isinstance(child, torch.nn.Linear) and child_name != "lm_head":
+                        q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                              compute_dtype=torch.bfloat16, quant_type="nf4",
+                                              compress_statistics=True)
+                        q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
+                                                     compress_statistics=True)
+                        setattr(module, child_name, q)
+            model = model.to("cpu")
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = peft.get_peft_model(model, lora.config("CAUSAL_LM"))
+        return model, _batch("cpu")
+
+    return build
+
+
+# LoRA r=16 on every linear layer of a 2-layer Llama (hidden 128, MLP 256, 4 heads, 2 KV heads):
+# per layer q (128->128) 16x128 + 128x16 = 4,096; k, v (128->64) 16x128 + 64x16 = 3,072 each;
+# o 4,096; gate, up (128->256) 16x128 + 256x16 = 6,144 each; down (256->128) 16x256 + 128x16 = 6,144;
+# = 32,768 a layer, 65,536 in all; AdamW keeps two fp32 states: 65,536 x 2 x 4 B = 524,288 B.
+ADAPTERS = 65_536
+ADAMW_STATE = ADAPTERS * 2 * 4
+
+
+def test_lora_adapters_and_their_optimizer_state_by_hand():
+    est = memcheck.estimate(_meta_model(), _batch("meta"),
+                            memcheck.Job(gpu="A100-80GB", lora="r=16,alpha=32,targets=all-linear"))
+    assert est.breakdown_at_peak.optimizer == ADAMW_STATE  # foreach AdamW on CUDA: no fp32 step tensor in state
+    assert any("LoRA r=16,alpha=32,targets=all-linear through PEFT" in a and "65,536 trainable" in a
+               for a in est.assumptions)
+    assert est.to_dict()["job"]["lora"] == "r=16,alpha=32,targets=all-linear"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec, qlora", [
+    ("r=16,alpha=32,targets=all-linear", False),
+    pytest.param("r=8,targets=q_proj,v_proj,dora=true", False, marks=pytest.mark.xfail(strict=True, reason=(
+        "+3.4% to +4.6%: DoRA computes its weight norm from lora_B(lora_A(eye)) in grad mode and detaches it; the real "
+        "run frees that graph at once, the trace keeps it (64 KiB a layer here) until the next phase"))),
+    ("r=16,targets=all-linear", True)])
+def test_lora_dora_and_qlora_match_a_real_cpu_run(spec, qlora):
+    lora = Lora.parse(spec)
+    est = memcheck.estimate(_meta_model(), _batch("meta"),
+                            memcheck.Job(device="cpu", lora=lora, qlora=qlora, optimizer=_adamw))
+    real = measure_cpu(_real(lora, qlora), _adamw)
+    assert abs(est.peak_bytes - real.steady_peak_bytes) <= 0.02 * real.steady_peak_bytes, (
+        est.peak_bytes, real.steady_peak_bytes)
+
+
+def test_qlora_keeps_the_linear_weights_in_4_bits():
+    full = memcheck.estimate(_meta_model(), _batch("meta"), memcheck.Job(device="cpu"))
+    q = memcheck.estimate(_meta_model(), _batch("meta"), memcheck.Job(device="cpu", qlora=True))
+    # the 14 quantized layers hold 2 x (128x128 + 2x128x64 + 128x128 + 3x128x256) = 229,376 weights:
+    # fp32 917,504 B, NF4 half a byte each, 114,688 B, plus absmax statistics
+    assert full.breakdown_at_peak.params - q.breakdown_at_peak.params > 917_504 - 114_688 - 16_384
+    assert any(a.startswith("QLoRA: linear layers but the head in 4-bit NF4") for a in q.assumptions)
+
+
+def test_the_cli_takes_lora_dora_and_qlora(tmp_path):
+    _config().save_pretrained(tmp_path)
+    runner = CliRunner()
+    result = runner.invoke(main, [f"hf:{tmp_path}", "--max-len", "64", "--gpu", "A100-80GB", "--json",
+                                  "--lora", "r=16,targets=q_proj,v_proj", "--dora"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["job"]["lora"] == "r=16,targets=q_proj,v_proj,dora=true"
+    result = runner.invoke(main, [f"hf:{tmp_path}", "--max-len", "64", "--gpu", "A100-80GB", "--json", "--qlora"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["job"]["qlora"] is True
+
+
+@pytest.mark.parametrize("bad, words", [("r=0", "lora r must be at least 1, got '0'"),
+                                        ("rank=4", "lora has no setting 'rank'"),
+                                        ("r=8,alpha", "lora setting 'alpha' has no value")])
+def test_bad_lora_settings_are_one_line_naming_them(bad, words):
+    result = CliRunner().invoke(main, ["examples/gpt2_small.py", "--max-len", "64", "--lora", bad])
+    assert result.exit_code == 2
+    assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_model_that_is_already_a_peft_model_is_traced_as_it_is():
+    model = peft.get_peft_model(_meta_model(), Lora(r=4).config("CAUSAL_LM"))
+    est = memcheck.estimate(model, _batch("meta"), memcheck.Job(gpu="A100-80GB"))
+    assert est.breakdown_at_peak.grads <= est.breakdown_at_peak.params
+    with pytest.raises(memcheck.UsageError, match="already a PEFT model"):
+        memcheck.estimate(model, _batch("meta"), memcheck.Job(gpu="A100-80GB", lora="r=8"))
+
+
+# bitsandbytes' AdamW state for the LoRA r=16 adapters above, on the CUDA target (blocks rounded to 512 B):
+# tensors of 4,096 elements or more get 8-bit state (min_8bit_size): per layer gate.B, up.B (256x16)
+# and down.A (16x256): two uint8 states 2 x 4,096 B and two absmax of 4,096 / 256 = 16 fp32 (64 B, one
+# 512 B block each): 8,192 + 1,024 = 9,216 B each, 3 x 9,216 = 27,648 B a layer; the other adapters
+# (9 of 2,048 and 2 of 1,024 elements: 20,480) two fp32 states: 20,480 x 8 = 163,840 B a layer;
+# 2 layers: 2 x (27,648 + 163,840) = 382,976 B, + the two shared 256-entry fp32 maps, 2 x 1,024 B = 385,024 B.
+PAGED_8BIT_STATE = 385_024
+
+
+@pytest.mark.parametrize("hf_name, ours, state", [("paged_adamw_8bit", "paged-adamw-8bit", PAGED_8BIT_STATE),
+                                                  ("paged_adamw_32bit", "paged-adamw-32bit", ADAMW_STATE)])
+def test_paged_optimizers_keep_bitsandbytes_state_layout(hf_name, ours, state):
+    job = memcheck.Job.from_settings({"optim": hf_name, "gpu": "A100-80GB", "lora": "r=16,targets=all-linear"})
+    assert job.optimizer == ours
+    est = memcheck.estimate(_meta_model(), _batch("meta"), job)
+    assert est.breakdown_at_peak.optimizer == state
+    assert "paged state counted as resident" in est.optimizer

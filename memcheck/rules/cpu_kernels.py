@@ -58,6 +58,13 @@ def conv_uses_mkldnn(input_shape, weight_shape, stride, dilation, groups, dtype)
     return cond1 and cond2
 
 
+# Backward-weights of a groups=1 NCHW convolution with a kernel side of 15 or more (ViT and
+# SigLIP patch embeddings) runs oneDNN's gemm-based implementation: it reads the plain
+# tensors and keeps an im2col scratchpad instead of blocked copies. Profiled kernel sides 10-14
+# take the jit kernels above; 15 and 16 the gemm one, for C_in 1, 3, 8 and 16 and 1 or 2 threads.
+GEMM_BWD_WEIGHTS_MIN_KERNEL = 15
+
+
 def _conv_plan(inp, wt, stride, padding, dilation, groups, es=4):
     """Buffer sizes of the oneDNN primitives, by implementation (see module docstring)."""
     blk = _block()
@@ -105,6 +112,12 @@ def _conv_plan(inp, wt, stride, padding, dilation, groups, es=4):
             p["w_src"] = es * n * round_up(ci, b) * h * w
             p["w_dwei"] = es * round_up(co, b) * round_up(ci, b) * kh * kw
         p["w_ddst"] = es * n * round_up(co, b) * oh * ow
+        if max(kh, kw) >= GEMM_BWD_WEIGHTS_MIN_KERNEL:
+            # im2col columns per thread and four weight-sized reduction buffers per thread (+ 64 floats):
+            # 2,777,344 B for SigLIP's Conv2d(3, 64, 16, stride=16) on (4, 3, 224, 224) with 2 threads.
+            nthr = torch.get_num_threads()
+            p.update(w_ddst=0, w_src=0, w_dwei=es * co * ci * kh * kw,
+                     w_scr=es * (nthr * (ci * kh * kw * oh * ow + 4 * co * ci * kh * kw) + 64))
     elif depthwise:
         c = ci
         p.update(
@@ -160,7 +173,8 @@ def conv_backward_extra(inp, wt, stride, padding, dilation, groups, mask) -> int
         seq.append(-p["d_dsrc"])
     if mask[1] or mask[2]:
         pre = [x for x in (p["w_ddst"], p["w_src"]) if x]
-        seq += pre + [p["w_dwei"]] + ([gb] if mask[2] else []) + [-x for x in reversed(pre)]
+        scr = p.get("w_scr", 0)
+        seq += pre + [p["w_dwei"], scr] + ([gb] if mask[2] else []) + [-scr] + [-x for x in reversed(pre)]
         if mask[2]:
             seq.append(gb)
             outs += gb

@@ -14,6 +14,11 @@ every groups=1 and depthwise configuration; backward matched in most and is low
 by the oneDNN scratchpad otherwise (mean 0.6% at batch 32, 32x32 images). The
 block size follows ``torch.backends.cpu.get_cpu_capability()``: 8 on AVX2
 machines, which is not verified.
+
+Channels-last inputs (ConvNext, SegFormer, PvtV2 permute their activations) take
+oneDNN's NHWC primitives instead, with their own buffers (``_nhwc_plan``), and their
+output is channels-last where the meta kernel's is contiguous; the rule returns the
+CPU's layout so that the next convolution takes the same path as on the CPU.
 """
 
 from __future__ import annotations
@@ -51,6 +56,13 @@ def conv_uses_mkldnn(input_shape, weight_shape, stride, dilation, groups, dtype)
     cond1 = strided or dilated or n >= 16 or kw != 1 or kh != 1 or torch.get_num_threads() > 1
     cond2 = groups > 1 or (kw > 3 and kh > 3) or n > 1 or math.prod(input_shape) > 20480
     return cond1 and cond2
+
+
+# Backward-weights of a groups=1 NCHW convolution with a kernel side of 15 or more (ViT and
+# SigLIP patch embeddings) runs oneDNN's gemm-based implementation: it reads the plain
+# tensors and keeps an im2col scratchpad instead of blocked copies. Profiled kernel sides 10-14
+# take the jit kernels above; 15 and 16 the gemm one, for C_in 1, 3, 8 and 16 and 1 or 2 threads.
+GEMM_BWD_WEIGHTS_MIN_KERNEL = 15
 
 
 def _conv_plan(inp, wt, stride, padding, dilation, groups, es=4):
@@ -100,6 +112,12 @@ def _conv_plan(inp, wt, stride, padding, dilation, groups, es=4):
             p["w_src"] = es * n * round_up(ci, b) * h * w
             p["w_dwei"] = es * round_up(co, b) * round_up(ci, b) * kh * kw
         p["w_ddst"] = es * n * round_up(co, b) * oh * ow
+        if max(kh, kw) >= GEMM_BWD_WEIGHTS_MIN_KERNEL:
+            # im2col columns per thread and four weight-sized reduction buffers per thread (+ 64 floats):
+            # 2,777,344 B for SigLIP's Conv2d(3, 64, 16, stride=16) on (4, 3, 224, 224) with 2 threads.
+            nthr = torch.get_num_threads()
+            p.update(w_ddst=0, w_src=0, w_dwei=es * co * ci * kh * kw,
+                     w_scr=es * (nthr * (ci * kh * kw * oh * ow + 4 * co * ci * kh * kw) + 64))
     elif depthwise:
         c = ci
         p.update(
@@ -155,7 +173,8 @@ def conv_backward_extra(inp, wt, stride, padding, dilation, groups, mask) -> int
         seq.append(-p["d_dsrc"])
     if mask[1] or mask[2]:
         pre = [x for x in (p["w_ddst"], p["w_src"]) if x]
-        seq += pre + [p["w_dwei"]] + ([gb] if mask[2] else []) + [-x for x in reversed(pre)]
+        scr = p.get("w_scr", 0)
+        seq += pre + [p["w_dwei"], scr] + ([gb] if mask[2] else []) + [-scr] + [-x for x in reversed(pre)]
         if mask[2]:
             seq.append(gb)
             outs += gb
@@ -167,25 +186,141 @@ def conv_backward_extra(inp, wt, stride, padding, dilation, groups, mask) -> int
     return _extra_over_outputs(seq, outs)
 
 
-def _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups) -> bool:
-    """Whether a convolution's CPU run takes the oneDNN path these rules describe:
-    CPU target, a plain NCHW fp32 input, not transposed, and ``use_mkldnn``."""
+def _pair(values) -> tuple[int, int]:
+    """ATen passes one element for a square stride, padding or dilation (``padding="valid"`` gives ``[0]``);
+    ``expand_param_if_needed`` (aten/src/ATen/native/Convolution.cpp) repeats it per spatial dimension."""
+    return (values[0], values[0]) if len(values) == 1 else (values[0], values[1])
+
+
+# --------------------------------------------------------------------------------------
+# Channels-last (NHWC) convolutions. ``mkldnn_conv_use_channels_last`` (ATen/native/ConvUtils.h)
+# is true when the input or the weight suggests channels-last; Conv.cpp then runs oneDNN on
+# the NHWC tensors directly (no input or output reorder), after ``weight.contiguous(channels_last)``.
+# The sizes below are the allocation sequences of real ops under the profiler (torch 2.13,
+# oneDNN 3.12, AVX-512), e.g. Conv2d(16, 32, 2, stride=2) on a (4, 16, 16, 16) input:
+#   forward  [W_cl 8192, out 32768, scratch 12336, W_blocked 8192, -W_blocked, -scratch, -W_cl]
+#   backward [W_cl, grad_in 65536, W_blocked 8192, scratch 61488, -scratch, -W_blocked,
+#             diff_W 8192, grad_b tmp 128, grad_b 128, grad_W 8192, copy 8192, -copy, -diff_W, -tmp, -W_cl]
+# and depthwise Conv2d(16, 16, 7, padding=3, groups=16) on a (4, 16, 16, 16) input:
+#   forward  [out 65536, W_blocked 3136, -W_blocked]
+#   backward [grad_in 65536, W_blocked 3136, -W_blocked, reduction 802816, scratch 1152, grad_b tmp 64,
+#             -scratch, grad_b 64, grad_W 3136, copy 3136, -copy, -reduction, -tmp]
+# (the backward-weights scratchpad, 64*C + 128 B there, is freed before the gradients and never
+# sets the peak, so it is left out).
+
+NHWC_FWD_SCRATCH = 12336  # bytes: oneDNN's forward scratchpad, the same in every groups=1 NHWC probe
+NHWC_BWD_DATA_SCRATCH = 12464  # bytes: backward-data scratchpad, stride 1
+NHWC_BWD_DATA_SCRATCH_STRIDED = 61488  # bytes: backward-data scratchpad, strided (as ``d_scr`` above)
+# The NHWC depthwise backward-weights kernel (jit_uni_dw) takes kernels up to 3x3 that fit in
+# the input; every other depthwise shape falls back to an implementation whose reduction
+# buffer is 256 fp32 copies of the weight gradient: 6,422,528 B for ConvNext's (128, 1, 7, 7).
+DW_FALLBACK_REDUCTION = 256
+
+
+def conv_channels_last(inp, wt) -> bool:
+    """``mkldnn_conv_use_channels_last`` (aten/src/ATen/native/ConvUtils.h) for fp32 tensors."""
+    from torch._prims_common import suggest_memory_format
+
+    return torch.channels_last in (suggest_memory_format(inp), suggest_memory_format(wt))
+
+
+def _nhwc_plan(inp, wt, stride, groups, weight_channels_last, es=4):
+    """Buffer sizes of the NHWC oneDNN primitives (see the comment above), or None where not modelled."""
+    blk = _block()
+    n, ci, h, w = inp
+    co, cig, kh, kw = wt
+    if groups == 1:
+        wb = es * round_up(co, blk) * (round_up(ci, blk) if ci >= blk else ci) * kh * kw
+        return {
+            "w_cl": 0 if weight_channels_last else es * co * cig * kh * kw,
+            "f_scr": NHWC_FWD_SCRATCH, "f_wei": wb,
+            "d_wei": es * round_up(co, blk) * round_up(ci, blk) * kh * kw,
+            "d_scr": NHWC_BWD_DATA_SCRATCH_STRIDED if any(s > 1 for s in stride) else NHWC_BWD_DATA_SCRATCH,
+            "w_dwei": wb,
+        }
+    if groups == ci == co:  # depthwise
+        wb = es * round_up(ci, blk) * kh * kw
+        jit = kh <= 3 and kw <= 3 and h >= kh and w >= kw
+        return {
+            "w_cl": 0, "f_scr": 0, "f_wei": wb, "d_wei": wb, "d_scr": 0,
+            "w_dwei": wb if jit else DW_FALLBACK_REDUCTION * es * ci * kh * kw,
+        }
+    return None
+
+
+def nhwc_conv_forward_extra(inp, wt, stride, groups, weight_channels_last, out_bytes) -> int:
+    """Bytes live inside a channels-last ``mkldnn_convolution`` beyond its output."""
+    p = _nhwc_plan(inp, wt, stride, groups, weight_channels_last)
+    if p is None:
+        return 0
+    seq = [p["w_cl"], out_bytes, p["f_scr"], p["f_wei"], -p["f_wei"], -p["f_scr"], -p["w_cl"]]
+    return _extra_over_outputs(seq, out_bytes)
+
+
+def nhwc_conv_backward_extra(inp, wt, stride, groups, weight_channels_last, mask) -> int:
+    """Bytes live inside a channels-last ``mkldnn_convolution_backward`` beyond its outputs."""
+    p = _nhwc_plan(inp, wt, stride, groups, weight_channels_last)
+    if p is None:
+        return 0
+    n, ci, h, w = inp
+    co, cig, kh, kw = wt
+    gin, gw, gb = 4 * n * ci * h * w, 4 * co * cig * kh * kw, 4 * co
+    seq, outs = [p["w_cl"]], 0
+    if mask[0]:
+        seq += [gin, p["d_wei"], p["d_scr"], -p["d_scr"], -p["d_wei"]]
+        outs += gin
+    if mask[1] or mask[2]:
+        seq.append(p["w_dwei"])
+        if mask[2]:  # a temporary, then the gradient itself
+            seq += [gb, gb]
+            outs += gb
+        seq += [gw, gw, -gw, -p["w_dwei"]] + ([-gb] if mask[2] else [])
+        outs += gw
+        if not mask[1]:
+            seq.append(-gw)
+            outs -= gw
+    seq.append(-p["w_cl"])
+    return _extra_over_outputs(seq, outs)
+
+
+def _weight_channels_last(wt) -> bool:
+    """Whether ``weight.contiguous(channels_last)`` in Conv.cpp is free (1x1 and depthwise weights are)."""
+    return wt.is_contiguous(memory_format=torch.channels_last)
+
+
+def _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups) -> str | None:
+    """The layout (``"nchw"`` or ``"nhwc"``) of a convolution whose CPU run takes the oneDNN path
+    these rules describe, else None: CPU target, a 4-d fp32 input, not transposed, ``use_mkldnn``."""
     if ctx.device is Device.CPU and inp.dtype in (torch.bfloat16, torch.float16):
         ctx.assume("CPU target: oneDNN's low-precision convolution buffers are not modelled (fp32 only)")
-    return (
-        ctx.device is Device.CPU and inp.dim() == 4 and inp.is_contiguous() and not transposed
-        and inp.dtype == torch.float32
-        and conv_uses_mkldnn(inp.shape, wt.shape, stride, dilation, groups, inp.dtype)
-    )
+    if not (
+        ctx.device is Device.CPU and inp.dim() == 4 and not transposed and inp.dtype == torch.float32
+        and conv_uses_mkldnn(inp.shape, wt.shape, _pair(stride), _pair(dilation), groups, inp.dtype)
+    ):
+        return None
+    if conv_channels_last(inp, wt):
+        if groups > 1 and not groups == inp.shape[1] == wt.shape[0]:
+            ctx.assume("CPU target: a channels-last grouped convolution's oneDNN buffers are not modelled")
+            return None
+        return "nhwc"
+    return "nchw" if inp.is_contiguous() else None
 
 
 @register_op_rule(aten.convolution.default)
 def convolution(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     inp, wt, _, stride, padding, dilation, transposed, _, groups = args
-    if _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups):
+    layout = _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups)
+    shapes = (tuple(inp.shape), tuple(wt.shape), _pair(stride))
+    if layout == "nchw":
         ctx.track(out)
-        ctx.scratch(conv_forward_extra(tuple(inp.shape), tuple(wt.shape), stride, padding, dilation, groups))
+        ctx.scratch(conv_forward_extra(*shapes, _pair(padding), _pair(dilation), groups))
+    elif layout == "nhwc":
+        # The CPU kernel's output is channels-last (Conv.cpp allocates it in the input's suggested
+        # format); the meta kernel's is contiguous, which would send the next layers down the NCHW path.
+        out = torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=torch.channels_last)
+        ctx.track(out)
+        ctx.scratch(nhwc_conv_forward_extra(*shapes, groups, _weight_channels_last(wt), nbytes(out)))
     elif ctx.device is Device.CUDA and inp.device.type == "meta":
         cudnn_convolution_scratch(ctx, out, inp, wt, nbytes(out))
     return out
@@ -195,9 +330,14 @@ def convolution(ctx, func, args, kwargs):
 def convolution_backward(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     grad, inp, wt, _, stride, padding, dilation, transposed, _, groups, mask = args
-    if _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups):
+    layout = _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups)
+    shapes = (tuple(inp.shape), tuple(wt.shape), _pair(stride))
+    if layout == "nchw":
         ctx.track(out)
-        ctx.scratch(conv_backward_extra(tuple(inp.shape), tuple(wt.shape), stride, padding, dilation, groups, mask))
+        ctx.scratch(conv_backward_extra(*shapes, _pair(padding), _pair(dilation), groups, mask))
+    elif layout == "nhwc":
+        ctx.track(out)
+        ctx.scratch(nhwc_conv_backward_extra(*shapes, groups, _weight_channels_last(wt), mask))
     elif ctx.device is Device.CUDA and inp.device.type == "meta":
         cudnn_convolution_scratch(ctx, out, inp, wt, nbytes(grad))
     return out

@@ -179,10 +179,19 @@ def _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups) -> bool:
     )
 
 
+def _per_dim(values, inp) -> list[int]:
+    """One value a spatial dimension: ATen's convolution takes a one-element list for all of them
+    (``expand_param_if_needed`` in aten/src/ATen/native/Convolution.cpp), as ``padding="valid"``
+    gives (SigLIP's patch embedding)."""
+    values = list(values)
+    return values * (inp.dim() - 2) if len(values) == 1 else values
+
+
 @register_op_rule(aten.convolution.default)
 def convolution(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     inp, wt, _, stride, padding, dilation, transposed, _, groups = args
+    stride, padding, dilation = (_per_dim(v, inp) for v in (stride, padding, dilation))
     if _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups):
         ctx.track(out)
         ctx.scratch(conv_forward_extra(tuple(inp.shape), tuple(wt.shape), stride, padding, dilation, groups))
@@ -195,6 +204,7 @@ def convolution(ctx, func, args, kwargs):
 def convolution_backward(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     grad, inp, wt, _, stride, padding, dilation, transposed, _, groups, mask = args
+    stride, padding, dilation = (_per_dim(v, inp) for v in (stride, padding, dilation))
     if _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups):
         ctx.track(out)
         ctx.scratch(conv_backward_extra(tuple(inp.shape), tuple(wt.shape), stride, padding, dilation, groups, mask))

@@ -132,11 +132,14 @@ def main():
 _WORKLOAD_OPTIONS = [
     click.argument("model", metavar="MODEL"),
     click.option("--max-len", type=int, default=None,
-                 help="Pad every sequence to this length (the worst case). Default for hf: models: the position limit."),
-    click.option("--target-len", type=int, default=None, help="Label length for seq2seq models."),
+                 help="Pad every sequence to this length (the worst case). Default for hf: models: the position limit; "
+                      "for raw-audio models (Wav2Vec2, HuBERT) it is samples, with no default."),
+    click.option("--target-len", type=int, default=None, help="Label length for seq2seq and ctc models."),
     click.option("--task", default=None, metavar="TASK",
-                 help="Override the architecture's task: causal-lm, masked-lm, seq2seq, classification, "
-                      "image-classification."),
+                 help="Override the architecture's task: causal-lm, masked-lm, seq2seq (text or speech, as "
+                      "Whisper), classification (text or audio), image-classification, ctc (Wav2Vec2, HuBERT: "
+                      "--max-len in audio samples) or contrastive (CLIP, SigLIP: text and image, the model's "
+                      "own loss)."),
     click.option("--attn", default=None, metavar="IMPL", help="transformers attention implementation: eager or sdpa."),
     click.option("--device", default="cuda", show_default=True, metavar="DEVICE",
                  help="Target device of the estimate: cpu or cuda."),

@@ -157,13 +157,22 @@ class Padding(_Choice):
 
 
 class Task(_Choice):
-    """What a transformers model is trained for; decides the worst-case batch."""
+    """What a transformers model is trained for; decides the worst-case batch's labels (its
+    inputs follow the model's ``main_input_name``: token ids, pixels, log-mel features, raw audio).
+
+    ``seq2seq`` covers speech encoder-decoders (Whisper) and ``classification`` audio
+    classifiers; ``ctc`` is speech recognition with a CTC head (Wav2Vec2, HuBERT);
+    ``contrastive`` is image-text training with the model's own loss (CLIP, SigLIP:
+    ``return_loss=True``).
+    """
 
     CAUSAL_LM = "causal-lm"
     MASKED_LM = "masked-lm"
     SEQ2SEQ = "seq2seq"
     CLASSIFICATION = "classification"
     IMAGE_CLASSIFICATION = "image-classification"
+    CTC = "ctc"
+    CONTRASTIVE = "contrastive"
 
 
 class Attention(_Choice):

@@ -1,4 +1,4 @@
-"""CPU kernel rules (oneDNN convolution, batch norm, LSTM) against real CPU ops under the profiler."""
+"""CPU kernel rules (oneDNN convolution, batch norm, layer norm, LSTM) against real CPU ops under the profiler."""
 
 import pytest
 import torch
@@ -147,3 +147,49 @@ def test_patch_embedding_convolution_matches_real_cpu_run():
     with torch.device("meta"):
         est = memcheck.estimate(model(), torch.empty(4, 3, 224, 224), device="cpu", optimizer="sgd")
     assert abs(est.peak_bytes - measured) / measured <= 0.02, (est.peak_bytes, measured)
+
+
+class ConvLayerNorm(nn.Module):
+    """Wav2Vec2's layer-norm feature encoder layer: Conv1d, LayerNorm over channels (a
+    transposed, non-contiguous view), GELU; two of them, so the second conv gets the
+    non-contiguous GELU output and, in backward, a non-contiguous gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv1d(1, 32, 10, 5), nn.Conv1d(32, 32, 3, 2)])
+        self.norms = nn.ModuleList([nn.LayerNorm(32), nn.LayerNorm(32)])
+
+    def forward(self, x):
+        h = x[:, None]
+        for conv, norm in zip(self.convs, self.norms):
+            h = nn.functional.gelu(norm(conv(h).transpose(1, 2)).transpose(1, 2))
+        return h.sum()
+
+
+def test_conv1d_and_layer_norm_on_transposed_inputs_match_a_real_cpu_run():
+    # 4 clips of 16,000 samples: conv 1 gives (4, 32, 3199) float32 = 1,637,888 B. Its layer norm
+    # normalises a contiguous copy (1,637,888 B) into a contiguous output; conv 2 runs as a 2-d conv
+    # on a contiguous copy of its transposed input, and its backward copies the transposed gradient.
+    def loss(model, batch):
+        return model(batch)
+
+    def build():
+        torch.manual_seed(0)
+        return ConvLayerNorm(), torch.randn(4, 16000)
+
+    measured = measure_cpu(build, lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=loss).steady_peak_bytes
+    with torch.device("meta"):
+        model, x = ConvLayerNorm(), torch.empty(4, 16000)
+    est = memcheck.estimate(model, x, device="cpu", optimizer="sgd", loss_fn=loss)
+    assert abs(est.peak_bytes - measured) / measured <= 0.02, (est.peak_bytes, measured)
+
+
+def test_padding_valid_is_one_value_for_every_dimension():
+    # F.conv2d(padding="valid") reaches aten.convolution with padding [0] (SigLIP's patch embedding):
+    # the same oneDNN buffers as padding=0
+    def estimate(padding):
+        with torch.device("meta"):
+            model, x = nn.Sequential(nn.Conv2d(3, 16, 8, stride=8, padding=padding), nn.ReLU()), torch.empty(4, 3, 64, 64)
+        return memcheck.estimate(model, x, device="cpu", optimizer="sgd").peak_bytes
+
+    assert estimate("valid") == estimate(0)

@@ -117,6 +117,16 @@ CASES = {
         lambda w, x, r: torch.repeat_interleave(x * w, r, dim=0),
         "repeat_interleave with a tensor of repeats: each repeat taken as 1",
     ),
+    # CTC (Wav2Vec2ForCTC's loss): T=200 steps, 16 samples, 4 classes; 16 targets of 50 labels
+    # concatenated (labels.masked_select(labels >= 0)), every one full length as memcheck assumes.
+    # alpha (16, 200, 2*50+1) float32 = 1,292,800 B, kept for backward; beta the same, inside it.
+    "ctc_loss": (
+        lambda: (torch.randn(200, 16, D), torch.randint(1, D, (16 * 50,)), torch.full((16,), 200),
+                 torch.full((16,), 50)),
+        lambda w, x, targets, x_len, t_len: nn.functional.ctc_loss(
+            (x * w).log_softmax(-1), targets, x_len, t_len, reduction="sum"),
+        "CTC targets taken as 50 labels each",
+    ),
 }
 
 
@@ -267,6 +277,21 @@ def test_data_dependent_checks_resolve_and_are_listed():
     assert est.peak_bytes > 0
     text = " ".join(est.assumptions)
     assert "any" in text and ".item()" in text
+
+
+def test_a_range_check_on_a_max_or_min_passes():
+    # transformers' CTC heads: `if labels.max() >= vocab_size: raise ValueError(...)`
+    seen = {}
+
+    def op(w, x, labels):
+        seen["max >= 32"], seen["min < 0"] = bool(labels.max() >= 32), bool(labels.min() < 0)
+        seen["(labels == 0).any()"] = bool((labels == 0).any())  # unchanged: padding assumed present
+        return x * w
+
+    with torch.device("meta"):
+        model, batch = Probe(op, D), (torch.empty(3, D), torch.empty(3, 5, dtype=torch.long))
+    memcheck.estimate(model, batch, device="cpu", optimizer="sgd", loss_fn=loss)
+    assert seen == {"max >= 32": False, "min < 0": False, "(labels == 0).any()": True}
 
 
 def test_nonzero_on_meta_assumes_every_element():

@@ -200,12 +200,16 @@ def _calling_trainer():
 
 
 def _task(config, model):
+    """The task whose worst-case batch memcheck builds, or None to check the first training batch:
+    audio models (raw audio, log-mel features) are sized by the processor, which the callback
+    does not see."""
     if config is None:
         return None
     try:
-        return hf.infer_task(config, model)
+        task = hf.infer_task(config, model)
     except UsageError:
         return None
+    return task if hf.known_kind(model, config, task) in (hf.TEXT, hf.IMAGE, hf.IMAGE_TEXT) else None
 
 
 def _precision(args, model) -> str:

@@ -1,8 +1,9 @@
 """Rules for CPU kernels that allocate inside the op what their meta kernels do not.
 
 oneDNN (mkldnn) convolutions reorder inputs and weights into blocked layouts and
-own an internal destination; the CPU batch norm keeps small temporaries; the
-oneDNN LSTM keeps a workspace for backward that the meta kernel reports as empty.
+own an internal destination (1-d ones run as 2-d, on a contiguous copy of their input);
+the CPU batch norm keeps small temporaries; the CPU layer norm copies a non-contiguous
+input; the oneDNN LSTM keeps a workspace for backward that the meta kernel reports as empty.
 Each rule emits those buffers right after the op's outputs (``ctx.scratch``), so
 that the peak inside the op is what the CPU allocator sees.
 
@@ -306,15 +307,38 @@ def _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups) -> str | No
     return "nchw" if inp.is_contiguous() else None
 
 
+def _per_dim(values, inp) -> list[int]:
+    """One value a spatial dimension: ATen's convolution takes a one-element list for all of them
+    (``expand_param_if_needed`` in aten/src/ATen/native/Convolution.cpp), as ``padding="valid"``
+    gives (SigLIP's patch embedding)."""
+    values = list(values)
+    return values * (inp.dim() - 2) if len(values) == 1 else values
+
+
+def _as_2d(inp, wt, stride, padding, dilation):
+    """A 1-d convolution as ATen runs it on CPU, a 2-d one of height 1 on a contiguous input
+    (``_convolution`` and ``convolution_backward`` in Convolution.cpp: ``input.contiguous()``
+    "avoid accidentally going through NHWC for permuted 3d input", ``params.view1d_as_2d()``,
+    ``view4d``), and the bytes of that copy (0 for a contiguous input); others as given."""
+    if inp.dim() != 3:
+        return inp, wt, stride, padding, dilation, 0
+    copy = 0 if inp.is_contiguous() else nbytes(inp)
+    n, c, w = inp.shape
+    inp = torch.empty(n, c, 1, w, dtype=inp.dtype, device="meta")
+    return inp, wt.unsqueeze(2), [1, *stride], [0, *padding], [1, *dilation], copy
+
+
 @register_op_rule(aten.convolution.default)
 def convolution(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     inp, wt, _, stride, padding, dilation, transposed, _, groups = args
+    stride, padding, dilation = (_per_dim(v, inp) for v in (stride, padding, dilation))
+    inp, wt, stride, padding, dilation, copy = _as_2d(inp, wt, stride, padding, dilation)
     layout = _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups)
     shapes = (tuple(inp.shape), tuple(wt.shape), _pair(stride))
     if layout == "nchw":
         ctx.track(out)
-        ctx.scratch(conv_forward_extra(*shapes, _pair(padding), _pair(dilation), groups))
+        ctx.scratch(copy, conv_forward_extra(*shapes, _pair(padding), _pair(dilation), groups))
     elif layout == "nhwc":
         # The CPU kernel's output is channels-last (Conv.cpp allocates it in the input's suggested
         # format); the meta kernel's is contiguous, which would send the next layers down the NCHW path.
@@ -330,11 +354,15 @@ def convolution(ctx, func, args, kwargs):
 def convolution_backward(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     grad, inp, wt, _, stride, padding, dilation, transposed, _, groups, mask = args
+    stride, padding, dilation = (_per_dim(v, inp) for v in (stride, padding, dilation))
+    inp, wt, stride, padding, dilation, copy = _as_2d(inp, wt, stride, padding, dilation)
     layout = _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups)
     shapes = (tuple(inp.shape), tuple(wt.shape), _pair(stride))
     if layout == "nchw":
         ctx.track(out)
-        ctx.scratch(conv_backward_extra(*shapes, _pair(padding), _pair(dilation), groups, mask))
+        # mkldnn_convolution_backward: grad_output.contiguous(memory_format), a copy when it is not
+        copy += 0 if grad.is_contiguous() else nbytes(grad)
+        ctx.scratch(copy, conv_backward_extra(*shapes, _pair(padding), _pair(dilation), groups, mask))
     elif layout == "nhwc":
         ctx.track(out)
         ctx.scratch(nhwc_conv_backward_extra(*shapes, groups, _weight_channels_last(wt), mask))
@@ -360,6 +388,38 @@ def batch_norm_backward(ctx, func, args, kwargs):
     if ctx.device is Device.CPU:
         ctx.track(out)
         ctx.scratch(nbytes(args[1]))
+    return out
+
+
+@register_op_rule(aten.native_layer_norm.default)
+def layer_norm(ctx, func, args, kwargs):
+    """CPU layer norm of a non-contiguous input (a transposed conv output: Wav2Vec2's layer-norm
+    feature encoder) normalises a contiguous copy, freed on return, into a contiguous output
+    (``layer_norm_cpu``, aten/src/ATen/native/layer_norm.cpp: ``X = input.expect_contiguous()``,
+    ``Y = empty_like(*X)``); the meta kernel's output keeps the input's strides instead."""
+    out = func(*args, **kwargs)
+    inp = args[0]
+    if ctx.device is Device.CPU and not inp.is_contiguous():
+        out = (torch.empty(inp.shape, dtype=out[0].dtype, device=out[0].device), *out[1:])
+        ctx.track(out)
+        ctx.scratch(nbytes(inp))
+    return out
+
+
+@register_op_rule(aten.native_layer_norm_backward.default)
+def layer_norm_backward(ctx, func, args, kwargs):
+    """CPU layer norm backward copies a non-contiguous input and gradient after its outputs, and
+    its input gradient is contiguous (``layer_norm_backward_cpu``: ``input.expect_contiguous()``,
+    ``dY.contiguous()``, ``dX = empty_like(*X)``)."""
+    out = func(*args, **kwargs)
+    grad_out, inp = args[0], args[1]
+    if ctx.device is Device.CPU:
+        copies = [nbytes(t) for t in (inp, grad_out) if not t.is_contiguous()]
+        if copies:
+            if out[0] is not None and not out[0].is_contiguous():
+                out = (torch.empty(out[0].shape, dtype=out[0].dtype, device=out[0].device), *out[1:])
+            ctx.track(out)
+            ctx.scratch(*copies)
     return out
 
 

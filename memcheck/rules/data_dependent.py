@@ -98,7 +98,26 @@ register_op_rule(aten.all, _tag_reduction("all"))
 register_op_rule(aten.any, _tag_reduction("any"))
 register_op_rule(aten.eq, _tag_reduction("=="))
 register_op_rule(aten.ne, _tag_reduction("!="))
-_FALSE_WHEN = ("all", "==")
+
+# Range checks on a whole tensor's largest or smallest value, ``labels.max() >= vocab_size`` or
+# ``ids.min() < 0`` (transformers' CTC heads raise "Label values must be <= vocab_size" on True):
+# the batch's values are in range, so the check is False. ``max``/``min`` here are the full
+# reductions (``aten.max.default``), which return one value.
+register_op_rule(aten.max.default, _tag_reduction("max"))
+register_op_rule(aten.min.default, _tag_reduction("min"))
+
+
+def _range_check(ctx, func, args, kwargs):
+    out = func(*args, **kwargs)
+    if isinstance(out, torch.Tensor) and out.device.type == "meta" and any(
+            getattr(a, _REDUCTION_TAG, None) in ("max", "min") for a in args[:2]):
+        setattr(out, _REDUCTION_TAG, "range")
+    return out
+
+
+for _compare in (aten.ge, aten.gt, aten.le, aten.lt):
+    register_op_rule(_compare, _range_check)
+_FALSE_WHEN = ("all", "==", "range")
 
 
 def synthetic_value(t: torch.Tensor, ctx=None):
@@ -637,3 +656,53 @@ def repeat_interleave(ctx, func, args, kwargs):
     if cpu:
         ctx.scratch(r)
     return out
+
+
+# --------------------------------------------------------------------------------------
+# CTC loss (Wav2Vec2ForCTC, HubertForCTC, WavLMForCTC ...). ATen has no meta kernel for it: the
+# size of its alpha table depends on the longest target, a value of ``target_lengths``.
+
+def _ctc_sizes(ctx, log_probs, targets):
+    """(time, batch, longest target). Worst case: every sample's target as long as the padded
+    labels' row, so for concatenated 1-d targets (``labels.masked_select(labels >= 0)``) an
+    even share of them."""
+    steps, batch = log_probs.shape[0], (log_probs.shape[1] if log_probs.dim() == 3 else 1)
+    if targets.dim() == 2:
+        longest = targets.shape[1]
+    else:
+        longest = -(-targets.numel() // batch)
+    ctx.assume(f"CTC targets taken as {longest} labels each (every label row full length)")
+    return steps, batch, longest
+
+
+@register_op_rule(aten._ctc_loss.Tensor)
+def ctc_loss(ctx, func, args, kwargs):
+    """``_ctc_loss`` on meta: the negative log likelihood (batch,) and the alpha table (batch,
+    time, 2 * longest target + 1), as ``ctc_loss_cpu_template`` and ``ctc_loss_gpu_template``
+    (aten/src/ATen/native/LossCTC.cpp, cuda/LossCTC.cu) allocate them."""
+    log_probs, targets = args[0], args[1]
+    if not _is_meta(log_probs):
+        return func(*args, **kwargs)
+    steps, batch, longest = _ctc_sizes(ctx, log_probs, targets)
+    options = dict(dtype=log_probs.dtype, device="meta")
+    nll = torch.empty(batch, **options) if log_probs.dim() == 3 else torch.empty((), **options)
+    log_alpha = torch.empty(batch, steps, 2 * longest + 1, **options)
+    if ctx.device is Device.CUDA:  # the lengths and target offsets copied to the GPU for the kernel (LossCTC.cu)
+        ctx.track((nll, log_alpha))
+        ctx.scratch(*(batch * INDEX_BYTES,) * 3)
+    return nll, log_alpha
+
+
+@register_op_rule(aten._ctc_loss_backward.Tensor)
+def ctc_loss_backward(ctx, func, args, kwargs):
+    """``_ctc_loss_backward`` on meta: the gradient, shaped as ``log_probs`` (``full_like(log_probs,
+    -inf)``), and inside the op the beta table, shaped as alpha (``empty_like(log_alpha)``), freed
+    on return (LossCTC.cpp ``ctc_loss_backward_cpu_template``, cuda/LossCTC.cu)."""
+    log_probs, log_alpha = args[1], args[6]
+    if not _is_meta(log_probs):
+        return func(*args, **kwargs)
+    grad = torch.empty_like(log_probs, memory_format=torch.contiguous_format)
+    ctx.track(grad)
+    extra = (log_probs.shape[1] * INDEX_BYTES,) * 3 if ctx.device is Device.CUDA and log_probs.dim() == 3 else ()
+    ctx.scratch(*extra, nbytes(log_alpha))
+    return grad

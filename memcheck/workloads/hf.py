@@ -17,23 +17,37 @@ from memcheck.enums import Attention, Task
 from memcheck.errors import ModelLoadError, UsageError
 from memcheck.job import SettingError, escape
 
+# The Auto classes that build each task's model, tried in order: the first whose mapping holds the
+# config's class (text, then speech or audio models for the same task).
 _AUTO_CLASS = {
-    Task.CAUSAL_LM: "AutoModelForCausalLM",
-    Task.MASKED_LM: "AutoModelForMaskedLM",
-    Task.SEQ2SEQ: "AutoModelForSeq2SeqLM",
-    Task.CLASSIFICATION: "AutoModelForSequenceClassification",
-    Task.IMAGE_CLASSIFICATION: "AutoModelForImageClassification",
+    Task.CAUSAL_LM: ("AutoModelForCausalLM",),
+    Task.MASKED_LM: ("AutoModelForMaskedLM",),
+    Task.SEQ2SEQ: ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq"),
+    Task.CLASSIFICATION: ("AutoModelForSequenceClassification", "AutoModelForAudioClassification"),
+    Task.IMAGE_CLASSIFICATION: ("AutoModelForImageClassification",),
+    Task.CTC: ("AutoModelForCTC",),
+    Task.CONTRASTIVE: ("AutoModelForZeroShotImageClassification",),  # CLIPModel, SiglipModel, AlignModel ...
 }
 # Architecture-name suffixes, checked in order.
 _SUFFIX_TASK = (
     ("ForImageClassification", Task.IMAGE_CLASSIFICATION),
     ("ForSequenceClassification", Task.CLASSIFICATION),
+    ("ForAudioClassification", Task.CLASSIFICATION),
+    ("ForCTC", Task.CTC),
     ("ForMaskedLM", Task.MASKED_LM),
     ("ForPreTraining", Task.MASKED_LM),
     ("ForCausalLM", Task.CAUSAL_LM),
     ("LMHeadModel", Task.CAUSAL_LM),
     ("ForConditionalGeneration", Task.SEQ2SEQ),
 )
+
+# What a batch is made of, from the model's main_input_name (``input_kind``).
+TEXT = "text"  # input_ids, attention_mask: max_len tokens
+IMAGE = "image"  # pixel_values at the config's image_size
+IMAGE_TEXT = "image-text"  # both, for contrastive models: max_len tokens and an image
+LOG_MEL = "log-mel"  # Whisper's input_features: num_mel_bins x 2 * max_source_positions frames, always
+AUDIO = "audio"  # input_values: max_len samples of raw audio (Wav2Vec2, HuBERT, WavLM ...)
+_MAIN_INPUT_KIND = {"input_ids": TEXT, "pixel_values": IMAGE, "input_values": AUDIO}
 
 
 def load_config(spec: str, *, allow_download: bool = False):
@@ -62,11 +76,23 @@ def load_config(spec: str, *, allow_download: bool = False):
         raise ModelLoadError(f"hf:{spec}: cannot load its config{hint}: {first}") from exc
 
 
+def _forward_takes(model: torch.nn.Module | None, *names: str) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return all(name in params for name in names)
+
+
 def infer_task(config, model: torch.nn.Module | None = None) -> Task:
-    """The task implied by the architecture name; encoder-decoders default to seq2seq."""
-    names = list(getattr(config, "architectures", None) or [])
-    if model is not None:
-        names.insert(0, type(model).__name__)
+    """The task implied by the architecture name; encoder-decoders default to seq2seq, and a
+    model whose forward takes ``pixel_values`` and ``return_loss`` (CLIP, SigLIP) is contrastive."""
+    names = list(dict.fromkeys(([type(model).__name__] if model is not None else [])
+                               + list(getattr(config, "architectures", None) or [])))
+    if _forward_takes(model, "input_ids", "pixel_values", "return_loss"):
+        return Task.CONTRASTIVE
     for name in names:
         for suffix, task in _SUFFIX_TASK:
             if name.endswith(suffix):
@@ -75,14 +101,51 @@ def infer_task(config, model: torch.nn.Module | None = None) -> Task:
                 return task
     if getattr(config, "is_encoder_decoder", False):
         return Task.SEQ2SEQ
-    raise SettingError("task", escape(f"cannot tell the task of {type(config).__name__} (architectures={names or None}); ")
+    what = names[0] if names else type(config).__name__
+    raise SettingError("task", escape(f"cannot tell the task of {what}; ")
                        + "pass {name}, one of: " + ", ".join(t.value for t in Task))
 
 
-def build_model(config, task: Task | None = None, attn: Attention | None = None, device="meta"):
-    """Instantiate the architecture (or ``task``'s Auto class) from ``config`` on ``device``."""
+def _auto_class(task: Task, config):
+    """The first of ``task``'s Auto classes that knows ``config``'s class (else the first, whose
+    error then names the config)."""
     import transformers
 
+    classes = [getattr(transformers, name) for name in _AUTO_CLASS[task] if hasattr(transformers, name)]
+    return next((auto for auto in classes if type(config) in auto._model_mapping), classes[0])
+
+
+def _without_layerdrop(config):
+    """``config`` with LayerDrop off (a copy where it was on): the worst training step drops no
+    layer. LayerDrop (Wav2Vec2, HuBERT: ``layerdrop`` 0.1; BART, Whisper: ``encoder_layerdrop``,
+    ``decoder_layerdrop``) skips a layer when ``torch.rand([]) < layerdrop``, a CPU draw that
+    would make the traced step, and its peak, random."""
+    import copy
+
+    def configs(c):
+        yield c
+        for value in vars(c).values():
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                yield from configs(value)
+
+    def dropping(c):
+        return [k for k, v in vars(c).items() if "layerdrop" in k and isinstance(v, (int, float)) and v > 0]
+
+    if not any(dropping(c) for c in configs(config)):
+        return config
+    config = copy.deepcopy(config)
+    for c in configs(config):
+        for key in dropping(c):
+            setattr(c, key, 0.0)
+    return config
+
+
+def build_model(config, task: Task | None = None, attn: Attention | None = None, device="meta"):
+    """Instantiate the architecture (or ``task``'s Auto class) from ``config`` on ``device``, with
+    LayerDrop off (``_without_layerdrop``)."""
+    import transformers
+
+    config = _without_layerdrop(config)
     kwargs = {"attn_implementation": attn.value} if attn else {}
     archs = getattr(config, "architectures", None) or []
     try:
@@ -90,11 +153,10 @@ def build_model(config, task: Task | None = None, attn: Attention | None = None,
             if task is None and archs and hasattr(transformers, archs[0]):
                 return getattr(transformers, archs[0])._from_config(config, **kwargs)
             task = task or infer_task(config)
-            auto = getattr(transformers, _AUTO_CLASS[task])
-            return auto.from_config(config, **kwargs)
+            return _auto_class(task, config).from_config(config, **kwargs)
     except (UsageError, ModelLoadError):
         raise
-    except (ValueError, KeyError, ImportError, TypeError) as exc:
+    except (ValueError, KeyError, ImportError, TypeError, AssertionError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot build {type(config).__name__} for task {task}: {first}") from exc
 
@@ -136,71 +198,195 @@ def checkpointing_argument() -> str:
 
 
 def position_limit(config) -> tuple[int | None, str | None]:
-    """The longest sequence the position embeddings allow, and the config key it came from."""
+    """The longest token sequence the position embeddings allow, and the config key it came from
+    (a composite config's text part for CLIP or SigLIP: ``text_config.max_position_embeddings``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    prefix = "" if text is config else next((f"{k}." for k, v in vars(config).items() if v is text), "")
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(config, key, None)
+        value = getattr(text, key, None)
         if isinstance(value, int) and value > 0:
-            return value, key
+            return value, prefix + key
     return None, None
 
 
-def is_vision(model: torch.nn.Module) -> bool:
-    return getattr(model, "main_input_name", "input_ids") == "pixel_values"
+def target_limit(config) -> tuple[int | None, str | None]:
+    """The longest label sequence a seq2seq decoder takes (Whisper: ``max_target_positions``, 448)."""
+    value = getattr(config, "max_target_positions", None)
+    if isinstance(value, int) and value > 0:
+        return value, "max_target_positions"
+    return position_limit(config)
 
 
-def check_lengths(model, config, max_len: int | None, target_len: int | None) -> None:
+def input_kind(model: torch.nn.Module, config, task: Task | None = None) -> str:
+    """What ``model``'s batch is made of (``TEXT``, ``IMAGE``, ``IMAGE_TEXT``, ``LOG_MEL``, ``AUDIO``),
+    from its ``main_input_name``; raises ModelLoadError, in one line, for inputs memcheck cannot build."""
+    main = getattr(model, "main_input_name", "input_ids")
+    if task is Task.CONTRASTIVE:
+        if not _forward_takes(model, "input_ids", "pixel_values", "return_loss"):
+            raise ModelLoadError(f"{type(model).__name__} is no image-text model: its forward takes no input_ids, "
+                                 "pixel_values and return_loss, which contrastive training feeds it")
+        if _forward_takes(model, "spatial_shapes"):  # Siglip2: pixel_values are patches, sized per image
+            raise ModelLoadError(f"memcheck cannot build a batch for {type(model).__name__}: it takes patchified "
+                                 "images (pixel_values, pixel_attention_mask, spatial_shapes); write a model file "
+                                 "with build_model() and make_batch(batch_size, max_len)")
+        return IMAGE_TEXT
+    if task is Task.IMAGE_CLASSIFICATION:
+        return IMAGE
+    if main == "input_features" and _mel_shape(config) is not None:
+        return LOG_MEL
+    if main in _MAIN_INPUT_KIND:
+        return _MAIN_INPUT_KIND[main]
+    raise ModelLoadError(f"memcheck cannot build a batch for {type(model).__name__}: its main input is {main!r}; "
+                         "write a model file with build_model() and make_batch(batch_size, max_len)")
+
+
+def _mel_shape(config) -> tuple[int, int] | None:
+    """Whisper's log-mel input: (num_mel_bins, frames); the encoder rejects any other length than
+    ``max_source_positions * conv1.stride * conv2.stride`` = 2 * max_source_positions
+    (modeling_whisper.py, WhisperEncoder.forward: "expects the mel input features to be of length")."""
+    bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if isinstance(bins, int) and isinstance(positions, int):
+        return bins, 2 * positions
+    return None
+
+
+def known_kind(model, config, task: Task | None = None) -> str | None:
+    """``input_kind``, or None where memcheck cannot build the inputs (a model file's own make_batch does)."""
+    try:
+        return input_kind(model, config, task)
+    except ModelLoadError:
+        return None
+
+
+def takes_length(model, config, task: Task | None = None) -> bool:
+    """Whether ``max_len`` sizes the batch: tokens of text, samples of raw audio; images and
+    Whisper's 30-second log-mel windows have one size."""
+    return input_kind(model, config, task) in (TEXT, IMAGE_TEXT, AUDIO)
+
+
+def ctc_frames(model, samples: int) -> int:
+    """The CTC head's output frames for ``samples`` of raw audio: each of the feature encoder's
+    convolutions makes (n - kernel) // stride + 1 of n, then each adapter layer (n - 1) // stride + 1
+    (``_get_feat_extract_output_lengths`` in modeling_wav2vec2.py; 320x fewer for Wav2Vec2's strides)."""
+    config = model.config
+    frames = samples
+    for kernel, stride in zip(config.conv_kernel, config.conv_stride):
+        frames = (frames - kernel) // stride + 1
+    if getattr(config, "add_adapter", False):
+        for _ in range(config.num_adapter_layers):
+            frames = (frames - 1) // config.adapter_stride + 1
+    return frames
+
+
+def _counts_frames(model, task: Task | None) -> bool:
+    config = getattr(model, "config", None)
+    return task is Task.CTC and all(hasattr(config, key) for key in ("conv_kernel", "conv_stride"))
+
+
+def check_lengths(model, config, max_len: int | None, target_len: int | None, task: Task | None = None) -> None:
     """Reject lengths the model cannot take, naming the limit and where it comes from."""
-    if is_vision(model):
-        return
-    limit, key = position_limit(config)
+    kind = known_kind(model, config, task)
     name = type(model).__name__
-    if max_len is not None and limit is not None and max_len > limit:
-        raise SettingError("max_len", "{name} " + escape(f"{max_len} exceeds {name}'s position limit of {limit} "
-                                                        f"(config.{key})"))
-    if target_len is not None and limit is not None and target_len > limit:
+    if kind in (TEXT, IMAGE_TEXT):
+        limit, key = position_limit(config)
+        if max_len is not None and limit is not None and max_len > limit:
+            raise SettingError("max_len", "{name} " + escape(f"{max_len} exceeds {name}'s position limit of "
+                                                            f"{limit} (config.{key})"))
+    if target_len is None:
+        return
+    if kind == AUDIO and max_len is not None and _counts_frames(model, task):
+        limit, key = ctc_frames(model, max_len), None
+        if target_len > limit:
+            raise SettingError("target_len", "{name} " + escape(f"{target_len} exceeds the {limit} frames {name}'s "
+                                                               f"CTC head makes of {max_len} samples; a CTC label "
+                                                               "is at most one token a frame"))
+        return
+    limit, key = target_limit(config) if kind in (LOG_MEL, AUDIO) else position_limit(config)
+    if limit is not None and target_len > limit:
         raise SettingError("target_len", "{name} " + escape(f"{target_len} exceeds {name}'s position limit of "
                                                            f"{limit} (config.{key})"))
 
 
-def default_max_len(model, config) -> int:
+def default_max_len(model, config, task: Task | None = None) -> int:
+    """The position limit for text (512 where the config names none); raw audio has no default."""
+    if input_kind(model, config, task) == AUDIO:
+        raise SettingError("max_len", escape(f"{type(model).__name__} takes raw audio: give ") + "{name} "
+                           "(the longest clip in samples: 480000 for 30 s at 16 kHz)")
     limit, _ = position_limit(config)
     return limit or 512
+
+
+def _vision_config(config):
+    return getattr(config, "vision_config", None) or config
+
+
+def _pixels(config, batch_size: int, device) -> torch.Tensor:
+    vision = _vision_config(config)
+    size = getattr(vision, "image_size", 224)
+    size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+    return torch.randn(batch_size, getattr(vision, "num_channels", 3), *size, device=device)
+
+
+def _padded_mask(batch_size: int, length: int, device) -> torch.Tensor:
+    mask = torch.ones(batch_size, length, dtype=torch.long, device=device)
+    if length > 1:
+        mask[0, -1] = 0  # padded data: at least one padded position in the batch
+    return mask
 
 
 def make_batch(model, config, task: Task, batch_size: int, max_len: int | None, target_len: int | None, device="meta") -> dict[str, Any]:
     """The worst-case training batch for ``task``: every sequence padded to ``max_len``.
 
-    Values are only meaningful off the meta device (the real runs that measure
-    accuracy use them): random token ids, an attention mask of ones with one
-    padded position, labels as the task wants them.
+    The inputs follow the model's ``main_input_name`` (``input_kind``): token ids and an
+    attention mask of ones with one padded position; pixels at the config's image size;
+    Whisper's log-mel features (B, num_mel_bins, 2 * max_source_positions); raw audio of
+    ``max_len`` samples. The labels follow ``task``. Values are only meaningful off the meta
+    device (the real runs that measure accuracy use them).
     """
-    def ids(n_rows, n_cols, high):
-        return torch.randint(0, max(int(high), 1), (n_rows, n_cols), device=device)
+    def ids(n_rows, n_cols, high, low=0):
+        return torch.randint(low, max(int(high), low + 1), (n_rows, n_cols), device=device)
 
-    if is_vision(model) or task is Task.IMAGE_CLASSIFICATION:
-        size = getattr(config, "image_size", 224)
-        size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
-        channels = getattr(config, "num_channels", 3)
-        return {
-            "pixel_values": torch.randn(batch_size, channels, *size, device=device),
-            "labels": torch.randint(0, max(config.num_labels, 1), (batch_size,), device=device),
-        }
-    if max_len is None:
-        raise SettingError("max_len", escape(type(model).__name__) + " needs {name}")
-    vocab = getattr(config, "vocab_size", 2)
-    input_ids = ids(batch_size, max_len, vocab)
-    mask = torch.ones(batch_size, max_len, dtype=torch.long, device=device)
-    if max_len > 1:
-        mask[0, -1] = 0  # padded data: at least one padded position in the batch
-    batch = {"input_ids": input_ids, "attention_mask": mask}
-    if task is Task.SEQ2SEQ:
-        if target_len is None:  # no default: the labels' length is the job's, and decoder memory grows with it
-            limit, _ = position_limit(config)
-            raise SettingError("target_len", escape(type(model).__name__) + " is a seq2seq model: give {name} "
-                               "(the label length, " + (f"1 to {limit})" if limit else "a positive integer)"))
-        batch["labels"] = ids(batch_size, target_len, vocab)
-    elif task is Task.CLASSIFICATION:
+    name = type(model).__name__
+    kind = input_kind(model, config, task)
+    if kind in (TEXT, IMAGE_TEXT, AUDIO) and max_len is None:
+        raise SettingError("max_len", escape(name) + " needs {name}")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", 2)
+    batch: dict[str, Any] = {}
+    if kind in (TEXT, IMAGE_TEXT):
+        batch = {"input_ids": ids(batch_size, max_len, vocab), "attention_mask": _padded_mask(batch_size, max_len, device)}
+    if kind in (IMAGE, IMAGE_TEXT):
+        batch["pixel_values"] = _pixels(config, batch_size, device)
+    if kind == LOG_MEL:  # 30 s windows, padded with silence: no attention mask (WhisperFeatureExtractor)
+        batch["input_features"] = torch.randn(batch_size, *_mel_shape(config), device=device)
+    if kind == AUDIO:
+        batch["input_values"] = torch.randn(batch_size, max_len, device=device)
+        # the feature extractor returns a mask only for layer-norm feature encoders (wav2vec2-large-lv60 and
+        # others); the group-norm ones (wav2vec2-base, hubert-base) are fed padded audio without one
+        if getattr(config, "feat_extract_norm", "layer") == "layer":
+            batch["attention_mask"] = _padded_mask(batch_size, max_len, device)
+
+    if task is Task.CONTRASTIVE:
+        batch["return_loss"] = True  # the model's own contrastive (CLIP) or sigmoid (SigLIP) loss
+    elif task in (Task.CLASSIFICATION, Task.IMAGE_CLASSIFICATION):
         batch["labels"] = torch.randint(0, max(config.num_labels, 1), (batch_size,), device=device)
+    elif task in (Task.SEQ2SEQ, Task.CTC):
+        if target_len is None:  # no default: the labels' length is the job's, and decoder memory grows with it
+            limit, _ = target_limit(config) if kind in (LOG_MEL, AUDIO) else position_limit(config)
+            if max_len is not None and _counts_frames(model, task):
+                limit = ctc_frames(model, max_len)
+            what = "a seq2seq" if task is Task.SEQ2SEQ else "a CTC"
+            raise SettingError("target_len", escape(f"{name} is {what} model: give ") + "{name} "
+                               "(the label length, " + (f"1 to {limit})" if limit else "a positive integer)"))
+        if task is Task.CTC:  # transcripts without the blank (config.pad_token_id, the CTC blank)
+            blank = getattr(config, "pad_token_id", 0) or 0
+            labels = ids(batch_size, target_len, vocab - 1)
+            batch["labels"] = labels + (labels >= blank).long()
+        else:
+            batch["labels"] = ids(batch_size, target_len, vocab)
+    elif kind == TEXT:
+        batch["labels"] = batch["input_ids"].clone()
     else:
-        batch["labels"] = input_ids.clone()
+        raise ModelLoadError(f"memcheck cannot feed {name} for {task.value}: its input is {kind}, not token ids; "
+                             "write a model file with build_model() and make_batch(batch_size, max_len)")
     return batch

@@ -145,10 +145,10 @@ def _check_sizes(batch_size, max_len, target_len):
 
 
 def _check_target(name: str, task: Task, target_len: int | None) -> None:
-    """Only a seq2seq model's labels have a length of their own; elsewhere a target length
+    """Only a seq2seq or CTC model's labels have a length of their own; elsewhere a target length
     would be reported but never traced."""
-    if target_len is not None and task is not Task.SEQ2SEQ:
-        raise SettingError("target_len", "{name} applies to seq2seq models only; "
+    if target_len is not None and task not in (Task.SEQ2SEQ, Task.CTC):
+        raise SettingError("target_len", "{name} applies to seq2seq and ctc models only; "
                            + escape(f"{name} is {task.value}") + ": drop {name}")
 
 
@@ -175,9 +175,9 @@ def load_workload(
         model, _ = _built(device, lambda keep_host: hf.build_model(config, task, attn,
                                                                    device="cpu" if keep_host else device))
         task = task or hf.infer_task(config, model)
-        if max_len is None and not hf.is_vision(model):
-            max_len = hf.default_max_len(model, config)
-        hf.check_lengths(model, config, max_len, target_len)
+        if max_len is None and hf.takes_length(model, config, task):
+            max_len = hf.default_max_len(model, config, task)
+        hf.check_lengths(model, config, max_len, target_len, task)
         _check_target(type(model).__name__, task, target_len)
 
         def make(size, length, target):
@@ -185,7 +185,7 @@ def load_workload(
                 return hf.make_batch(model, config, task, size, length, target, device=device)
 
         return Workload(type(model).__name__, model, make(batch_size, max_len, target_len), None, None,
-                        batch_size, max_len, target_len, make, _limit(model, config), hf.trainer_optimizer(),
+                        batch_size, max_len, target_len, make, _limit(model, config, task), hf.trainer_optimizer(),
                         default_max_grad_norm=hf.trainer_max_grad_norm())
 
     path = Path(spec)
@@ -224,9 +224,9 @@ def load_workload(
                     return _call(path, module.make_batch, "make_batch()", size, length)
         elif config is not None and hasattr(model, "main_input_name"):
             task = task or hf.infer_task(config, model)
-            if max_len is None and not hf.is_vision(model):
-                max_len = hf.default_max_len(model, config)
-            hf.check_lengths(model, config, max_len, target_len)
+            if max_len is None and hf.takes_length(model, config, task):
+                max_len = hf.default_max_len(model, config, task)
+            hf.check_lengths(model, config, max_len, target_len, task)
             _check_target(type(model).__name__, task, target_len)
 
             def make(size, length, target):
@@ -245,9 +245,13 @@ def load_workload(
         raise ModelLoadError(f"{path}: train_step must be a function train_step(model, batch, optimizer)")
     return Workload(
         path.stem, model, batch, loss_fn, make_optimizer, batch_size, max_len, target_len, make,
-        _limit(model, config) if config is not None else None, train_step=train_step,
+        _limit(model, config, task) if config is not None else None, train_step=train_step,
     )
 
 
-def _limit(model, config) -> int | None:
-    return None if hf.is_vision(model) else hf.position_limit(config)[0]
+def _limit(model, config, task=None) -> int | None:
+    """The longest max_len the model takes: its position limit for text; none for images, Whisper's
+    fixed windows or raw audio."""
+    if hf.known_kind(model, config, task) not in (hf.TEXT, hf.IMAGE_TEXT):
+        return None
+    return hf.position_limit(config)[0]

@@ -4,6 +4,7 @@ from collections import defaultdict
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memcheck.enums import Category, Device
 from memcheck.trace.tracer import ALLOC, FREE, MemoryTracer
@@ -185,14 +186,60 @@ def test_a_real_backward_sums_a_twice_used_tensors_gradients_in_place():
 def test_any_dispatch_mode_makes_a_real_backward_sum_gradients_out_of_place():
     # torch's isTensorSubclassLike is true for every tensor while a dispatch mode is active, and the
     # engine's input buffer then adds out of place: the reason the tracer must undo it.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class DoNothing(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    assert _real_backward_peak(DoNothing()) == OUT_OF_PLACE_SUM
+    assert _real_backward_peak(_DoNothing()) == OUT_OF_PLACE_SUM
 
 
 def test_trace_sums_a_twice_used_tensors_gradients_in_place_as_a_real_run():
     assert _traced_backward_peak() == IN_PLACE_SUM
+
+
+def _indexed(x):
+    return x[torch.arange(0, 1024, 2, device=x.device)].sum()  # rows 0, 2, ..., 1022 of x
+
+
+ROWS = (1024, 256)  # float32: U = 1024 * 256 * 4 B = 1,048,576 B
+
+
+def _real_index_backward_peak(mode=None) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    from memcheck.rules.probe import cpu_memory_events, running_peak
+
+    x = torch.randn(ROWS, requires_grad=True)
+    loss = _indexed(x)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with mode if mode is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss.backward()
+    return running_peak(n for _, n in cpu_memory_events(prof.profiler.kineto_results.events()))
+
+
+class _DoNothing(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+# Backward of x[idx].sum(), above x and loss: the loss's gradient (4 B) expanded to the (512, 256)
+# rows without a copy, then zeros like x (U) into which index_backward puts the rows in place
+# (_index_put_impl_), stolen into x.grad: 4 B + U = 1,048,580 B. Out of place (zeros.index_put(...),
+# what torch does under any dispatch mode) copies the zeros first: 4 B + 2U = 2,097,156 B.
+INDEX_IN_PLACE = 4 + 1024 * 256 * 4
+INDEX_OUT_OF_PLACE = 4 + 2 * 1024 * 256 * 4
+
+
+def test_a_real_index_backward_fills_its_zeros_in_place_unless_a_dispatch_mode_is_active():
+    assert _real_index_backward_peak() == INDEX_IN_PLACE
+    assert _real_index_backward_peak(_DoNothing()) == INDEX_OUT_OF_PLACE
+
+
+def test_trace_fills_an_index_backwards_zeros_in_place_as_a_real_run():
+    tracer = MemoryTracer(Device.CPU)
+    with tracer:
+        x = torch.empty(ROWS, device="meta", requires_grad=True)
+        loss = _indexed(x)
+        start, live, peak = len(tracer.log.events), 0, 0
+        loss.backward()
+        for kind, _, n, *_ in tracer.log.events[start:]:
+            live += n if kind == ALLOC else -n if kind == FREE else 0
+            peak = max(peak, live)
+        del x, loss
+    assert peak == INDEX_IN_PLACE

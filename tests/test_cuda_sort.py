@@ -193,9 +193,11 @@ def test_backward_of_integer_indexing_reaches_the_sort_rule():
         start = len(tracer.log.events)
         y.sum().backward()
     allocs = [e[2] for e in tracer.log.events[start:] if e[0] == ALLOC]
-    # sum and ones (4 B each); new_zeros (256,000 B) and index_put's clone (256,000 B); then the kernel:
-    # linearIndex, remainder, the expanded grad copied (1,048,576 B), sorted, orig, range, cub temp
-    assert allocs == [4, 4, 256_000, 256_000, 32_768, 32_768, 1_048_576, 32_768, 32_768, 32_768, 65_536]
+    # sum and ones (4 B each); new_zeros (256,000 B), filled in place by index_backward's
+    # _index_put_impl_ (no clone: that is index_put's, which torch takes only under a dispatch mode,
+    # see test_tracer.py); then the kernel: linearIndex, remainder, the expanded grad copied
+    # (1,048,576 B), sorted, orig, range, cub temp
+    assert allocs == [4, 4, 256_000, 32_768, 32_768, 1_048_576, 32_768, 32_768, 32_768, 65_536]
 
 
 # --- sort (audit row 36) -----------------------------------------------------------------------

@@ -4,6 +4,7 @@ from collections import defaultdict
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memcheck.enums import Category, Device
 from memcheck.trace.tracer import ALLOC, FREE, MemoryTracer
@@ -128,3 +129,117 @@ def test_weights_are_created_in_the_order_model_to_cuda_moves_them():
     tracer = MemoryTracer(Device.CUDA)
     tracer.watch(model=model)
     assert [e[2] for e in tracer.log.events if e[0] == ALLOC] == moved == [24, 12, 48, 16, 16, 16, 16, 16, 8, 4]
+
+
+# ---- the autograd engine's sum of a tensor's gradients (issue 18, cause 5) -------------------------
+N = 1024  # float32 elements: U = 4096 B per tensor
+
+
+def _twice_used(x):
+    """``h = -x`` feeds two ops, so the engine sums h's two gradients. Negation saves nothing for
+    backward (and, unlike ``h * 2``, makes no 4 B tensor of a Python number), so only ``x`` and
+    ``loss`` outlive the forward."""
+    h = x.neg()
+    return h.neg().sum() + h.neg().sum()
+
+
+def _real_backward_peak(mode=None) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    from memcheck.rules.probe import cpu_memory_events, running_peak
+
+    x = torch.randn(N, requires_grad=True)
+    loss = _twice_used(x)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with mode if mode is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss.backward()
+    return running_peak(n for _, n in cpu_memory_events(prof.profiler.kineto_results.events()))
+
+
+def _traced_backward_peak() -> int:
+    tracer = MemoryTracer(Device.CPU)
+    with tracer:
+        x = torch.empty(N, device="meta", requires_grad=True)
+        loss = _twice_used(x)
+        start, live = len(tracer.log.events), 0
+        loss.backward()
+        peak = 0
+        for kind, _, n, *_ in tracer.log.events[start:]:
+            live += n if kind == ALLOC else -n if kind == FREE else 0
+            peak = max(peak, live)
+        del x, loss
+    return peak
+
+
+# Backward, above x and loss: the loss's gradient (a 4 B scalar, still held by the expand views the
+# two SumBackward0 pass on); g1 = -grad (U); g2 = -grad (U), which the engine adds into g1 in place
+# and frees; then x's gradient -g1 (U) while g1 lives, stolen into x.grad.
+# Peak: 4 B + 2U = 8,196 B. Summed out of place (g1 + g2, a third U): 4 B + 3U = 12,292 B.
+IN_PLACE_SUM = 4 + 2 * 4 * N
+OUT_OF_PLACE_SUM = 4 + 3 * 4 * N
+
+
+def test_a_real_backward_sums_a_twice_used_tensors_gradients_in_place():
+    assert _real_backward_peak() == IN_PLACE_SUM
+
+
+def test_any_dispatch_mode_makes_a_real_backward_sum_gradients_out_of_place():
+    # torch's isTensorSubclassLike is true for every tensor while a dispatch mode is active, and the
+    # engine's input buffer then adds out of place: the reason the tracer must undo it.
+    assert _real_backward_peak(_DoNothing()) == OUT_OF_PLACE_SUM
+
+
+def test_trace_sums_a_twice_used_tensors_gradients_in_place_as_a_real_run():
+    assert _traced_backward_peak() == IN_PLACE_SUM
+
+
+def _indexed(x):
+    return x[torch.arange(0, 1024, 2, device=x.device)].sum()  # rows 0, 2, ..., 1022 of x
+
+
+ROWS = (1024, 256)  # float32: U = 1024 * 256 * 4 B = 1,048,576 B
+
+
+def _real_index_backward_peak(mode=None) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    from memcheck.rules.probe import cpu_memory_events, running_peak
+
+    x = torch.randn(ROWS, requires_grad=True)
+    loss = _indexed(x)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with mode if mode is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss.backward()
+    return running_peak(n for _, n in cpu_memory_events(prof.profiler.kineto_results.events()))
+
+
+class _DoNothing(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+# Backward of x[idx].sum(), above x and loss: the loss's gradient (4 B) expanded to the (512, 256)
+# rows without a copy, then zeros like x (U) into which index_backward puts the rows in place
+# (_index_put_impl_), stolen into x.grad: 4 B + U = 1,048,580 B. Out of place (zeros.index_put(...),
+# what torch does under any dispatch mode) copies the zeros first: 4 B + 2U = 2,097,156 B.
+INDEX_IN_PLACE = 4 + 1024 * 256 * 4
+INDEX_OUT_OF_PLACE = 4 + 2 * 1024 * 256 * 4
+
+
+def test_a_real_index_backward_fills_its_zeros_in_place_unless_a_dispatch_mode_is_active():
+    assert _real_index_backward_peak() == INDEX_IN_PLACE
+    assert _real_index_backward_peak(_DoNothing()) == INDEX_OUT_OF_PLACE
+
+
+def test_trace_fills_an_index_backwards_zeros_in_place_as_a_real_run():
+    tracer = MemoryTracer(Device.CPU)
+    with tracer:
+        x = torch.empty(ROWS, device="meta", requires_grad=True)
+        loss = _indexed(x)
+        start, live, peak = len(tracer.log.events), 0, 0
+        loss.backward()
+        for kind, _, n, *_ in tracer.log.events[start:]:
+            live += n if kind == ALLOC else -n if kind == FREE else 0
+            peak = max(peak, live)
+        del x, loss
+    assert peak == INDEX_IN_PLACE

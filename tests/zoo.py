@@ -109,9 +109,37 @@ def vit():
     return _hf(ViTConfig(num_hidden_layers=2), Task.IMAGE_CLASSIFICATION, 4, None)
 
 
+def mamba():
+    # transformers' reference scan (no mamba_ssm kernels on CPU) loops over the sequence and sums the
+    # state's gradient at every position: the engine's in-place sums show in the peak (issue 18, cause 5).
+    from transformers import MambaConfig
+
+    return _hf(MambaConfig(num_hidden_layers=2, hidden_size=256, vocab_size=1000), Task.CAUSAL_LM, 2, 128)
+
+
+def dinov2():
+    from transformers import Dinov2Config
+
+    config = Dinov2Config(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, intermediate_size=512,
+                          image_size=112, patch_size=14)
+    return _hf(config, Task.IMAGE_CLASSIFICATION, 4, None)
+
+
+def clip():
+    from transformers import CLIPConfig
+
+    config = CLIPConfig(
+        text_config=dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4),
+        vision_config=dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                           image_size=224, patch_size=32),
+    )
+    return _hf(config, Task.IMAGE_CLASSIFICATION, 4, None)
+
+
 ZOO = {
     "mlp": mlp, "cnn_bn": cnn_bn, "two_branch": two_branch, "lstm": lstm,
     "gpt2": gpt2, "bert": bert, "pegasus": pegasus, "t5": t5, "vit": vit,
+    "mamba": mamba, "dinov2": dinov2, "clip": clip,
 }
 
 

@@ -53,8 +53,9 @@ def test_lstm_long_sequences_are_extrapolated_within_2_percent(monkeypatch):
 
 def test_one_element_padding_is_repeated_per_dimension():
     # padding="valid" reaches aten.convolution as [0]; stride=2 from a model can be [2].
-    assert cpu_kernels._pair([0]) == (0, 0)
-    assert cpu_kernels._pair([2, 3]) == (2, 3)
+    image = torch.empty(1, 3, 8, 8, device="meta")
+    assert cpu_kernels._per_dim([0], image) == [0, 0]
+    assert cpu_kernels._per_dim([2, 3], image) == [2, 3]
 
 
 @pytest.mark.parametrize(

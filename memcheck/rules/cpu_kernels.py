@@ -187,12 +187,6 @@ def conv_backward_extra(inp, wt, stride, padding, dilation, groups, mask) -> int
     return _extra_over_outputs(seq, outs)
 
 
-def _pair(values) -> tuple[int, int]:
-    """ATen passes one element for a square stride, padding or dilation (``padding="valid"`` gives ``[0]``);
-    ``expand_param_if_needed`` (aten/src/ATen/native/Convolution.cpp) repeats it per spatial dimension."""
-    return (values[0], values[0]) if len(values) == 1 else (values[0], values[1])
-
-
 # --------------------------------------------------------------------------------------
 # Channels-last (NHWC) convolutions. ``mkldnn_conv_use_channels_last`` (ATen/native/ConvUtils.h)
 # is true when the input or the weight suggests channels-last; Conv.cpp then runs oneDNN on
@@ -296,7 +290,7 @@ def _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups) -> str | No
         ctx.assume("CPU target: oneDNN's low-precision convolution buffers are not modelled (fp32 only)")
     if not (
         ctx.device is Device.CPU and inp.dim() == 4 and not transposed and inp.dtype == torch.float32
-        and conv_uses_mkldnn(inp.shape, wt.shape, _pair(stride), _pair(dilation), groups, inp.dtype)
+        and conv_uses_mkldnn(inp.shape, wt.shape, tuple(stride), tuple(dilation), groups, inp.dtype)
     ):
         return None
     if conv_channels_last(inp, wt):
@@ -328,17 +322,25 @@ def _as_2d(inp, wt, stride, padding, dilation):
     return inp, wt.unsqueeze(2), [1, *stride], [0, *padding], [1, *dilation], copy
 
 
+def _conv_setup(ctx, inp, wt, stride, padding, dilation, transposed, groups):
+    """What both convolution rules start from: the oneDNN layout taken (``_onednn_conv``), the
+    (input, weight, stride) shapes as 2-d, padding and dilation per spatial dimension, the bytes of a
+    1-d input's contiguous copy (``_as_2d``), and the weight as 2-d."""
+    stride, padding, dilation = (_per_dim(v, inp) for v in (stride, padding, dilation))
+    inp, wt, stride, padding, dilation, copy = _as_2d(inp, wt, stride, padding, dilation)
+    layout = _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups)
+    return layout, (tuple(inp.shape), tuple(wt.shape), tuple(stride)), tuple(padding), tuple(dilation), copy, wt
+
+
 @register_op_rule(aten.convolution.default)
 def convolution(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     inp, wt, _, stride, padding, dilation, transposed, _, groups = args
-    stride, padding, dilation = (_per_dim(v, inp) for v in (stride, padding, dilation))
-    inp, wt, stride, padding, dilation, copy = _as_2d(inp, wt, stride, padding, dilation)
-    layout = _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups)
-    shapes = (tuple(inp.shape), tuple(wt.shape), _pair(stride))
+    layout, shapes, padding, dilation, copy, wt = _conv_setup(ctx, inp, wt, stride, padding, dilation, transposed,
+                                                              groups)
     if layout == "nchw":
         ctx.track(out)
-        ctx.scratch(copy, conv_forward_extra(*shapes, _pair(padding), _pair(dilation), groups))
+        ctx.scratch(copy, conv_forward_extra(*shapes, padding, dilation, groups))
     elif layout == "nhwc":
         # The CPU kernel's output is channels-last (Conv.cpp allocates it in the input's suggested
         # format); the meta kernel's is contiguous, which would send the next layers down the NCHW path.
@@ -354,15 +356,13 @@ def convolution(ctx, func, args, kwargs):
 def convolution_backward(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     grad, inp, wt, _, stride, padding, dilation, transposed, _, groups, mask = args
-    stride, padding, dilation = (_per_dim(v, inp) for v in (stride, padding, dilation))
-    inp, wt, stride, padding, dilation, copy = _as_2d(inp, wt, stride, padding, dilation)
-    layout = _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups)
-    shapes = (tuple(inp.shape), tuple(wt.shape), _pair(stride))
+    layout, shapes, padding, dilation, copy, wt = _conv_setup(ctx, inp, wt, stride, padding, dilation, transposed,
+                                                              groups)
     if layout == "nchw":
         ctx.track(out)
         # mkldnn_convolution_backward: grad_output.contiguous(memory_format), a copy when it is not
         copy += 0 if grad.is_contiguous() else nbytes(grad)
-        ctx.scratch(copy, conv_backward_extra(*shapes, _pair(padding), _pair(dilation), groups, mask))
+        ctx.scratch(copy, conv_backward_extra(*shapes, padding, dilation, groups, mask))
     elif layout == "nhwc":
         ctx.track(out)
         ctx.scratch(nhwc_conv_backward_extra(*shapes, groups, _weight_channels_last(wt), mask))

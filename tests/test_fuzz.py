@@ -323,7 +323,7 @@ def check_invariants(est: memcheck.Estimate) -> None:
 
 
 @pytest.mark.slow
-@_settings(50)
+@_settings(30)
 @given(spec=model_specs(), data=st.data())
 def test_estimate_returns_an_estimate_or_a_memcheck_error(spec, data):
     flags = data.draw(flag_sets(), label="flags")
@@ -334,7 +334,7 @@ def test_estimate_returns_an_estimate_or_a_memcheck_error(spec, data):
 
 
 @pytest.mark.slow
-@_settings(15)
+@_settings(10)
 @given(spec=model_specs(), data=st.data())
 def test_peak_never_falls_as_the_batch_grows(spec, data):
     flags = data.draw(flag_sets(), label="flags")
@@ -354,7 +354,7 @@ def test_peak_never_falls_as_the_batch_grows(spec, data):
 
 
 @pytest.mark.slow
-@_settings(15)
+@_settings(10)
 @given(spec=model_specs(), data=st.data())
 def test_peak_never_falls_as_the_sequence_grows(spec, data):
     flags = data.draw(flag_sets(), label="flags")
@@ -370,7 +370,7 @@ def test_peak_never_falls_as_the_sequence_grows(spec, data):
 
 
 @pytest.mark.slow
-@_settings(10)
+@_settings(6)
 @given(spec=model_specs(), data=st.data())
 def test_ddp_keeps_every_single_gpu_parameter_and_adds_its_buckets(spec, data):
     # DDP shards nothing: each GPU holds what one GPU holds alone (the same parameters) and
@@ -405,7 +405,7 @@ LARGE = 1.5e9  # parameters; see test_sharded_per_device_peak_is_at_most_single
 
 
 @pytest.mark.slow
-@_settings(10)
+@_settings(6)
 @given(spec=hf_specs(hidden=(8192,), heads=(32, 64), vocab=(32000, 64000), layers=(2, 3)), data=st.data())
 def test_sharded_per_device_peak_is_at_most_single(spec, data):
     """Sharding saves (1 - 1/W) of the sharded state and costs buffers a single GPU does not

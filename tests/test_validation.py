@@ -229,7 +229,7 @@ def test_a_target_length_above_the_position_embeddings_is_refused(tmp_path):
 def test_a_target_length_for_a_model_that_has_none_is_refused_not_ignored(tmp_path, tiny):
     # it would be printed in the report as if the batch had been built with it
     line = one_line_error(["estimate", hf_dir(tmp_path, "gpt2"), "--max-len", "16", "--target-len", "8"])
-    assert_words(line, ["--target-len applies to seq2seq models only", "causal-lm", "drop --target-len"])
+    assert_words(line, ["--target-len applies to seq2seq and ctc models only", "causal-lm", "drop --target-len"])
     line = one_line_error(["estimate", tiny, "--max-len", "4", "--target-len", "8"])
     assert_words(line, ["--target-len applies to transformers seq2seq models", "make_batch(batch_size, max_len)"])
 
@@ -388,7 +388,7 @@ def test_config_messages_from_loading_the_model_name_the_config_key_not_the_flag
     line = one_line_error(["check", path])
     assert_words(line, ["is a seq2seq model: give target_len (the label length, 1 to 128)"])
     path.write_text('model = "hf:gpt2"\nmax_len = 16\ntarget_len = 8\ngpu = "T4"\n')
-    assert_words(one_line_error(["check", path]), ["target_len applies to seq2seq models only"])
+    assert_words(one_line_error(["check", path]), ["target_len applies to seq2seq and ctc models only"])
 
 
 # --- the Python API: UsageError naming the argument -----------------------------------

@@ -5,7 +5,7 @@
     python benchmarks/speed.py --plan     # `memcheck plan` against one plain estimate, wall seconds
 
 Each (tool, workload) runs in a fresh subprocess so that its wall time and its
-peak host RSS (ru_maxrss) are its own. Both tools trace two full training steps
+peak host RSS (VmHWM) are its own. Both tools trace two full training steps
 (forward, loss, backward, AdamW step, zero_grad) of a model built on the meta
 device. The batch has no attention_mask, because MemTracker cannot get past
 transformers' data-dependent mask check on meta tensors; memcheck can, but runs
@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -74,7 +73,8 @@ def run_one(tool: str, kind: str, batch_size: int, seq_len: int) -> dict:
                 tracker.reset_mod_stats()
         peak = None  # MemTracker reports per-device dicts; only its time and RSS are compared here
     seconds = time.perf_counter() - start
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, this process's own peak; getrusage's ru_maxrss would carry the parent's over exec (Linux)
+    rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) * 1024
     return {"seconds": seconds, "max_rss_bytes": rss, "peak_bytes": peak}
 
 

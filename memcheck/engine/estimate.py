@@ -385,8 +385,8 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
         run_eval(module, run.eval_batch, loss_fn, tracer.set_phase, step=steps, autocast=run.autocast,
                  keep_batches=job.eval_accumulate_predictions)
 
-    run.user_autocast = UserAutocast(tracer, job.device)
-    regions = run.user_autocast.patched() if train_step is not None else contextlib.nullcontext()
+    run.user_autocast = UserAutocast(tracer, job.device) if train_step is not None else None
+    regions = run.user_autocast.patched() if run.user_autocast is not None else contextlib.nullcontext()
     try:
         # the model's .cuda() and torch.cuda.* never reach the GPU; a train_step's torch.autocast is emulated
         with redirect_cuda(target), tracer, regions:

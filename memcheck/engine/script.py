@@ -46,8 +46,19 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
+from memcheck.engine.estimate import (
+    DEFAULT_ARCH,
+    _dtype_name,
+    _result,
+    _Run,
+    _summarise,
+    _translate,
+    describe_batch,
+    model_dtype,
+    target_gpu,
+)
 from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.errors import MemcheckError, TraceError, UsageError
 from memcheck.job import Job, as_job
@@ -71,7 +82,6 @@ class _Session:
 
     tracer: MemoryTracer
     job: Job
-    steps: int
     root: torch.nn.Module | None = None
     batch: Any = None  # the last training batch the model got (meta twins)
     optimizers: list = field(default_factory=list)
@@ -81,7 +91,6 @@ class _Session:
     seq_len: int | None = None  # the token length of the batch being moved
     twins: dict = field(default_factory=dict)  # id(real tensor) -> (real, meta twin)
     autocast: UserAutocast | None = None  # the script's own torch.autocast regions, emulated
-    forwards: int = 0
 
     def __post_init__(self):
         self.autocast = UserAutocast(self.tracer, self.job.device)
@@ -118,7 +127,7 @@ class _Session:
     def forward_starts(self, module: torch.nn.Module, args, kwargs):
         training = module.training and torch.is_grad_enabled()
         if training:
-            if self.steps_done >= self.steps:
+            if self.steps_done >= self.job.steps:
                 raise ScriptStopped()
             if self.root is None:
                 self.root = module
@@ -126,7 +135,6 @@ class _Session:
                 for opt in self.optimizers:  # adopted before the first forward (Lightning's closure)
                     self._outside(opt)
             self.tracer.set_phase(self.steps_done, Phase.FORWARD)
-            self.forwards += 1
         args, kwargs = self.twins_of((args, kwargs))
         if training:
             self.batch = _as_batch(args, kwargs)
@@ -316,14 +324,12 @@ def run_script(argv: list[str], job: Job | None = None, *, progress=None, **sett
 
     Known limitations: see the module docstring.
     """
-    from memcheck.engine.estimate import _result, _Run, _summarise, describe_batch, target_gpu
-
     job = as_job(job, settings, caller="run_script()")
     path, args = _script(argv)
     target = target_gpu(job)
-    arch = target.arch if target is not None else (8, 0)
+    arch = target.arch if target is not None else DEFAULT_ARCH
     tracer = MemoryTracer(job.device, arch=arch)
-    session = _Session(tracer, job, job.steps)
+    session = _Session(tracer, job)
     if progress is not None:
         tracer.on_phase = lambda step, phase: progress(f"running {path.name}: step {step + 1}, {phase.value}")
     name = path.name
@@ -342,11 +348,11 @@ def run_script(argv: list[str], job: Job | None = None, *, progress=None, **sett
             f"{session.steps_done} optimizer step(s) of a model memcheck could follow; it needs 2 (give the script "
             "more steps or data, or check that it builds its model after it starts)")
     _explain(session, path, stopped)
-    dtype = _weights_dtype(session.root)
-    job = job.replace(batch_size=_leading(session.batch), precision=_precision(dtype, session))
-    info = describe_batch(session.batch, job.batch_size, job.max_len, job.target_len)
+    dtype = model_dtype(session.root)
+    info = describe_batch(session.batch, None, job.max_len, job.target_len)  # the batch size: its first tensor's
+    job = job.replace(batch_size=info.batch_size, precision=_precision(dtype, session))
     run = _Run(session.root, (), session.batch, None, info, tracer, arch, session.label(), None,
-               weights_dtype=str(dtype).replace("torch.", ""))
+               weights_dtype=_dtype_name(dtype))
     gpu_map = [0]
     devices = _summarise(run, gpu_map, job, target, name, 8)
     return _result(run, gpu_map, devices, job, target, name, False)
@@ -386,8 +392,6 @@ def _script(argv: list[str]) -> tuple[Path, list[str]]:
 
 def _failed(exc: Exception, name: str, session: _Session) -> MemcheckError:
     """The script's own failure, as one line naming where it happened."""
-    from memcheck.engine.estimate import _translate
-
     if session.root is None:
         import traceback
 
@@ -401,7 +405,7 @@ def _failed(exc: Exception, name: str, session: _Session) -> MemcheckError:
 
 def _explain(session: _Session, path: Path, stopped: bool) -> None:
     assume = session.tracer.assume
-    assume(f"{path.name} ran as written: its own loop, traced for {session.steps} optimizer steps"
+    assume(f"{path.name} ran as written: its own loop, traced for {session.job.steps} optimizer steps"
            + (", then stopped at the next forward" if stopped else ", to its end"))
     assume(f"everything before the model's first forward ran for real (data loading, tokenisation); files "
            f"{path.name} wrote are left as they are")
@@ -413,17 +417,6 @@ def _explain(session: _Session, path: Path, stopped: bool) -> None:
         assume("the script's torch.autocast regions emulated on the target's autocast lists; a GradScaler is not")
 
 
-def _weights_dtype(model: torch.nn.Module) -> torch.dtype:
-    from memcheck.engine.estimate import model_dtype
-
-    return model_dtype(model)
-
-
 def _precision(dtype: torch.dtype, session: _Session) -> Precision:
     pure = {torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}.get(dtype, Precision.FP32)
     return session.autocast.precision(pure)
-
-
-def _leading(batch) -> int:
-    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim()]
-    return int(leaves[0].shape[0]) if leaves else 1

@@ -124,7 +124,9 @@ def test_the_cli_takes_lora_dora_and_qlora(tmp_path):
 
 @pytest.mark.parametrize("bad, words", [("r=0", "lora r must be at least 1, got '0'"),
                                         ("rank=4", "lora has no setting 'rank'"),
-                                        ("r=8,alpha", "lora setting 'alpha' has no value")])
+                                        ("r=8,alpha", "lora setting 'alpha' has no value"),
+                                        ("r=8,targets=nothere", "lora targets: PEFT says Target modules "
+                                                                "{'nothere'} not found")])
 def test_bad_lora_settings_are_one_line_naming_them(bad, words):
     result = CliRunner().invoke(main, ["examples/gpt2_small.py", "--max-len", "64", "--lora", bad])
     assert result.exit_code == 2

@@ -192,7 +192,14 @@ def apply_adapters(model: torch.nn.Module, lora: Lora | None, qlora: bool) -> tu
                      "weights cast to fp32 by prepare_model_for_kbit_training, whose own gradient checkpointing "
                      "is the job's checkpointing setting")
     lora = lora or Lora()
-    model = peft.get_peft_model(model, lora.config(_task_type(model)))
+    try:
+        model = peft.get_peft_model(model, lora.config(_task_type(model)))
+    except ValueError as exc:  # PEFT's own check of the targets (NoMatchingPeftModuleError is one)
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear) and name})
+        first = str(exc).strip().splitlines()[0]
+        raise UsageError(f"lora targets: PEFT says {first}; give targets= module names of {type(model).__name__} "
+                         f"(its linear layers: {', '.join(linear[:8]) or 'none'}) or all-linear") from None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     notes.append(f"{'DoRA' if lora.dora else 'LoRA'} {lora} through PEFT {peft.__version__}: {trainable:,} "
                  "trainable parameters (fp32 adapters), the base frozen")

@@ -38,7 +38,7 @@ from memcheck.report.results import (
 )
 from memcheck.rules import extensions
 from memcheck.rules.autocast import MetaAutocast, MetaGradScaler, UserAutocast
-from memcheck.trace.device_redirect import DATA_READ, redirect_cuda
+from memcheck.trace.device_redirect import reads_meta_data, redirect_cuda
 from memcheck.trace.tracer import MemoryTracer, TraceLog
 from memcheck.training.adapters import apply_adapters, quantize_4bit
 from memcheck.training.checkpointing import apply_checkpointing
@@ -117,7 +117,7 @@ def _translate(exc: Exception, model_name: str) -> MemcheckError:
     known = extensions.explain_failure(exc)  # an extension that calls its CUDA library directly
     if known:
         return UnsupportedOpError(f"{known}; cannot trace {model_name}")
-    if any(phrase in str(exc) for phrase in DATA_READ):  # not a missing kernel: the model reads values
+    if reads_meta_data(exc):  # not a missing kernel: the model reads values
         return TraceError(
             f"{model_name} reads tensor data (.numpy()/.tolist()/...) that meta tensors do not have, "
             f"so memcheck cannot trace it ({type(exc).__name__}: {text})"

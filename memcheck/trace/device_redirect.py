@@ -250,14 +250,14 @@ def on_meta(gpu=None):
 
 
 # How torch says Python code read a meta tensor's data (it has none).
-DATA_READ = ("Cannot copy out of meta tensor", "cannot be called on meta tensors",
+_DATA_READ = ("Cannot copy out of meta tensor", "cannot be called on meta tensors",
              "can't convert meta device type tensor to numpy", "Not available for 'meta' device type")
 
 
 def reads_meta_data(exc: BaseException) -> bool:
     """Whether ``exc`` (or what it was raised from) is torch refusing to read a meta tensor's values."""
     while exc is not None:
-        if any(text in str(exc) for text in DATA_READ):
+        if any(text in str(exc) for text in _DATA_READ):
             return True
         exc = exc.__cause__
     return False

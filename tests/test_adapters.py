@@ -88,9 +88,13 @@ def test_lora_adapters_and_their_optimizer_state_by_hand():
 @pytest.mark.slow
 @pytest.mark.parametrize("spec, qlora", [
     ("r=16,alpha=32,targets=all-linear", False),
-    pytest.param("r=8,targets=q_proj,v_proj,dora=true", False, marks=pytest.mark.xfail(strict=True, reason=(
-        "+3.4% to +4.6%: DoRA computes its weight norm from lora_B(lora_A(eye)) in grad mode and detaches it; the real "
-        "run frees that graph at once, the trace keeps it (64 KiB a layer here) until the next phase"))),
+    # Not strict: the figure depends on what ran before in the process (+3.4% to +4.5% alone, within
+    # 2% after tests/test_accuracy_cpu.py in one pytest run); the cause is not found (a reference the
+    # trace holds to DoRA's detached lora_B(lora_A(eye)) graph until a later phase or collection is
+    # the suspect).
+    pytest.param("r=8,targets=q_proj,v_proj,dora=true", False, marks=pytest.mark.xfail(strict=False, reason=(
+        "DoRA reads +3.4% to +4.5% in most runs: its weight norm comes from lora_B(lora_A(eye)) in grad mode, "
+        "detached; the real run frees that graph at once, the trace keeps it (64 KiB a layer here) for longer"))),
     ("r=16,targets=all-linear", True)])
 def test_lora_dora_and_qlora_match_a_real_cpu_run(spec, qlora):
     lora = Lora.parse(spec)

@@ -139,6 +139,46 @@ def test_equal_of_built_tensors_compares_their_values():
     assert tracer.log.assumptions == {}
 
 
+def test_arange_rows_follow_views_arithmetic_and_joins():
+    def fn(tr):
+        pos = torch.arange(3, 11, device=META)  # 3, 4, ..., 10
+        rows = pos.unsqueeze(0).expand(2, 8)
+        prepended = torch.cat([rows[:, :1] - 1, rows], dim=-1)  # 2, 3, ..., 10: one row
+        gap = torch.cat([rows[:, :1] + 5, rows], dim=-1)  # 8, 3, 4, ...: not one row
+        return {
+            "arange": tr.known.row(pos), "expanded": tr.known.row(rows), "slice": tr.known.row(rows[:, 2:5]),
+            "select": tr.known.value(rows[:, 4]),  # 3 + 4 = 7
+            "doubled": tr.known.row(rows * 2), "shifted": tr.known.row(rows - 3),
+            "prepended": tr.known.row(prepended), "gap": tr.known.row(gap),
+            "diff": tr.known.value(torch.diff(rows, dim=-1)),  # every step is 1
+            "cumsum of ones": tr.known.row(torch.ones(2, 4, dtype=torch.long, device=META).cumsum(-1)),  # 1..4
+            "whole row is not one value": tr.known.value(rows),
+        }
+
+    _, values = traced(fn)
+    assert values == {
+        "arange": (3, 1), "expanded": (3, 1), "slice": (5, 1), "select": 7, "doubled": (6, 2), "shifted": (0, 1),
+        "prepended": (2, 1), "gap": None, "diff": 1, "cumsum of ones": (1, 1), "whole row is not one value": None,
+    }
+
+
+def test_position_ids_the_model_made_are_not_packed_and_the_batchs_keep_the_worst_case():
+    # transformers' packed-sequence check (masking_utils.find_packed_sequence_indices) runs when a
+    # model gets no attention mask and no cache, as in training with gradient checkpointing.
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    def fn(tr):
+        made = torch.arange(0, 16, device=META).unsqueeze(0).expand(2, -1)
+        given = torch.arange(0, 16, device=META).unsqueeze(0).expand(2, -1).contiguous()
+        tr.watch(batch={"position_ids": given})
+        return find_packed_sequence_indices(made), find_packed_sequence_indices(given)
+
+    tracer, (made, given) = traced(fn)
+    assert made is None  # one sequence per row: no block-diagonal mask
+    assert given is not None and tuple(given.shape) == (2, 16)  # the user's data: assumed packed
+    assert any("resolved to False" in a for a in tracer.log.assumptions)
+
+
 def test_the_batch_stays_unknown_even_when_built_inside_the_trace():
     # A batch made with torch.ones is still the user's data: "the batch contains padding".
     def fn(tr):

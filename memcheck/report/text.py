@@ -85,6 +85,7 @@ def render_estimate(est: Estimate) -> str:
         how.append(f"checkpointing {len(est.checkpointing)} module(s)" if est.checkpointing[0][0] != "("
                    else "checkpointing " + est.checkpointing[0])
     job = est.job
+    packed = job is not None and job.packing  # one row of packed sequences, no padding (memcheck.job.Job.packing)
     weights, adapters = f"{est.weights_dtype} weights", ""
     if job is not None and (job.qlora or job.lora is not None):
         lora = job.lora
@@ -96,9 +97,9 @@ def render_estimate(est: Estimate) -> str:
     lines = [
         f"memcheck: {est.model} on {est.device.value}, {est.precision.value}, {weights}, "
         f"{adapters}{est.optimizer}, "
-        f"batch {b.batch_size}" + (f" x {b.max_len} tokens" if b.max_len else ""),
+        f"batch {b.batch_size}" + (f" x {b.max_len} tokens" if b.max_len else "") + (" packed" if packed else ""),
         f"strategy: {', '.join(how)}",
-        f"worst-case batch: {shapes}" if shapes else "",
+        f"worst-case {'packed ' if packed else ''}batch: {shapes}" if shapes else "",
         "",
     ]
     bd = est.breakdown_at_peak.to_dict()

@@ -266,7 +266,7 @@ class Job:
             raise SettingError("gpu", f"gpu={self.gpu!r} applies to the cuda target only; the target is cpu "
                                       "(give the budget as --gpu-memory)")
         _check_weights(self.precision, self.weights_dtype)
-        _check_packing(self.packing, self.padding, self.task)
+        _check_packing(self.packing, self.padding, self.task, self.strategy)
         config = self.strategy_config  # strategy, gpus, buckets and offload, checked together
         if self.global_batch is not None and self.global_batch % config.gpus:
             gpus, g = config.gpus, self.global_batch
@@ -440,12 +440,13 @@ def _check_weights(precision: Precision, weights: WeightsDtype) -> None:
                                             "gradients (\"Attempting to unscale FP16 gradients\"); use fp32 or bf16")
 
 
-def _check_packing(packing: bool, padding: Padding, task: Task | None) -> None:
+def _check_packing(packing: bool, padding: Padding, task: Task | None, strategy: Strategy) -> None:
     """Packing has no padding to vary, and packs the token sequences of causal language models
     only: an encoder-decoder's labels, a classifier's one label per sample and image or audio
     inputs have no packed form, and transformers keeps packed sequences apart only in
     ``create_causal_mask`` (masking_utils.py, ``_preprocess_mask_arguments``: "We check the
-    position_ids for potential packed sequence format")."""
+    position_ids for potential packed sequence format"). DataParallel scatters a batch's rows over
+    its GPUs, and a packed batch is one row."""
     if not packing:
         return
     if padding is Padding.LONGEST:
@@ -454,6 +455,9 @@ def _check_packing(packing: bool, padding: Padding, task: Task | None) -> None:
     if task is not None and task is not Task.CAUSAL_LM:
         raise SettingError("packing", "{name} packs the token sequences of causal-lm models only, got task "
                                       f"{task.value}: drop {{name}} or give task causal-lm")
+    if strategy in (Strategy.DP, Strategy.DP_BALANCED):
+        raise SettingError("packing", f"{{name}} makes one row of every batch, which strategy {strategy.value} "
+                                      "(DataParallel, scattering rows over its GPUs) cannot split; use ddp")
 
 
 _CHECKS = {

@@ -165,6 +165,8 @@ ESTIMATE_CASES = [
     # packing: a packed batch is a dict with position_ids (the model file's make_batch returns a tensor)
     (["--packing"], ["--packing needs a dict batch holding input_ids and position_ids", "got Tensor"]),
     (["--packing", "--padding", "longest"], ["--packing flattens every batch into one row", "padding longest"]),
+    (["--packing", "--strategy", "dp", "--gpus", "2"], ["--packing makes one row of every batch", "strategy dp",
+                                                        "use ddp"]),
     (["--packing", "--task", "masked-lm"], ["--packing packs the token sequences of causal-lm models only",
                                             "got task masked-lm"]),
     # click's own parsing: one line too

@@ -372,8 +372,9 @@ def packed_batch(model, config, task: Task, batch_size: int, max_len: int | None
     (``DataCollatorWithFlattening``'s ``separator_id``), and ``use_cache=False`` where the forward
     takes it, as the HF Trainer (``TrainingArguments.use_cache``: False) and TRL's SFTTrainer
     (``compute_loss``: ``inputs["use_cache"] = False``) train: with a cache, transformers skips its
-    packed-sequence check (masking_utils.py, ``_preprocess_mask_arguments``: "only if ... we don't
-    have past_key_values") and the sequences would attend across their boundaries."""
+    packed-sequence check (masking_utils.py, ``_preprocess_mask_arguments``: "only if the 2D attention
+    mask is explicitly None, and we don't have past_key_values") and the sequences would attend across
+    their boundaries."""
     check_packing(model, config, task)
     if max_len is None:
         raise SettingError("max_len", escape(type(model).__name__) + " needs {name}")

@@ -67,6 +67,7 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("max_len", "--max-len", "max_len", "max_len", aliases=("max_seq_length",)),  # TRL's SFTConfig
     Spelling("target_len", "--target-len", "target_len", "target_len"),
     Spelling("padding", "--padding", "padding", "padding"),
+    Spelling("packing", "--packing", "packing", "packing"),  # TRL's SFTConfig name too (padding_free: VALUE_ALIASES)
     Spelling("precision", "--precision", "precision", "precision"),
     Spelling("weights_dtype", "--weights-dtype", "weights_dtype", "weights_dtype"),
     Spelling("optimizer", "--optimizer", "optimizer", "optimizer"),
@@ -108,13 +109,18 @@ def _hf_flag(value: str):
 
 # TrainingArguments names whose values mean a Job field's value once translated: optim's names
 # (adamw_torch_fused -> adamw-fused), bf16=True / fp16=True (the Trainer's autocast),
-# activation_checkpointing=True or gradient_checkpointing=True (every repeated block). Accepted in configs and the Python API.
+# activation_checkpointing=True or gradient_checkpointing=True (every repeated block), TRL's padding_free=True
+# (packing). Accepted in configs and the Python API.
 VALUE_ALIASES: dict[str, tuple[str, Any]] = {
     "optim": ("optimizer", hf_optimizer),
     "bf16": ("precision", _hf_flag("amp-bf16")),
     "fp16": ("precision", _hf_flag("amp-fp16")),
     "activation_checkpointing": ("checkpointing", _hf_flag("full")),  # False says nothing: none is the default
     "gradient_checkpointing": ("checkpointing", _hf_flag("full")),  # transformers 5's deprecated alias of the above
+    # TRL's SFTConfig: padding_free=True flattens each batch into one row with position ids, as packing
+    # does (packing=True with the default "bfd" strategy turns padding_free on: sft_trainer.py, "BFD packing
+    # requires padding-free mode"); its worst case, every sample max_len tokens, is packing's. False says nothing.
+    "padding_free": ("packing", _hf_flag(True)),
 }
 
 
@@ -200,6 +206,11 @@ class Job:
     """``max_length``: every batch padded to ``max_len``; ``longest`` (``padding=True``): each batch
     to its longest sample, so on the CUDA target the allocator replays a run whose lengths grow
     to ``max_len``. The peak is ``max_len``'s either way."""
+    packing: bool = False
+    """Packed, padding-free batches (transformers' ``DataCollatorWithFlattening``, TRL's ``packing`` /
+    ``padding_free``): each of ``batch_size`` sample slots is ``max_len`` tokens of packed sequences, all
+    flattened into one row of ``batch_size * max_len`` tokens with position ids restarting at 0 for each
+    sequence and no attention mask. Causal language models only."""
     precision: Precision = Precision.FP32
     """``fp32``; ``amp-bf16``/``amp-fp16`` (torch.autocast); pure ``bf16``/``fp16`` weights."""
     weights_dtype: WeightsDtype = WeightsDtype.AUTO
@@ -255,6 +266,7 @@ class Job:
             raise SettingError("gpu", f"gpu={self.gpu!r} applies to the cuda target only; the target is cpu "
                                       "(give the budget as --gpu-memory)")
         _check_weights(self.precision, self.weights_dtype)
+        _check_packing(self.packing, self.padding, self.task, self.strategy)
         config = self.strategy_config  # strategy, gpus, buckets and offload, checked together
         if self.global_batch is not None and self.global_batch % config.gpus:
             gpus, g = config.gpus, self.global_batch
@@ -428,6 +440,26 @@ def _check_weights(precision: Precision, weights: WeightsDtype) -> None:
                                             "gradients (\"Attempting to unscale FP16 gradients\"); use fp32 or bf16")
 
 
+def _check_packing(packing: bool, padding: Padding, task: Task | None, strategy: Strategy) -> None:
+    """Packing has no padding to vary, and packs the token sequences of causal language models
+    only: an encoder-decoder's labels, a classifier's one label per sample and image or audio
+    inputs have no packed form, and transformers keeps packed sequences apart only in
+    ``create_causal_mask`` (masking_utils.py, ``_preprocess_mask_arguments``: "We check the
+    position_ids for potential packed sequence format"). DataParallel scatters a batch's rows over
+    its GPUs, and a packed batch is one row."""
+    if not packing:
+        return
+    if padding is Padding.LONGEST:
+        raise SettingError("packing", "{name} flattens every batch into one row with no padding; padding longest "
+                                      "contradicts it: drop one of them")
+    if task is not None and task is not Task.CAUSAL_LM:
+        raise SettingError("packing", "{name} packs the token sequences of causal-lm models only, got task "
+                                      f"{task.value}: drop {{name}} or give task causal-lm")
+    if strategy in (Strategy.DP, Strategy.DP_BALANCED):
+        raise SettingError("packing", f"{{name}} makes one row of every batch, which strategy {strategy.value} "
+                                      "(DataParallel, scattering rows over its GPUs) cannot split; use ddp")
+
+
 _CHECKS = {
     "device": lambda v: _choice("device", Device, v),
     "gpu": _gpu,
@@ -436,6 +468,7 @@ _CHECKS = {
     "max_len": lambda v: _int("max_len", v),
     "target_len": lambda v: _int("target_len", v),
     "padding": lambda v: _choice("padding", Padding, v),
+    "packing": lambda v: _flag("packing", v),
     "precision": lambda v: _choice("precision", Precision, v),
     "weights_dtype": lambda v: _choice("weights_dtype", WeightsDtype, v),
     "optimizer": _optimizer,

@@ -212,3 +212,86 @@ def test_audio_and_image_text_estimates_match_a_real_cpu_run(name, tmp_path):
     error = (est.peak_bytes - real) / real
     assert abs(error) <= 0.02, f"{name}: estimated {est.peak_bytes} B, measured {real} B ({error:+.2%})"
     assert memcheck.estimate(work.model, work.batch, memcheck.Job(gpu="A100-80GB")).peak_bytes > est.peak_bytes
+
+
+# ---- packing: DataCollatorWithFlattening's layout ------------------------------------------
+
+def _tiny_llama(tmp_path):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return config, save(config, tmp_path, "LlamaForCausalLM")
+
+
+def test_a_packed_batch_is_one_row_of_every_slot_with_restarting_positions(tmp_path):
+    import torch
+
+    config, spec = _tiny_llama(tmp_path)
+    work = load_workload(spec, batch_size=3, max_len=10, packing=True)
+    # 3 slots x 10 tokens = 30 tokens in one row; no attention mask (transformers then reads position_ids)
+    assert {k: tuple(v.shape) for k, v in work.batch.items() if torch.is_tensor(v)} == {
+        "input_ids": (1, 30), "position_ids": (1, 30), "labels": (1, 30)}
+    assert work.batch["use_cache"] is False  # as the HF Trainer and TRL's SFTTrainer train
+    real = hf.make_batch(work.model, config, Task.CAUSAL_LM, 3, 10, None, device="cpu", packing=True)
+    # each slot holds two sequences, 10 // 2 = 5 tokens and the other 5, positions restarting at 0
+    assert real["position_ids"].tolist() == [[0, 1, 2, 3, 4] * 6]
+    # DataCollatorWithFlattening's separator: -100 at the first token of every sequence, the ids elsewhere
+    starts = real["position_ids"] == 0
+    assert (real["labels"][starts] == -100).all() and torch.equal(real["labels"][~starts], real["input_ids"][~starts])
+
+
+@pytest.mark.parametrize("config, arch, words, target_len", [
+    (BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64),
+     "BertForMaskedLM", "BertForMaskedLM is masked-lm", None),
+    (PegasusConfig(encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=2,
+                   decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64),
+     "PegasusForConditionalGeneration", "PegasusForConditionalGeneration is seq2seq", 8),
+])
+def test_packing_is_refused_for_models_that_are_not_causal_lms(config, arch, words, target_len, tmp_path):
+    from memcheck.job import SettingError
+
+    with pytest.raises(SettingError, match="packs the token sequences of causal-lm models only") as exc:
+        load_workload(save(config, tmp_path, arch), batch_size=2, max_len=16, target_len=target_len,
+                      packing=True)
+    assert words in str(exc.value)
+
+
+@pytest.mark.slow
+def test_a_packed_llama_estimate_matches_a_real_cpu_run_of_flattened_sequences(tmp_path):
+    """memcheck's packed batch (meta) against a real step on what DataCollatorWithFlattening makes of
+    three sequences per slot (100 + 90 + 66 = 256 tokens, 4 slots: one row of 1024), trained as the
+    HF Trainer and TRL do (use_cache=False): transformers sees the packing and sdpa gets a (1, 1,
+    1024, 1024) block-diagonal mask."""
+    import torch
+    from transformers import DataCollatorWithFlattening
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    import memcheck
+    from memcheck.measure.local import measure_cpu
+
+    config, spec = _tiny_llama(tmp_path)
+    work = load_workload(spec, batch_size=4, max_len=256, packing=True)
+    est = memcheck.estimate(work.model, work.batch, memcheck.Job(device="cpu", optimizer="adamw", packing=True,
+                                                                 batch_size=4, max_len=256))
+    assert "(1, 1, 1024, 1024) block-diagonal mask" in "\n".join(est.assumptions)
+    assert "batch 4 x 256 tokens packed" in str(est)
+    assert "worst-case packed batch: input_ids (1, 1024), position_ids (1, 1024), labels (1, 1024)" in str(est)
+
+    def flattened():
+        g = torch.Generator().manual_seed(0)
+        features = [{"input_ids": torch.randint(0, 1000, (n,), generator=g).tolist()}
+                    for _ in range(4) for n in (100, 90, 66)]
+        return {**DataCollatorWithFlattening()(features, return_tensors="pt"), "use_cache": False}
+
+    real_batch = flattened()
+    assert tuple(real_batch["input_ids"].shape) == (1, 1024) and "attention_mask" not in real_batch
+    assert find_packed_sequence_indices(real_batch["position_ids"]) is not None  # transformers sees 12 sequences
+
+    def build():
+        torch.manual_seed(0)
+        return hf.build_model(config, Task.CAUSAL_LM, device="cpu"), flattened()
+
+    real = measure_cpu(build, lambda params: torch.optim.AdamW(params)).steady_peak_bytes
+    error = (est.peak_bytes - real) / real
+    assert abs(error) <= 0.02, f"estimated {est.peak_bytes} B, measured {real} B ({error:+.2%})"

@@ -321,3 +321,19 @@ def test_a_gpu_named_is_the_target_though_the_trainer_runs_on_the_cpu(tmp_path, 
     # the fitting job says so at WARNING, the level transformers' log shows by default
     (record,) = [r for r in caplog.records if r.name == "memcheck.integrations.transformers"]
     assert record.levelno == logging.WARNING and record.getMessage().startswith("memcheck: fits:")
+
+
+@pytest.mark.parametrize("settings, packed", [
+    ({}, False),  # TrainingArguments: no packing
+    ({"packing": True, "packing_strategy": "bfd"}, True),  # TRL's default strategy turns padding_free on
+    ({"packing": True, "packing_strategy": "bfd_split"}, True),
+    ({"packing": True, "packing_strategy": "wrapped"}, False),  # rows of max_length with a mask: padded's worst case
+    ({"packing": False, "padding_free": True}, True),
+])
+def test_trls_packing_arguments_make_the_packed_job_as_sfttrainer_decides(settings, packed):
+    from types import SimpleNamespace
+
+    from memcheck.integrations.transformers import _packing
+
+    # trl/trainer/sft_trainer.py: padding_free = args.padding_free or (args.packing and strategy in {bfd, bfd_split})
+    assert _packing(SimpleNamespace(**settings)) is packed

@@ -162,6 +162,13 @@ ESTIMATE_CASES = [
     (["--checkpointing", "ful"], ["checkpointing", "'ful'", "did you mean 'full'?", "blocks.0"]),
     (["--checkpointing", "blocks.9"], ["checkpointing", "'blocks.9'", "did you mean 'blocks.1'?"]),
     (["--checkpointing", ","], ["checkpointing names no modules", "','"]),
+    # packing: a packed batch is a dict with position_ids (the model file's make_batch returns a tensor)
+    (["--packing"], ["--packing needs a dict batch holding input_ids and position_ids", "got Tensor"]),
+    (["--packing", "--padding", "longest"], ["--packing flattens every batch into one row", "padding longest"]),
+    (["--packing", "--strategy", "dp", "--gpus", "2"], ["--packing makes one row of every batch", "strategy dp",
+                                                        "use ddp"]),
+    (["--packing", "--task", "masked-lm"], ["--packing packs the token sequences of causal-lm models only",
+                                            "got task masked-lm"]),
     # click's own parsing: one line too
     (["-b", "abc"], ["'-b' / '--batch-size'", "'abc' is not a valid integer"]),
     (["--bucket-cap-mb", "lots"], ["'--bucket-cap-mb'", "'lots' is not a valid float"]),
@@ -336,6 +343,8 @@ CONFIG_CASES = [
     ("margin = 1\n", ["margin must be a fraction in [0, 1)", "got 1"]),
     ("margin = \"0.1\"\n", ["margin must be a fraction in [0, 1)", "got '0.1'"]),
     ("reentrant = \"yes\"\n", ["reentrant must be true or false, got 'yes'"]),
+    ("packing = \"yes\"\n", ["packing must be true or false, got 'yes'"]),
+    ("padding_free = 1\n", ["padding_free must be true or false, got 1"]),  # TRL's name for packing
     ("bucket_cap_mb = 0\nstrategy = \"ddp\"\ngpus = 2\n", ["bucket_cap_mb must be a positive number, got 0"]),
     ("bucket_cap_mb = inf\nstrategy = \"ddp\"\ngpus = 2\n", ["bucket_cap_mb must be a positive number, got inf"]),
     ("model = \"nope.py\"\n", ["model 'nope.py': no such file"]),
@@ -422,6 +431,10 @@ API_CASES = [
     ("estimate", dict(strategy="zero3", offload="param"), ["unknown offload 'param'", "did you mean 'params'?"]),
     ("estimate", dict(strategy="ddp", bucket_cap_mb=float("inf")), ["bucket_cap_mb must be a positive number"]),
     ("estimate", dict(strategy="ddp", bucket_cap_mb="25"), ["bucket_cap_mb must be a positive number, got '25'"]),
+    ("estimate", dict(packing=1), ["packing must be true or false, got 1"]),
+    ("estimate", dict(packing=True), ["packing needs a dict batch", "got Tensor"]),
+    ("estimate", dict(packing=True, task="seq2seq"), ["packing packs the token sequences of causal-lm models only",
+                                                      "got task seq2seq"]),
     ("estimate", dict(top_modules=-1), ["top_modules must be an integer of 0 or more, got -1"]),
     ("estimate", dict(batch_size=0), ["batch_size must be a positive integer, got 0"]),
     ("estimate", dict(max_len=-1), ["max_len must be a positive integer, got -1"]),
@@ -495,3 +508,32 @@ def test_a_bad_flag_is_reported_before_the_model_file_runs(tmp_path, command, fl
     result = CliRunner().invoke(main, [*command, str(path), flag, value])
     assert result.exit_code == 2
     assert message in result.output and "the model file ran" not in result.output, result.output
+
+
+@pytest.mark.parametrize("batch, words", [
+    ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.ones(1, 8, dtype=torch.long),
+      "position_ids": torch.zeros(1, 8, dtype=torch.long)}, ["packing needs a batch without attention_mask"]),
+    ({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, ["packing needs position_ids in the batch",
+                                                          "its keys are input_ids"]),
+])
+def test_a_packed_batch_without_position_ids_or_with_a_mask_is_refused(batch, words):
+    # transformers reads packed sequences from position_ids only when no attention mask is given
+    with pytest.raises(UsageError) as info:
+        memcheck.estimate(_model(), batch, device="cpu", packing=True)
+    assert len(str(info.value).splitlines()) == 1
+    assert_words(str(info.value), words)
+
+
+def test_packing_an_hf_encoder_decoder_is_one_line(tmp_path):
+    line = one_line_error(["estimate", hf_dir(tmp_path, "bart"), "--packing", "--max-len", "16", "--target-len", "8",
+                           "--device", "cpu"])
+    assert_words(line, ["--packing packs the token sequences of causal-lm models only",
+                        "BartForConditionalGeneration is seq2seq", "drop --packing"])
+
+
+def test_trls_padding_free_is_packing_and_names_itself_when_bad():
+    # TRL's SFTConfig: padding_free=True flattens the batch as packing does; False says nothing
+    assert memcheck.Job.from_settings({"padding_free": True}).packing is True
+    assert memcheck.Job.from_settings({"padding_free": False, "packing": True}).packing is True
+    with pytest.raises(UsageError, match="padding_free must be true or false, got 'true'"):
+        memcheck.Job.from_settings({"padding_free": "true"})

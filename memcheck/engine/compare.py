@@ -21,7 +21,7 @@ def compare(model: torch.nn.Module, batch: Any, job: Job | None = None, *, gpus:
 
     ``batch`` is one GPU's micro-batch. DataParallel scatters one batch over the
     GPUs, so its rows trace ``gpus`` micro-batches stacked: every strategy then
-    sees the same batch per GPU.
+    sees the same batch per GPU; with ``packing`` (one row) the DataParallel rows are left out.
     """
     require_int(gpus, "gpus")
     for key in ("strategy", "gpus", "bucket_view", "bucket_cap_mb", "offload"):
@@ -30,6 +30,8 @@ def compare(model: torch.nn.Module, batch: Any, job: Job | None = None, *, gpus:
     job = as_job(job, settings, caller="compare()")
     rows = []
     for config in applicable(gpus):
+        if job.packing and config.strategy.value.startswith("dp"):
+            continue  # DataParallel scatters rows, and a packed batch is one row (memcheck.job._check_packing)
         row_batch = _stacked(batch, gpus) if config.strategy.value.startswith("dp") else batch
         row = job.replace(strategy=config.strategy, gpus=config.gpus, bucket_view=False, bucket_cap_mb=None,
                           offload="none")

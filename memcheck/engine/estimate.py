@@ -238,6 +238,8 @@ def _validate(model, batch, job: Job, eval_batch, top_modules) -> GpuSpec | None
         if not _at_length(batch, job.max_len, 1)[1]:
             raise SettingError("padding", f"{{name}} longest shortens the batch's dimensions of max_len={job.max_len}, "
                                           "but no tensor of the batch has one")
+    if job.packing:
+        _check_packed(batch)
     if job.eval_accumulate_predictions and eval_batch is None:
         raise UsageError("eval_accumulate_predictions needs an eval batch (eval_batch= / --eval-batch-size)")
     require_int(top_modules, "top_modules", minimum=0,
@@ -245,6 +247,49 @@ def _validate(model, batch, job: Job, eval_batch, top_modules) -> GpuSpec | None
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     return target
+
+
+def _check_packed(batch) -> None:
+    """A packed batch is a dict with ``position_ids`` and no attention mask: transformers reads the
+    packed sequences' boundaries from ``position_ids`` only when ``attention_mask`` is None
+    (masking_utils.py, ``_preprocess_mask_arguments``), as ``DataCollatorWithFlattening`` gives it."""
+    if not isinstance(batch, dict):
+        raise SettingError("packing", "{name} needs a dict batch holding input_ids and position_ids (as "
+                                      f"DataCollatorWithFlattening gives it), got {escape(type(batch).__name__)}")
+    if batch.get("attention_mask") is not None:
+        raise SettingError("packing", "{name} needs a batch without attention_mask: with one, transformers ignores "
+                                      "the position ids and the packed sequences attend to each other; drop it")
+    if not isinstance(batch.get("position_ids"), torch.Tensor):
+        raise SettingError("packing", "{name} needs position_ids in the batch, restarting at 0 for each packed "
+                                      f"sequence; its keys are {escape(', '.join(map(str, batch)) or 'none')}")
+
+
+def packing_note(job: Job, info: BatchInfo, model: torch.nn.Module, batch: Any) -> list[str]:
+    """The report's lines on a packed batch: its layout, what attention does with it, and a cache
+    that would keep transformers from seeing the packing."""
+    if not job.packing:
+        return []
+    ids = next((i for i in info.inputs if i.name == "position_ids"), None)
+    tokens = ids.shape[-1] if ids is not None and ids.shape else None
+    if job.batch_size and job.max_len and tokens == job.batch_size * job.max_len:
+        layout = (f"{job.batch_size} sample slot(s) of {job.max_len} tokens flattened into one row of {tokens} "
+                  "(DataCollatorWithFlattening, TRL padding_free)")
+    else:
+        layout = "the batch's rows hold packed sequences"
+    rows, t = (ids.shape[0] if ids is not None and len(ids.shape) == 2 else "B"), tokens or "T"
+    head = f"packing: {layout}, position ids restarting at 0 for each sequence, no attention mask"
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):  # not a transformers model: its own code reads the ids
+        return [head]
+    cache = getattr(config, "use_cache", False)
+    if cache and not (isinstance(batch, dict) and batch.get("use_cache") is False):
+        return [head + "; the model's config has use_cache=True and the batch does not pass use_cache=False, so "
+                "transformers builds a cache and skips its packed-sequence check: the sequences attend across "
+                "their boundaries, as traced (the HF Trainer and TRL's SFTTrainer train with use_cache=False)"]
+    return [head + f"; transformers' sdpa and eager attention keep the sequences apart with a ({rows}, 1, {t}, {t}) "
+            "block-diagonal mask, the trace taking every row as holding two or more sequences (a real row of one "
+            "sequence needs no mask); flash_attention_2's varlen kernels, which need none, are not modelled for "
+            "transformers models"]
 
 
 @dataclass
@@ -344,6 +389,8 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
         )
     if how:
         tracer.assume(how)
+    for note in packing_note(job, info, model, batch):
+        tracer.assume(note)
     for note in adapted:
         tracer.assume(note)
     run = _Run(twin, wrapped, mbatch, ebatch, info, tracer, arch, opt_label, make_optimizer,

@@ -118,7 +118,7 @@ class MemcheckCallback(TrainerCallback):
             checkpointing=checkpointing, use_reentrant=use_reentrant, strategy=strategy, gpus=gpus,
             optimizer=_optimizer(args, optimizer), margin=self.settings.margin,
             max_grad_norm=float(args.max_grad_norm or 0),  # the Trainer clips when it is above 0
-            **target(args.device, self.settings), **extra,
+            packing=_packing(args), **target(args.device, self.settings), **extra,
         )
         config = getattr(model, "config", None)
         task = _task(config, model)
@@ -129,7 +129,7 @@ class MemcheckCallback(TrainerCallback):
             target_len = target_len if task is Task.SEQ2SEQ else None
 
             def batch(n, length=length, target=target_len):  # meta tensors: the worst case costs nothing
-                return hf.make_batch(twin, config, task, n, length, target)
+                return hf.make_batch(twin, config, task, n, length, target, packing=job.packing)
 
             job = job.replace(max_len=length, target_len=target_len)
         else:
@@ -210,6 +210,17 @@ def _task(config, model):
     except UsageError:
         return None
     return task if hf.known_kind(model, config, task) in (hf.TEXT, hf.IMAGE, hf.IMAGE_TEXT) else None
+
+
+def _packing(args) -> bool:
+    """Whether TRL's SFTTrainer flattens each batch into one packed row: its own rule,
+    ``args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})``
+    (trl/trainer/sft_trainer.py, "BFD packing requires padding-free mode"). The "wrapped" strategy
+    packs rows of max_length with an attention mask, whose worst case is the padded batch's.
+    TrainingArguments have none of these: False."""
+    if getattr(args, "padding_free", False) is True:
+        return True
+    return getattr(args, "packing", False) is True and getattr(args, "packing_strategy", "bfd") in ("bfd", "bfd_split")
 
 
 def _precision(args, model) -> str:

@@ -85,6 +85,7 @@ def render_estimate(est: Estimate) -> str:
         how.append(f"checkpointing {len(est.checkpointing)} module(s)" if est.checkpointing[0][0] != "("
                    else "checkpointing " + est.checkpointing[0])
     job = est.job
+    packed = job is not None and job.packing  # one row of packed sequences, no padding (memcheck.job.Job.packing)
     weights, adapters = f"{est.weights_dtype} weights", ""
     if job is not None and (job.qlora or job.lora is not None):
         lora = job.lora
@@ -96,9 +97,9 @@ def render_estimate(est: Estimate) -> str:
     lines = [
         f"memcheck: {est.model} on {est.device.value}, {est.precision.value}, {weights}, "
         f"{adapters}{est.optimizer}, "
-        f"batch {b.batch_size}" + (f" x {b.max_len} tokens" if b.max_len else ""),
+        f"batch {b.batch_size}" + (f" x {b.max_len} tokens" if b.max_len else "") + (" packed" if packed else ""),
         f"strategy: {', '.join(how)}",
-        f"worst-case batch: {shapes}" if shapes else "",
+        f"worst-case {'packed ' if packed else ''}batch: {shapes}" if shapes else "",
         "",
     ]
     bd = est.breakdown_at_peak.to_dict()
@@ -231,6 +232,17 @@ PADDING_NOTE = (
 )
 
 
+PACKING_NOTE = (
+    "packing: these figures are for every sample slot filled to the length shown with packed sequences, the "
+    "micro-batch's slots flattened into one row with position ids (DataCollatorWithFlattening, TRL's packing / "
+    "padding_free), attended through sdpa's or eager's block-diagonal mask."
+)
+
+
+def _packed(plan: Plan) -> bool:
+    return plan.job is not None and plan.job.packing
+
+
 def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
     """The recommendation as memcheck flags and as transformers TrainingArguments."""
     flags = [f"--batch-size {r.micro_batch_size}"]
@@ -261,6 +273,9 @@ def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
     elif optimizer is not None:
         name = getattr(optimizer, "__name__", type(optimizer).__name__)
         args.append(f"the optimizer {name} builds (Trainer(optimizers=(optimizer, None)))")
+    if _packed(plan):
+        flags.append("--packing")
+        args.append("packing=True (TRL's SFTConfig; or DataCollatorWithFlattening)")
     if plan.strategy != "single":
         flags.append(f"--strategy {plan.strategy} --gpus {plan.gpus}")
         args.append({"fsdp": 'fsdp="full_shard"', "zero3": "deepspeed= a ZeRO stage 3 config",
@@ -284,8 +299,10 @@ def render_plan(plan: Plan) -> str:
         f", {plan.gpus} GPU(s), {plan.strategy}" if plan.device.value == "cuda" else "")
     if plan.global_batch is not None:
         head += f", global batch {plan.global_batch}"
+    packed, length = _packed(plan), "slot length" if _packed(plan) else "padded length"
     if plan.max_len:
-        head += f", every sequence padded to {plan.max_len}"
+        head += f", every sample slot packed to {plan.max_len} tokens" if packed else \
+            f", every sequence padded to {plan.max_len}"
     what = "device total" if plan.device.value == "cuda" else "peak"
     lines = [
         head,
@@ -334,12 +351,12 @@ def render_plan(plan: Plan) -> str:
         lines.append(tabulate(
             [[p.length, f"{100 * p.length / plan.max_len:.0f}%", format_bytes(p.predicted_device_total_bytes),
               "fits" if p.fits else "DOES NOT FIT"] for p in plan.length_profile],
-            headers=[f"padded length (micro-batch {r.micro_batch_size})", "of max-len", what, ""],
+            headers=[f"{length} (micro-batch {r.micro_batch_size})", "of max-len", what, ""],
             tablefmt="simple",
         ))
         if plan.longest_fitting_length is not None:
             limit = plan.position_limit or plan.max_len
-            lines.append(f"longest padded length that fits at micro-batch {r.micro_batch_size}: "
+            lines.append(f"longest {length} that fits at micro-batch {r.micro_batch_size}: "
                          f"{plan.longest_fitting_length}" + (
                              " (the model's position limit)" if plan.longest_fitting_length == plan.position_limit
                              else " (searched up to --max-len)" if limit == plan.max_len else
@@ -350,7 +367,7 @@ def render_plan(plan: Plan) -> str:
     lines.append("")
     lines.append(f"traces: {plan.traces}")
     if plan.max_len:
-        lines.append(PADDING_NOTE)
+        lines.append(PACKING_NOTE if packed else PADDING_NOTE)
     return "\n".join(lines)
 
 

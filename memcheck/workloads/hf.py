@@ -3,6 +3,15 @@
 The architecture comes from ``config.architectures`` unless a task is given. The
 batch pads every sequence to ``max_len`` (``padding='max_length'``), with one
 padded position so that attention masks are materialised as in real padded data.
+
+With packing (``Job.packing``) the batch is what transformers' ``DataCollatorWithFlattening``
+and TRL's padding-free collator give a causal LM: no padding and no attention mask, every
+sample slot ``max_len`` tokens of packed sequences, all slots flattened into ONE row of
+``batch_size * max_len`` tokens, with ``position_ids`` restarting at 0 for each sequence
+(``packed_batch``). One row is the worst case as well as what those collators do: sdpa and
+eager attention keep the sequences apart with a block-diagonal mask over the whole row,
+(1, 1, T, T) for T = batch_size * max_len tokens, batch_size times the (B, 1, L, L) of
+batch_size separate rows; flash-attention's varlen kernels need no mask either way.
 """
 
 from __future__ import annotations
@@ -334,8 +343,56 @@ def _padded_mask(batch_size: int, length: int, device) -> torch.Tensor:
     return mask
 
 
-def make_batch(model, config, task: Task, batch_size: int, max_len: int | None, target_len: int | None, device="meta") -> dict[str, Any]:
-    """The worst-case training batch for ``task``: every sequence padded to ``max_len``.
+def check_packing(model, config, task: Task) -> None:
+    """Refuse, naming the model, a packed batch the model cannot take: packing is for causal LMs fed
+    token ids, whose forward takes ``position_ids`` (transformers reads the sequence boundaries from them)."""
+    name = type(model).__name__
+    if task is not Task.CAUSAL_LM:
+        raise SettingError("packing", "{name} packs the token sequences of causal-lm models only; "
+                           + escape(f"{name} is {task.value}") + ": drop {name}")
+    if input_kind(model, config, task) != TEXT or not _forward_takes(model, "input_ids", "position_ids"):
+        raise SettingError("packing", "{name} needs a model whose forward takes input_ids and position_ids (the "
+                           "packed sequences' boundaries); " + escape(f"{name}'s does not") + ": drop {name}")
+
+
+def packed_positions(batch_size: int, max_len: int, device="meta") -> torch.Tensor:
+    """``position_ids`` (1, batch_size * max_len) of a packed row: each slot of ``max_len`` tokens
+    holds two sequences (``max_len // 2`` tokens and the rest; one when ``max_len`` is 1), and the
+    positions restart at 0 at each, as ``DataCollatorWithFlattening`` numbers them. Two sequences
+    in a slot make transformers see a packed row (``find_packed_sequence_indices``); how many more
+    a slot holds changes no tensor's size."""
+    first = max_len // 2 or max_len
+    slot = torch.cat([torch.arange(first, device=device), torch.arange(max_len - first, device=device)])
+    return slot.repeat(batch_size).unsqueeze(0)
+
+
+def packed_batch(model, config, task: Task, batch_size: int, max_len: int | None, device="meta") -> dict[str, Any]:
+    """The worst-case packed batch (module docstring): ``input_ids``, ``position_ids`` and ``labels``
+    of shape (1, batch_size * max_len), the labels -100 at the first token of each sequence
+    (``DataCollatorWithFlattening``'s ``separator_id``), and ``use_cache=False`` where the forward
+    takes it, as the HF Trainer (``TrainingArguments.use_cache``: False) and TRL's SFTTrainer
+    (``compute_loss``: ``inputs["use_cache"] = False``) train: with a cache, transformers skips its
+    packed-sequence check (masking_utils.py, ``_preprocess_mask_arguments``: "only if the 2D attention
+    mask is explicitly None, and we don't have past_key_values") and the sequences would attend across
+    their boundaries."""
+    check_packing(model, config, task)
+    if max_len is None:
+        raise SettingError("max_len", escape(type(model).__name__) + " needs {name}")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", 2)
+    input_ids = torch.randint(0, max(int(vocab), 1), (1, batch_size * max_len), device=device)
+    position_ids = packed_positions(batch_size, max_len, device)
+    batch: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids,
+                             "labels": torch.where(position_ids == 0, -100, input_ids)}
+    if _forward_takes(model, "use_cache"):
+        batch["use_cache"] = False
+    return batch
+
+
+def make_batch(model, config, task: Task, batch_size: int, max_len: int | None, target_len: int | None, device="meta",
+               packing: bool = False) -> dict[str, Any]:
+    """The worst-case training batch for ``task``: every sequence padded to ``max_len``; with
+    ``packing``, ``packed_batch``.
 
     The inputs follow the model's ``main_input_name`` (``input_kind``): token ids and an
     attention mask of ones with one padded position; pixels at the config's image size;
@@ -343,6 +400,9 @@ def make_batch(model, config, task: Task, batch_size: int, max_len: int | None, 
     ``max_len`` samples. The labels follow ``task``. Values are only meaningful off the meta
     device (the real runs that measure accuracy use them).
     """
+    if packing:
+        return packed_batch(model, config, task, batch_size, max_len, device)
+
     def ids(n_rows, n_cols, high, low=0):
         return torch.randint(low, max(int(high), low + 1), (n_rows, n_cols), device=device)
 

@@ -162,8 +162,10 @@ def load_workload(
     attn: Attention | str | None = None,
     allow_download: bool = False,
     device: str = "meta",
+    packing: bool = False,
 ) -> Workload:
-    """Load ``spec`` and build its model and worst-case batch on ``device`` (meta for estimates)."""
+    """Load ``spec`` and build its model and worst-case batch on ``device`` (meta for estimates);
+    ``packing``: the packed, padding-free batch of a transformers causal LM (``hf.packed_batch``)."""
     _check_sizes(batch_size, max_len, target_len)
     task = Task.parse(task, what="task") if task is not None else None
     attn = Attention.parse(attn, what="attn") if attn is not None else None
@@ -182,7 +184,7 @@ def load_workload(
 
         def make(size, length, target):
             with _building(device):
-                return hf.make_batch(model, config, task, size, length, target, device=device)
+                return hf.make_batch(model, config, task, size, length, target, device=device, packing=packing)
 
         return Workload(type(model).__name__, model, make(batch_size, max_len, target_len), None, None,
                         batch_size, max_len, target_len, make, _limit(model, config, task), hf.trainer_optimizer(),
@@ -231,7 +233,8 @@ def load_workload(
 
             def make(size, length, target):
                 with _building(device):
-                    return hf.make_batch(model, config, task, size, length, target, device=device)
+                    return hf.make_batch(model, config, task, size, length, target, device=device,
+                                         packing=packing)
         else:
             raise ModelLoadError(
                 f"{path}: defines no make_batch(batch_size, max_len), and memcheck cannot infer "

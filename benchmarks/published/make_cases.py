@@ -383,5 +383,88 @@ cases.append({
                    "other SM count)",
 })
 
+# --- XiaoJianyu219/llm-infra-bench, experiment 08: Qwen3-0.6B full training on one RTX 4090 ----------------
+# Both max_memory_allocated and max_memory_reserved per run (results/runs/<tag>.json), written by
+# scripts/train_loop.py: HF Qwen3-0.6B loaded in float32, torch AdamW(lr=1e-4, betas=(0.9, 0.95),
+# weight_decay=0.1), one fixed random batch (B x S ids, labels = ids, no attention mask), bf16 autocast or
+# none, SDPA backend forced with sdpa_kernel, optional non-reentrant gradient checkpointing, 10 warmup steps,
+# reset_peak_memory_stats(), then 3 x 10 measured steps. Only the runs that finished ("status": "ok") are used.
+XJY_COMMIT = "c4bca64b77a2d7f2b84e5e1916a1e4bcd8bfe4ce"
+XJY_DIR = "experiments/08-single-gpu-profiling"
+QWEN3_06B = {
+    "config_class": "Qwen3Config",
+    "kwargs": {"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+               "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+               "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+               "tie_word_embeddings": True, "attention_bias": False, "use_cache": False},
+    "note": "Qwen/Qwen3-0.6B's published config.json (the dimensions also in the source's scripts/model_flops.py "
+            "QWEN3_06B: 28 layers, hidden 1024, head_dim 128, 16 heads, 8 KV heads, MLP 3072, vocab 151936); "
+            "train_loop.py sets cfg._attn_implementation = 'sdpa', cfg.use_cache = False and loads it with "
+            "dtype=torch.float32",
+    "task": "causal-lm", "attn_implementation": "sdpa", "dtype": "float32",
+    "inputs": ["input_ids", "labels"],
+}
+XJY_STACK = (
+    "torch 2.14.0+cu130 and transformers 5.17.0 (results/env.txt) against the installed 2.13 / 5.23; "
+    "train_loop.py forces the SDPA backend with torch.nn.attention.sdpa_kernel ({sdpa}), memcheck picks its "
+    "own kernel for SDPA without a mask; the model is loaded by from_pretrained on the CPU and then moved "
+    "with model.to('cuda') (memcheck's setup phase builds it in place); the allocated peak covers only the "
+    "30 measured steps (reset_peak_memory_stats after 10 warmup steps), while reserved, never released in "
+    "this loop (no empty_cache before the reading), is the process's peak over loading, warmup and the "
+    "measured steps; no gradient clipping; one fixed batch reused every step"
+)
+
+
+def xjy(tag, *, seq, bs, precision, sdpa, ckpt, alloc_mib, resv_mib):
+    path = f"{XJY_DIR}/results/runs/{tag}.json"
+    out = []
+    for metric, mib, key in (("max_memory_allocated", alloc_mib, "mem_allocated_mib"),
+                             ("max_memory_reserved", resv_mib, "mem_reserved_mib")):
+        value = mib * MiB
+        assert value == int(value), (tag, metric)
+        out.append({
+            "id": f"xjy-qwen3-0.6b-{tag.replace('_', '-')}-{'alloc' if metric.endswith('allocated') else 'reserved'}",
+            "source": {
+                "url": f"https://github.com/XiaoJianyu219/llm-infra-bench/blob/{XJY_COMMIT}/{path}",
+                "repo": "XiaoJianyu219/llm-infra-bench", "path": path, "commit": XJY_COMMIT,
+                "quote": (f"\"seq_len\": {seq}, \"batch_size\": {bs}, \"precision\": \"{precision}\", "
+                          f"\"sdpa\": \"{sdpa}\", \"ckpt\": {ckpt}, ... \"torch\": \"2.14.0+cu130\", "
+                          f"\"device\": \"NVIDIA GeForce RTX 4090\", ... \"mem_allocated_mib\": {alloc_mib!r}, "
+                          f"\"mem_reserved_mib\": {resv_mib!r}, \"status\": \"ok\""),
+                "code": f"{XJY_DIR}/scripts/train_loop.py (build, one_step, the two readings), "
+                        f"scripts/run_matrix2.py (the job list), results/env.txt (torch, transformers)",
+            },
+            "model": QWEN3_06B,
+            "batch_size": bs, "max_len": seq, "accumulate": 1,
+            "precision": "amp-bf16" if precision == "bf16" else "fp32",
+            "optimizer": "adamw",
+            "checkpointing": "full" if ckpt else "none", "use_reentrant": False,
+            "strategy": "single", "gpus": 1,
+            "gpu": "RTX-4090", "gpu_published": "NVIDIA GeForce RTX 4090 (24 GB, sm89)",
+            "torch_version": "2.14.0+cu130",
+            "metric": metric, "value_bytes": int(value),
+            "unit_conversion": f"{key} = torch.cuda.{metric}() / 2 ** 20 as written (a float): "
+                               f"value_bytes = {mib!r} * 1048576",
+            "stack_notes": XJY_STACK.format(sdpa=sdpa),
+        })
+    return out
+
+
+for tag, seq, bs, prec, sdpa, ckpt, alloc_mib, resv_mib in (
+        ("ref_s2048_b1", 2048, 1, "bf16", "flash", 0, 16645.00634765625, 16684.0),
+        ("tok2048_s1024_b2", 1024, 2, "bf16", "flash", 0, 16644.00634765625, 16682.0),
+        ("ref_s512_b4", 512, 4, "bf16", "flash", 0, 16643.50634765625, 16682.0),
+        ("tok2048_s256_b8", 256, 8, "bf16", "flash", 0, 16643.25634765625, 16682.0),
+        ("bsw_s512_b1_ckpt0", 512, 1, "bf16", "flash", 0, 11538.259765625, 11878.0),
+        ("bsw_s512_b2_ckpt0", 512, 2, "bf16", "flash", 0, 12309.64306640625, 12958.0),
+        ("bsw_s512_b6_ckpt0", 512, 6, "bf16", "flash", 0, 20971.86962890625, 21792.0),
+        ("ckpt1_s2048_b1", 2048, 1, "bf16", "flash", 1, 11981.533203125, 15564.0),
+        ("ckpt1_s512_b4", 512, 4, "bf16", "flash", 1, 11981.533203125, 15560.0),
+        ("bsw_s512_b8_ckpt1", 512, 8, "bf16", "flash", 1, 15934.08447265625, 19732.0),
+        ("bsw_s512_b12_ckpt1", 512, 12, "bf16", "flash", 1, 20333.87353515625, 23532.0),
+        ("prec_fp32_s2048_b1", 2048, 1, "fp32", "mem_efficient", 0, 18345.25634765625, 19000.0),
+        ("prec_fp32_s512_b4", 512, 4, "fp32", "mem_efficient", 0, 18343.75634765625, 18998.0)):
+    cases.extend(xjy(tag, seq=seq, bs=bs, precision=prec, sdpa=sdpa, ckpt=ckpt, alloc_mib=alloc_mib, resv_mib=resv_mib))
+
 Path(__file__).with_name("cases.json").write_text(json.dumps({"cases": cases}, indent=1) + "\n")
 print(len(cases), "cases")

@@ -411,7 +411,9 @@ XJY_STACK = (
     "with model.to('cuda') (memcheck's setup phase builds it in place); the allocated peak covers only the "
     "30 measured steps (reset_peak_memory_stats after 10 warmup steps), while reserved, never released in "
     "this loop (no empty_cache before the reading), is the process's peak over loading, warmup and the "
-    "measured steps; no gradient clipping; one fixed batch reused every step"
+    "measured steps; no gradient clipping; one fixed batch reused every step; one_step() keeps "
+    "`out = model(...)` (the output object, holding the bf16 logits) referenced until it returns after "
+    "opt.step(), traced with model.loss keep-output"
 )
 
 
@@ -434,7 +436,7 @@ def xjy(tag, *, seq, bs, precision, sdpa, ckpt, alloc_mib, resv_mib):
                 "code": f"{XJY_DIR}/scripts/train_loop.py (build, one_step, the two readings), "
                         f"scripts/run_matrix2.py (the job list), results/env.txt (torch, transformers)",
             },
-            "model": QWEN3_06B,
+            "model": dict(QWEN3_06B, loss="keep-output"),
             "batch_size": bs, "max_len": seq, "accumulate": 1,
             "precision": "amp-bf16" if precision == "bf16" else "fp32",
             "optimizer": "adamw",
@@ -465,6 +467,81 @@ for tag, seq, bs, prec, sdpa, ckpt, alloc_mib, resv_mib in (
         ("prec_fp32_s2048_b1", 2048, 1, "fp32", "mem_efficient", 0, 18345.25634765625, 19000.0),
         ("prec_fp32_s512_b4", 512, 4, "fp32", "mem_efficient", 0, 18343.75634765625, 18998.0)):
     cases.extend(xjy(tag, seq=seq, bs=bs, precision=prec, sdpa=sdpa, ckpt=ckpt, alloc_mib=alloc_mib, resv_mib=resv_mib))
+
+# --- the same repository, experiment 09: single-GPU and two-GPU DDP runs, full and LoRA ----------------------
+# experiments/09-parallel-strategies/scripts/train_dist.py: the same model and fixed random batch (seq 512),
+# default SDPA backend (none forced), AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1), bf16 autocast,
+# `loss = net(input_ids=ids, labels=labels, use_cache=False).loss` (the output object is not kept), 10 warmup
+# steps, reset_peak_memory_stats(), 3 x 10 measured steps. Full training loads float32 weights; --lora loads the
+# base in bfloat16 and adds peft LoRA r 16, alpha 32, dropout 0.0 on q/k/v/o (peft 0.21.0: adapters float32).
+# DDP: DistributedDataParallel(gradient_as_bucket_view=True), bucket_cap_mb 25 (default), 2 GPUs; both ranks
+# read the same figures (per_rank in the file).
+XJY9_DIR = "experiments/09-parallel-strategies"
+XJY9_STACK = (
+    "torch 2.14.0+cu130, transformers 5.17.0, peft 0.21.0, deepspeed 0.19.7 (results/env.txt) against the "
+    "installed torch 2.13 / transformers 5.23 / peft 0.21.2; the model is loaded by from_pretrained on the CPU "
+    "(LoRA added there) and moved with .cuda() (memcheck's setup phase builds it in place); the allocated peak "
+    "covers the 30 measured steps after reset_peak_memory_stats, reserved the whole process (no empty_cache); "
+    "no gradient clipping; one fixed batch reused every step; a different RTX 4090 machine from experiment 08"
+)
+XJY9_LORA = {"method": "lora", "r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "bias": "none",
+             "task_type": "CAUSAL_LM", "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def xjy9(tag, *, bs, lora, strategy, alloc_mib, resv_mib, extra_notes=""):
+    path = f"{XJY9_DIR}/results/runs/{tag}.json"
+    model = dict(QWEN3_06B)
+    if lora:
+        model = dict(model, dtype="bfloat16", peft=XJY9_LORA,
+                     note=QWEN3_06B["note"].replace("dtype=torch.float32", "dtype=torch.bfloat16 (train_dist.py "
+                                                    "build_model(torch.bfloat16 if args.lora ...))"))
+    out = []
+    for metric, mib, key in (("max_memory_allocated", alloc_mib, "mem_allocated_mib"),
+                             ("max_memory_reserved", resv_mib, "mem_reserved_mib")):
+        value = mib * MiB
+        assert value == int(value), (tag, metric)
+        case = {
+            "id": f"xjy09-qwen3-0.6b-{tag.replace('_', '-')}-{'alloc' if metric.endswith('allocated') else 'reserved'}",
+            "source": {
+                "url": f"https://github.com/XiaoJianyu219/llm-infra-bench/blob/{XJY_COMMIT}/{path}",
+                "repo": "XiaoJianyu219/llm-infra-bench", "path": path, "commit": XJY_COMMIT,
+                "quote": (f"\"strategy\": \"{strategy}\", \"world_size\": {2 if strategy == 'ddp' else 1}, ... "
+                          f"\"device\": \"NVIDIA GeForce RTX 4090\", ... \"seq_len\": 512, \"micro_bsz\": {bs}, "
+                          f"\"grad_accum\": 1, ... \"lora\": {'true' if lora else 'false'}, \"lora_r\": 16, "
+                          f"\"lora_alpha\": 32, \"lora_target\": \"q_proj,k_proj,v_proj,o_proj\", ... "
+                          f"\"mem_allocated_mib\": {alloc_mib!r}, \"mem_reserved_mib\": {resv_mib!r}, "
+                          f"... \"status\": \"ok\""),
+                "code": f"{XJY9_DIR}/scripts/train_dist.py (build_model, apply_lora, setup_single/setup_ddp, "
+                        f"one_step, the two readings), results/env.txt (versions)",
+            },
+            "model": model,
+            "batch_size": bs, "max_len": 512, "accumulate": 1,
+            "precision": "amp-bf16", "optimizer": "adamw",
+            "checkpointing": "none", "use_reentrant": False,
+            "strategy": strategy, "gpus": 2 if strategy == "ddp" else 1,
+            "gpu": "RTX-4090", "gpu_published": "NVIDIA GeForce RTX 4090 (24 GB, sm89)"
+                                                + (" x 2, no P2P (NCCL over shared memory)" if strategy == "ddp" else ""),
+            "torch_version": "2.14.0+cu130",
+            "metric": metric, "value_bytes": int(value),
+            "unit_conversion": f"{key} = torch.cuda.{metric}() / 2 ** 20 as written (a float; rank 0, the same "
+                               f"on every rank): value_bytes = {mib!r} * 1048576",
+            "stack_notes": XJY9_STACK + extra_notes,
+        }
+        if strategy == "ddp":
+            case["bucket_view"] = True
+        out.append(case)
+    return out
+
+
+for tag, bs, lora, strategy, alloc_mib, resv_mib in (
+        ("single_mb2", 2, False, "single", 12012.8935546875, 12662.0),
+        ("single_mb4", 4, False, "single", 16049.5068359375, 16682.0),
+        ("lora_single_mb2", 2, True, "single", 4684.6845703125, 5028.0),
+        ("w2_ddp_mb2", 2, False, "ddp", 14286.3544921875, 14610.0),
+        ("lora_w2_ddp_mb2", 2, True, "ddp", 4702.1845703125, 5034.0)):
+    cases.extend(xjy9(tag, bs=bs, lora=lora, strategy=strategy, alloc_mib=alloc_mib, resv_mib=resv_mib,
+                      extra_notes="; DDP over 2 GPUs with NCCL (its communicator buffers are outside the caching "
+                                  "allocator)" if strategy == "ddp" else ""))
 
 Path(__file__).with_name("cases.json").write_text(json.dumps({"cases": cases}, indent=1) + "\n")
 print(len(cases), "cases")

@@ -383,5 +383,165 @@ cases.append({
                    "other SM count)",
 })
 
+# --- XiaoJianyu219/llm-infra-bench, experiment 08: Qwen3-0.6B full training on one RTX 4090 ----------------
+# Both max_memory_allocated and max_memory_reserved per run (results/runs/<tag>.json), written by
+# scripts/train_loop.py: HF Qwen3-0.6B loaded in float32, torch AdamW(lr=1e-4, betas=(0.9, 0.95),
+# weight_decay=0.1), one fixed random batch (B x S ids, labels = ids, no attention mask), bf16 autocast or
+# none, SDPA backend forced with sdpa_kernel, optional non-reentrant gradient checkpointing, 10 warmup steps,
+# reset_peak_memory_stats(), then 3 x 10 measured steps. Only the runs that finished ("status": "ok") are used.
+XJY_COMMIT = "c4bca64b77a2d7f2b84e5e1916a1e4bcd8bfe4ce"
+XJY_DIR = "experiments/08-single-gpu-profiling"
+QWEN3_06B = {
+    "config_class": "Qwen3Config",
+    "kwargs": {"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+               "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+               "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+               "tie_word_embeddings": True, "attention_bias": False, "use_cache": False},
+    "note": "Qwen/Qwen3-0.6B's published config.json (the dimensions also in the source's scripts/model_flops.py "
+            "QWEN3_06B: 28 layers, hidden 1024, head_dim 128, 16 heads, 8 KV heads, MLP 3072, vocab 151936); "
+            "train_loop.py sets cfg._attn_implementation = 'sdpa', cfg.use_cache = False and loads it with "
+            "dtype=torch.float32",
+    "task": "causal-lm", "attn_implementation": "sdpa", "dtype": "float32",
+    "inputs": ["input_ids", "labels"],
+}
+XJY_STACK = (
+    "torch 2.14.0+cu130 and transformers 5.17.0 (results/env.txt) against the installed 2.13 / 5.23; "
+    "train_loop.py forces the SDPA backend with torch.nn.attention.sdpa_kernel ({sdpa}), memcheck picks its "
+    "own kernel for SDPA without a mask; the model is loaded by from_pretrained on the CPU and then moved "
+    "with model.to('cuda') (memcheck's setup phase builds it in place); the allocated peak covers only the "
+    "30 measured steps (reset_peak_memory_stats after 10 warmup steps), while reserved, never released in "
+    "this loop (no empty_cache before the reading), is the process's peak over loading, warmup and the "
+    "measured steps; no gradient clipping; one fixed batch reused every step; one_step() keeps "
+    "`out = model(...)` (the output object, holding the bf16 logits) referenced until it returns after "
+    "opt.step(), traced with model.loss keep-output"
+)
+
+
+def xjy(tag, *, seq, bs, precision, sdpa, ckpt, alloc_mib, resv_mib):
+    path = f"{XJY_DIR}/results/runs/{tag}.json"
+    out = []
+    for metric, mib, key in (("max_memory_allocated", alloc_mib, "mem_allocated_mib"),
+                             ("max_memory_reserved", resv_mib, "mem_reserved_mib")):
+        value = mib * MiB
+        assert value == int(value), (tag, metric)
+        out.append({
+            "id": f"xjy-qwen3-0.6b-{tag.replace('_', '-')}-{'alloc' if metric.endswith('allocated') else 'reserved'}",
+            "source": {
+                "url": f"https://github.com/XiaoJianyu219/llm-infra-bench/blob/{XJY_COMMIT}/{path}",
+                "repo": "XiaoJianyu219/llm-infra-bench", "path": path, "commit": XJY_COMMIT,
+                "quote": (f"\"seq_len\": {seq}, \"batch_size\": {bs}, \"precision\": \"{precision}\", "
+                          f"\"sdpa\": \"{sdpa}\", \"ckpt\": {ckpt}, ... \"torch\": \"2.14.0+cu130\", "
+                          f"\"device\": \"NVIDIA GeForce RTX 4090\", ... \"mem_allocated_mib\": {alloc_mib!r}, "
+                          f"\"mem_reserved_mib\": {resv_mib!r}, \"status\": \"ok\""),
+                "code": f"{XJY_DIR}/scripts/train_loop.py (build, one_step, the two readings), "
+                        f"scripts/run_matrix2.py (the job list), results/env.txt (torch, transformers)",
+            },
+            "model": dict(QWEN3_06B, loss="keep-output"),
+            "batch_size": bs, "max_len": seq, "accumulate": 1,
+            "precision": "amp-bf16" if precision == "bf16" else "fp32",
+            "optimizer": "adamw",
+            "checkpointing": "full" if ckpt else "none", "use_reentrant": False,
+            "strategy": "single", "gpus": 1,
+            "gpu": "RTX-4090", "gpu_published": "NVIDIA GeForce RTX 4090 (24 GB, sm89)",
+            "torch_version": "2.14.0+cu130",
+            "metric": metric, "value_bytes": int(value),
+            "unit_conversion": f"{key} = torch.cuda.{metric}() / 2 ** 20 as written (a float): "
+                               f"value_bytes = {mib!r} * 1048576",
+            "stack_notes": XJY_STACK.format(sdpa=sdpa),
+        })
+    return out
+
+
+for tag, seq, bs, prec, sdpa, ckpt, alloc_mib, resv_mib in (
+        ("ref_s2048_b1", 2048, 1, "bf16", "flash", 0, 16645.00634765625, 16684.0),
+        ("tok2048_s1024_b2", 1024, 2, "bf16", "flash", 0, 16644.00634765625, 16682.0),
+        ("ref_s512_b4", 512, 4, "bf16", "flash", 0, 16643.50634765625, 16682.0),
+        ("tok2048_s256_b8", 256, 8, "bf16", "flash", 0, 16643.25634765625, 16682.0),
+        ("bsw_s512_b1_ckpt0", 512, 1, "bf16", "flash", 0, 11538.259765625, 11878.0),
+        ("bsw_s512_b2_ckpt0", 512, 2, "bf16", "flash", 0, 12309.64306640625, 12958.0),
+        ("bsw_s512_b6_ckpt0", 512, 6, "bf16", "flash", 0, 20971.86962890625, 21792.0),
+        ("ckpt1_s2048_b1", 2048, 1, "bf16", "flash", 1, 11981.533203125, 15564.0),
+        ("ckpt1_s512_b4", 512, 4, "bf16", "flash", 1, 11981.533203125, 15560.0),
+        ("bsw_s512_b8_ckpt1", 512, 8, "bf16", "flash", 1, 15934.08447265625, 19732.0),
+        ("bsw_s512_b12_ckpt1", 512, 12, "bf16", "flash", 1, 20333.87353515625, 23532.0),
+        ("prec_fp32_s2048_b1", 2048, 1, "fp32", "mem_efficient", 0, 18345.25634765625, 19000.0),
+        ("prec_fp32_s512_b4", 512, 4, "fp32", "mem_efficient", 0, 18343.75634765625, 18998.0)):
+    cases.extend(xjy(tag, seq=seq, bs=bs, precision=prec, sdpa=sdpa, ckpt=ckpt, alloc_mib=alloc_mib, resv_mib=resv_mib))
+
+# --- the same repository, experiment 09: single-GPU and two-GPU DDP runs, full and LoRA ----------------------
+# experiments/09-parallel-strategies/scripts/train_dist.py: the same model and fixed random batch (seq 512),
+# default SDPA backend (none forced), AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1), bf16 autocast,
+# `loss = net(input_ids=ids, labels=labels, use_cache=False).loss` (the output object is not kept), 10 warmup
+# steps, reset_peak_memory_stats(), 3 x 10 measured steps. Full training loads float32 weights; --lora loads the
+# base in bfloat16 and adds peft LoRA r 16, alpha 32, dropout 0.0 on q/k/v/o (peft 0.21.0: adapters float32).
+# DDP: DistributedDataParallel(gradient_as_bucket_view=True), bucket_cap_mb 25 (default), 2 GPUs; both ranks
+# read the same figures (per_rank in the file).
+XJY9_DIR = "experiments/09-parallel-strategies"
+XJY9_STACK = (
+    "torch 2.14.0+cu130, transformers 5.17.0, peft 0.21.0, deepspeed 0.19.7 (results/env.txt) against the "
+    "installed torch 2.13 / transformers 5.23 / peft 0.21.2; the model is loaded by from_pretrained on the CPU "
+    "(LoRA added there) and moved with .cuda() (memcheck's setup phase builds it in place); the allocated peak "
+    "covers the 30 measured steps after reset_peak_memory_stats, reserved the whole process (no empty_cache); "
+    "no gradient clipping; one fixed batch reused every step; a different RTX 4090 machine from experiment 08"
+)
+XJY9_LORA = {"method": "lora", "r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "bias": "none",
+             "task_type": "CAUSAL_LM", "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def xjy9(tag, *, bs, lora, strategy, alloc_mib, resv_mib, extra_notes=""):
+    path = f"{XJY9_DIR}/results/runs/{tag}.json"
+    model = dict(QWEN3_06B)
+    if lora:
+        model = dict(model, dtype="bfloat16", peft=XJY9_LORA,
+                     note=QWEN3_06B["note"].replace("dtype=torch.float32", "dtype=torch.bfloat16 (train_dist.py "
+                                                    "build_model(torch.bfloat16 if args.lora ...))"))
+    out = []
+    for metric, mib, key in (("max_memory_allocated", alloc_mib, "mem_allocated_mib"),
+                             ("max_memory_reserved", resv_mib, "mem_reserved_mib")):
+        value = mib * MiB
+        assert value == int(value), (tag, metric)
+        case = {
+            "id": f"xjy09-qwen3-0.6b-{tag.replace('_', '-')}-{'alloc' if metric.endswith('allocated') else 'reserved'}",
+            "source": {
+                "url": f"https://github.com/XiaoJianyu219/llm-infra-bench/blob/{XJY_COMMIT}/{path}",
+                "repo": "XiaoJianyu219/llm-infra-bench", "path": path, "commit": XJY_COMMIT,
+                "quote": (f"\"strategy\": \"{strategy}\", \"world_size\": {2 if strategy == 'ddp' else 1}, ... "
+                          f"\"device\": \"NVIDIA GeForce RTX 4090\", ... \"seq_len\": 512, \"micro_bsz\": {bs}, "
+                          f"\"grad_accum\": 1, ... \"lora\": {'true' if lora else 'false'}, \"lora_r\": 16, "
+                          f"\"lora_alpha\": 32, \"lora_target\": \"q_proj,k_proj,v_proj,o_proj\", ... "
+                          f"\"mem_allocated_mib\": {alloc_mib!r}, \"mem_reserved_mib\": {resv_mib!r}, "
+                          f"... \"status\": \"ok\""),
+                "code": f"{XJY9_DIR}/scripts/train_dist.py (build_model, apply_lora, setup_single/setup_ddp, "
+                        f"one_step, the two readings), results/env.txt (versions)",
+            },
+            "model": model,
+            "batch_size": bs, "max_len": 512, "accumulate": 1,
+            "precision": "amp-bf16", "optimizer": "adamw",
+            "checkpointing": "none", "use_reentrant": False,
+            "strategy": strategy, "gpus": 2 if strategy == "ddp" else 1,
+            "gpu": "RTX-4090", "gpu_published": "NVIDIA GeForce RTX 4090 (24 GB, sm89)"
+                                                + (" x 2, no P2P (NCCL over shared memory)" if strategy == "ddp" else ""),
+            "torch_version": "2.14.0+cu130",
+            "metric": metric, "value_bytes": int(value),
+            "unit_conversion": f"{key} = torch.cuda.{metric}() / 2 ** 20 as written (a float; rank 0, the same "
+                               f"on every rank): value_bytes = {mib!r} * 1048576",
+            "stack_notes": XJY9_STACK + extra_notes,
+        }
+        if strategy == "ddp":
+            case["bucket_view"] = True
+        out.append(case)
+    return out
+
+
+for tag, bs, lora, strategy, alloc_mib, resv_mib in (
+        ("single_mb2", 2, False, "single", 12012.8935546875, 12662.0),
+        ("single_mb4", 4, False, "single", 16049.5068359375, 16682.0),
+        ("lora_single_mb2", 2, True, "single", 4684.6845703125, 5028.0),
+        ("w2_ddp_mb2", 2, False, "ddp", 14286.3544921875, 14610.0),
+        ("lora_w2_ddp_mb2", 2, True, "ddp", 4702.1845703125, 5034.0)):
+    cases.extend(xjy9(tag, bs=bs, lora=lora, strategy=strategy, alloc_mib=alloc_mib, resv_mib=resv_mib,
+                      extra_notes="; DDP over 2 GPUs with NCCL (its communicator buffers are outside the caching "
+                                  "allocator)" if strategy == "ddp" else ""))
+
 Path(__file__).with_name("cases.json").write_text(json.dumps({"cases": cases}, indent=1) + "\n")
 print(len(cases), "cases")

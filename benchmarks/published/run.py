@@ -134,6 +134,23 @@ def _shift_ce(model, batch, upcast: bool):
     return torch.nn.functional.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
 
 
+class _KeepOutput:
+    """loss keep-output: ``model(**batch).loss`` with the output object (and so its logits) kept
+    referenced after the forward, as a script's ``out = model(...); loss = out.loss; loss.backward();
+    opt.step()`` keeps it until its step function returns (XiaoJianyu219/llm-infra-bench,
+    experiments/08-single-gpu-profiling/scripts/train_loop.py one_step). Here it is dropped when the
+    next forward starts: after the optimizer step as there, but after memcheck's zero_grad where the
+    script's zero_grad comes first in the next step (both only free memory before the next forward)."""
+
+    def __init__(self):
+        self.held = None
+
+    def __call__(self, model, batch):
+        self.held = None  # the previous step's output is gone before this forward
+        self.held = model(**batch)
+        return self.held.loss
+
+
 # The loss code of the transformers version a case ran, where it allocates otherwise than the installed
 # version's model(**batch).loss: the model is called without labels and the loss computed here.
 #   shift-ce:       CrossEntropyLoss on the logits' shifted contiguous copy in the logits' dtype
@@ -145,6 +162,8 @@ LOSSES = {
     "float-shift-ce": lambda model, batch: _shift_ce(model, batch, upcast=True),
     # a bare model's output summed, as a wrapper module's forward returns it
     "sum-last-hidden": lambda model, batch: model(**batch).last_hidden_state.sum(),
+    # the output object kept until the next forward (a class: one instance per case)
+    "keep-output": _KeepOutput,
 }
 
 
@@ -169,7 +188,8 @@ def predict(case: dict):
     if case.get("max_grad_norm"):
         settings["max_grad_norm"] = case["max_grad_norm"]
     if case["model"].get("loss"):
-        settings["loss_fn"] = LOSSES[case["model"]["loss"]]
+        loss = LOSSES[case["model"]["loss"]]
+        settings["loss_fn"] = loss() if isinstance(loss, type) else loss
     if case.get("protocol", "train") == "forward-backward":
         settings["train_step"] = _forward_backward(settings.pop("loss_fn"))  # the case names its loss
     if case["checkpointing"] != "none":
@@ -177,6 +197,8 @@ def predict(case: dict):
     if case.get("strategy", "single") != "single":
         settings["strategy"] = case["strategy"]
         settings["gpus"] = case.get("gpus", 1)
+        if case.get("bucket_view"):
+            settings["bucket_view"] = True
     return memcheck.estimate(model, batch, model_name=case["id"], **settings)
 
 

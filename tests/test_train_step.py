@@ -105,3 +105,38 @@ def test_a_steps_own_autocast_is_emulated_and_matches_a_real_cpu_run():
     assert est.job.precision is memcheck.Precision.AMP_BF16  # the header says what the step ran
     assert any("train_step's own torch.autocast (amp-bf16) emulated" in a for a in est.assumptions)
     assert torch.amp.autocast_mode.autocast.__enter__.__name__ == "__enter__"  # torch's own again
+
+
+def _checkpointed_gpt2_and_batch():
+    model, batch = _gpt2_and_batch()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, batch
+
+
+@pytest.mark.slow
+def test_a_steps_own_autocast_under_checkpointing_recomputes_in_its_precision(recwarn):
+    # torch.utils.checkpoint recomputes each block in the autocast state its forward had; that state is
+    # the emulated region's, so the recomputation casts as the forward did (it used to run in fp32 and
+    # fail checkpoint's "Recomputed values ... have different metadata" check).
+    model, batch = _checkpointed_gpt2_and_batch()
+    est = memcheck.estimate(model, batch, memcheck.Job(device="cpu", optimizer=_sgd), train_step=_autocast_step)
+    real = measure_cpu(_checkpointed_gpt2_and_batch, _sgd, train_step=_autocast_step)
+    assert abs(est.peak_bytes - real.steady_peak_bytes) <= 0.02 * real.steady_peak_bytes, (
+        est.peak_bytes, real.steady_peak_bytes)
+    import torch.utils.checkpoint as checkpoint_module
+
+    assert checkpoint_module._get_autocast_kwargs.__module__ == "torch.utils.checkpoint"  # torch's own again
+
+
+def test_a_cuda_autocast_region_is_emulated_without_torchs_cuda_warning(recwarn):
+    def step(model, batch, optimizer):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(batch).float().sum()
+        loss.backward()
+        optimizer.step()
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(64, 64)
+    est = memcheck.estimate(model, torch.ones(8, 64, device="meta"), memcheck.Job(gpu="A100-80GB"), train_step=step)
+    assert est.job.precision is memcheck.Precision.AMP_BF16
+    assert not [w for w in recwarn if "Disabling autocast" in str(w.message)]

@@ -25,6 +25,7 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from enum import Enum
 from typing import Any, Callable
 
@@ -289,17 +290,22 @@ class UserAutocast:
         self.tracer, self.device = tracer, Device.parse(device)
         self.regions = 0
         self.dtype: torch.dtype | None = None
+        self._open: list = []  # the regions this emulation entered and has not left
 
     def patched(self):
         """A context in which ``torch.autocast`` regions are emulated (``torch.autocast``'s
         methods wrapped; restored on exit)."""
+        import torch.utils.checkpoint as checkpoint_module
+
         cls = torch.amp.autocast_mode.autocast
         init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
         user = self
 
         def initialised(self, device_type, dtype=None, enabled=True, cache_enabled=None):
             self._memcheck_asked = (device_type, dtype or _DEFAULT_DTYPE.get(device_type), enabled)
-            init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            with warnings.catch_warnings():  # "CUDA is not available ... Disabling autocast": emulated instead
+                warnings.filterwarnings("ignore", message=".*Disabling autocast", category=UserWarning)
+                init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
         def entered(self):
             out = enter(self)
@@ -313,13 +319,30 @@ class UserAutocast:
                 undo(*exc)
             return exit_(self, *exc)
 
+        # torch.utils.checkpoint recomputes a forward inside backward under the autocast state it
+        # read when the forward ran (_get_autocast_kwargs, checkpoint.py: "device_autocast_kwargs,
+        # cpu_autocast_kwargs = _get_autocast_kwargs(...)"; recompute_fn enters them again). A real
+        # autocast is not enabled here (meta inputs, no CUDA), so it reads the emulated region's: the
+        # recomputation then casts as the forward did, instead of running in fp32 and failing
+        # checkpoint's metadata check.
+        read_kwargs = checkpoint_module._get_autocast_kwargs
+
+        def autocast_kwargs(device_type="cuda"):
+            device_kwargs, cpu_kwargs = read_kwargs(device_type)
+            region = user.tracer.autocast
+            if region is not None and region.active and any(region is r for r in user._open):
+                cpu_kwargs = dict(cpu_kwargs, enabled=True, dtype=region.dtype)
+            return device_kwargs, cpu_kwargs
+
         @contextlib.contextmanager
         def active():
             cls.__init__, cls.__enter__, cls.__exit__ = initialised, entered, exited
+            checkpoint_module._get_autocast_kwargs = autocast_kwargs
             try:
                 yield self
             finally:
                 cls.__init__, cls.__enter__, cls.__exit__ = init, enter, exit_
+                checkpoint_module._get_autocast_kwargs = read_kwargs
 
         return active()
 
@@ -339,11 +362,13 @@ class UserAutocast:
         region = outer if outer is not None and outer.dtype == dtype else MetaAutocast(self.device, dtype)
         tracer.autocast = region
         region.__enter__()
+        self._open.append(region)
         self.regions += 1
         self.dtype = dtype
 
         def leave(*exc):
             region.__exit__(*exc)
+            self._open.pop()
             tracer.autocast = outer
         return leave
 

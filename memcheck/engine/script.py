@@ -63,7 +63,7 @@ from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.errors import MemcheckError, TraceError, UsageError
 from memcheck.job import Job, as_job
 from memcheck.report.results import Estimate
-from memcheck.rules.autocast import UserAutocast
+from memcheck.rules.autocast import UserAutocast, meta_autocast_queries
 from memcheck.trace.device_redirect import meta_parameters, redirect_cuda
 from memcheck.trace.tracer import MemoryTracer
 from memcheck.training.optimizers import implementation, prefill_fused_state
@@ -269,7 +269,8 @@ def _patched(session: _Session):
     optim_cls.zero_grad = zero_grad(originals["opt_zero"])
     module_cls.zero_grad = zero_grad(originals["mod_zero"])
     try:
-        with meta_parameters(), session.autocast.patched(), _meta_from_pretrained():
+        with meta_parameters(), session.autocast.patched(), _meta_from_pretrained(), \
+                meta_autocast_queries(session.tracer, session.job.device):
             yield
     finally:
         module_cls.__call__ = originals["call"]

@@ -389,7 +389,8 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
     regions = run.user_autocast.patched() if run.user_autocast is not None else contextlib.nullcontext()
     try:
         # the model's .cuda() and torch.cuda.* never reach the GPU; a train_step's torch.autocast is emulated
-        with redirect_cuda(target), tracer, regions, meta_autocast_queries(tracer, job.device):
+        with redirect_cuda(target), tracer, regions, meta_autocast_queries(tracer, job.device), \
+                extensions.tracing(tracer, job.device):
             return train(job.strategy_config, tracer, run.twin, run.batch, loss_fn, run.make_optimizer, steps,
                          autocast=run.autocast, scaler=run.scaler, accumulate=min(job.accumulate, 2),
                          evaluate=evaluate if run.eval_batch is not None else None, train_step=train_step,

@@ -40,8 +40,7 @@ def sequences(count: int, min_len: int, max_len: int, seed: int = 0) -> Dataset:
 
 def trainer(argv=None, callbacks=()) -> SFTTrainer:
     """The script's trainer, built from its command line (``callbacks`` for a caller that adds its own)."""
-    args = arguments(argv, **{"--output-dir": dict(default=None), "--width": dict(type=int, default=256),
-                              "--use-liger-kernel": dict(action="store_true")})
+    args = arguments(argv, **{"--output-dir": dict(default=None), "--width": dict(type=int, default=256)})
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=VOCAB, n_positions=args.max_len, n_embd=args.width, n_layer=4, n_head=4)
     training = SFTConfig(
@@ -54,7 +53,6 @@ def trainer(argv=None, callbacks=()) -> SFTTrainer:
         save_strategy="no",
         logging_strategy="no",
         dataloader_num_workers=0,
-        use_liger_kernel=args.use_liger_kernel,
     )
     return SFTTrainer(model=GPT2LMHeadModel(config), args=training, processing_class=tokenizer(args.max_len),
                       train_dataset=sequences(64 * args.batch_size, args.min_len, args.max_len),

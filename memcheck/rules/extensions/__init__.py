@@ -14,6 +14,8 @@ whenever a model of it exists.
   optimizers (bitsandbytes 0.50; the optimizers' layout since 0.44).
 * ``memcheck.rules.extensions.trl``: TRL's fused LM head, whose Triton folds allocate nothing
   on CUDA (trl 1.16); entered while tracing (``tracing``), as TRL's module is a Python one.
+* ``memcheck.rules.extensions.triton``: a Triton kernel launched on meta tensors does nothing
+  (kernels allocate nothing; their callers' host code is traced): Liger's kernels.
 
 Anything else without a meta kernel: ``memcheck.register_op_rule`` (see
 ``examples/custom_op_rule.py``).
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 
-from memcheck.rules.extensions import bitsandbytes, flash_attn, trl
+from memcheck.rules.extensions import bitsandbytes, flash_attn, triton, trl
 
 
 def twin_memo(model, memo: dict) -> None:
@@ -45,7 +47,10 @@ def explain_failure(exc: BaseException) -> str | None:
     return flash_attn.explain_failure(exc)
 
 
-def tracing(tracer, device) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def tracing(tracer, device):
     """What the extensions loaded by now change while ``tracer`` traces for ``device``
-    (``memcheck.rules.extensions.trl.tracing``); entered again after a script has imported more."""
-    return trl.tracing(tracer, device)
+    (``memcheck.rules.extensions.trl.tracing``, ``memcheck.rules.extensions.triton.tracing``);
+    entered again after a script has imported more."""
+    with trl.tracing(tracer, device), triton.tracing(tracer):
+        yield

@@ -286,15 +286,15 @@ def meta_autocast_queries(tracer, device: Device):
     enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
     default = _DEFAULT_DTYPE[Device.parse(device).value]
 
-    def is_autocast_enabled(*args):
-        if args and args[0] == "meta":
+    def is_autocast_enabled(*args, **kwargs):
+        if (args[0] if args else kwargs.get("device_type")) == "meta":
             return tracer.autocast is not None and tracer.autocast.active
-        return enabled(*args)
+        return enabled(*args, **kwargs)
 
-    def get_autocast_dtype(device_type):
-        if device_type == "meta":
+    def get_autocast_dtype(*args, **kwargs):
+        if (args[0] if args else kwargs.get("device_type")) == "meta":
             return tracer.autocast.dtype if tracer.autocast is not None else default
-        return get_dtype(device_type)
+        return get_dtype(*args, **kwargs)
 
     torch.is_autocast_enabled, torch.get_autocast_dtype = is_autocast_enabled, get_autocast_dtype
     try:

@@ -20,7 +20,7 @@ from memcheck.measure.local import measure_script
 SCRIPTS = Path(__file__).resolve().parent.parent / "examples" / "scripts"
 LENGTH = ["--max-len", "128", "--min-len", "128", "--batch-size", "4"]
 CASES = [("train_loop.py", []), ("train_hf_trainer.py", []), ("train_hf_trainer.py", ["--bf16"]),
-         ("train_lightning.py", []), ("train_accelerate.py", [])]
+         ("train_lightning.py", []), ("train_accelerate.py", []), ("train_sft.py", [])]  # train_sft.py: pip install trl
 
 
 def main() -> None:

@@ -126,3 +126,24 @@ def test_amp_saves_low_precision_activations_so_the_peak_drops(precision):
     fp32 = memcheck.estimate(model, x, device="cuda", precision="fp32")
     amp = memcheck.estimate(model, x, device="cuda", precision=precision)
     assert amp.breakdown_at_peak.activations < fp32.breakdown_at_peak.activations
+
+
+def test_autocast_queries_about_the_meta_device_answer_for_the_emulated_region():
+    # torch rejects "meta" ("unknown device type for autocast"); code that asks about its
+    # tensors' own device (TRL's fused LM head) gets the emulated region's answer
+    from types import SimpleNamespace
+
+    from memcheck.rules.autocast import meta_autocast_queries
+
+    region = MetaAutocast(Device.CUDA, torch.bfloat16)
+    tracer = SimpleNamespace(autocast=region)
+    before = (torch.is_autocast_enabled, torch.get_autocast_dtype)
+    with meta_autocast_queries(tracer, Device.CUDA):
+        assert torch.is_autocast_enabled("meta") is False
+        with region:
+            assert torch.is_autocast_enabled("meta") is True
+            assert torch.get_autocast_dtype(device_type="meta") == torch.bfloat16
+        assert torch.is_autocast_enabled("cpu") is False  # other devices: torch's own answer
+        tracer.autocast = None
+        assert torch.get_autocast_dtype("meta") == torch.float16  # torch's CUDA default
+    assert (torch.is_autocast_enabled, torch.get_autocast_dtype) == before

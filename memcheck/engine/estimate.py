@@ -37,7 +37,7 @@ from memcheck.report.results import (
     Work,
 )
 from memcheck.rules import extensions
-from memcheck.rules.autocast import MetaAutocast, MetaGradScaler, UserAutocast
+from memcheck.rules.autocast import MetaAutocast, MetaGradScaler, UserAutocast, meta_autocast_queries
 from memcheck.trace.device_redirect import reads_meta_data, redirect_cuda
 from memcheck.trace.tracer import MemoryTracer, TraceLog
 from memcheck.training.adapters import apply_adapters, quantize_4bit
@@ -436,7 +436,8 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
     regions = run.user_autocast.patched() if run.user_autocast is not None else contextlib.nullcontext()
     try:
         # the model's .cuda() and torch.cuda.* never reach the GPU; a train_step's torch.autocast is emulated
-        with redirect_cuda(target), tracer, regions:
+        with redirect_cuda(target), tracer, regions, meta_autocast_queries(tracer, job.device), \
+                extensions.tracing(tracer, job.device):
             return train(job.strategy_config, tracer, run.twin, run.batch, loss_fn, run.make_optimizer, steps,
                          autocast=run.autocast, scaler=run.scaler, accumulate=min(job.accumulate, 2),
                          evaluate=evaluate if run.eval_batch is not None else None, train_step=train_step,

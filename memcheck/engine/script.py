@@ -63,7 +63,8 @@ from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.errors import MemcheckError, TraceError, UsageError
 from memcheck.job import Job, as_job
 from memcheck.report.results import Estimate
-from memcheck.rules.autocast import UserAutocast
+from memcheck.rules import extensions
+from memcheck.rules.autocast import UserAutocast, meta_autocast_queries
 from memcheck.trace.device_redirect import meta_parameters, redirect_cuda
 from memcheck.trace.tracer import MemoryTracer
 from memcheck.training.optimizers import implementation, prefill_fused_state
@@ -91,6 +92,7 @@ class _Session:
     seq_len: int | None = None  # the token length of the batch being moved
     twins: dict = field(default_factory=dict)  # id(real tensor) -> (real, meta twin)
     autocast: UserAutocast | None = None  # the script's own torch.autocast regions, emulated
+    entered: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # extensions, at the 1st forward
 
     def __post_init__(self):
         self.autocast = UserAutocast(self.tracer, self.job.device)
@@ -131,6 +133,8 @@ class _Session:
                 raise ScriptStopped()
             if self.root is None:
                 self.root = module
+                # the extensions the script has imported by its first forward (TRL's fused head)
+                self.entered.enter_context(extensions.tracing(self.tracer, self.job.device))
                 self.tracer.watch(model=module)
                 for opt in self.optimizers:  # adopted before the first forward (Lightning's closure)
                     self._outside(opt)
@@ -269,9 +273,11 @@ def _patched(session: _Session):
     optim_cls.zero_grad = zero_grad(originals["opt_zero"])
     module_cls.zero_grad = zero_grad(originals["mod_zero"])
     try:
-        with meta_parameters(), session.autocast.patched(), _meta_from_pretrained():
+        with meta_parameters(), session.autocast.patched(), _meta_from_pretrained(), \
+                meta_autocast_queries(session.tracer, session.job.device):
             yield
     finally:
+        session.entered.close()
         module_cls.__call__ = originals["call"]
         tensor_cls.backward = originals["backward"]
         optim_cls.zero_grad = originals["opt_zero"]

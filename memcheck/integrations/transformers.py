@@ -21,6 +21,8 @@ job that will not fit would run its first step (and crash there) or end silently
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
 import logging
 import math
@@ -64,7 +66,8 @@ class MemcheckCallback(TrainerCallback):
         budget_bytes: the capacity in bytes: required for a job on the CPU; on CUDA it
             overrides the GPU's.
         max_length: the longest sequence the job feeds (every sequence is padded to it);
-            by default the tokenizer's ``model_max_length``, else the model's position limit.
+            by default ``SFTConfig.max_length`` (TRL), else the tokenizer's ``model_max_length``,
+            else the model's position limit.
         target_length: a seq2seq model's label length (default ``max_length``).
         margin: the fraction of the capacity held back (default memcheck's 5%).
         check_eval: also check the evaluation pass, when the job evaluates.
@@ -84,9 +87,14 @@ class MemcheckCallback(TrainerCallback):
         then keeps only the loss). The Trainer is not passed to callbacks; its
         ``compute_metrics`` and ``eval_dataset`` are read from the Trainer that fired the event.
 
+        A Trainer subclass with its own ``compute_loss`` has it traced as it runs, on the
+        meta twin (TRL's ``SFTTrainer``: its fused LM head, the entropy and token accuracy it
+        logs; see ``_trainer_loss``); the counters it keeps on the trainer are put back
+        afterwards. TRL's ``SFTConfig.max_length`` is the worst-case length when the callback
+        is given none.
+
     Known limitations:
-        A subclass's ``compute_loss`` is not traced (the loss is ``model(**batch).loss``);
-        predictions shrunk by ``preprocess_logits_for_metrics`` are not counted; labels
+        Predictions shrunk by ``preprocess_logits_for_metrics`` are not counted; labels
         kept for metrics are not counted. Under FSDP or DeepSpeed ZeRO-3 the model is
         already sharded at ``on_train_begin`` and cannot be twinned. A model without a
         transformers config is checked on the first training batch, which is not
@@ -124,7 +132,7 @@ class MemcheckCallback(TrainerCallback):
         task = _task(config, model)
         eval_batch = None
         if task is not None:
-            length = self._max_length(processing_class or tokenizer, config)
+            length = self._max_length(args, processing_class or tokenizer, config)
             target_len = self.target_length or length
             target_len = target_len if task is Task.SEQ2SEQ else None
 
@@ -151,21 +159,27 @@ class MemcheckCallback(TrainerCallback):
 
                 eval_batch = resizer(batch)(eval_rows)
                 job = job.replace(eval_accumulate_predictions=keep)
-        verdict = check(twin, batch, job, eval_batch=eval_batch, fix=self.settings.fix, model_name=type(model).__name__)
+        with _state_kept(trainer):  # the trainer's own compute_loss runs on the twin: its counters are put back
+            verdict = check(twin, batch, job, eval_batch=eval_batch, fix=self.settings.fix,
+                            loss_fn=_trainer_loss(trainer), model_name=type(model).__name__)
         self.verdict = verdict  # kept for a caller that catches WillNotFit too
         # transformers logs at WARNING by default (its "passive" log level): a fitting job says so there
         act_on(verdict, "trainer", logger, announce=state.is_world_process_zero, level=logging.WARNING)
         return control
 
-    def _max_length(self, tokenizer, config) -> int:
-        """The explicit max_length, else the tokenizer's (capped at the model's position
-        limit, past which the model cannot run), else the position limit."""
+    def _max_length(self, args, tokenizer, config) -> int:
+        """The explicit max_length, else the trainer's own truncation length (TRL's
+        ``SFTConfig.max_length``), else the tokenizer's, each capped at the model's position
+        limit, past which the model cannot run; else the position limit."""
         limit, key = hf.position_limit(config)
         if self.max_length is not None:
             if limit is not None and self.max_length > limit:
                 raise UsageError(f"max_length={self.max_length} exceeds the model's position limit of {limit} "
                                  f"(config.{key})")
             return self.max_length
+        truncated = getattr(args, "max_length", None)  # TRL's SFTConfig: every sample truncated (or packed) to it
+        if isinstance(truncated, int) and not isinstance(truncated, bool) and truncated > 0:
+            return min(truncated, limit) if limit is not None else truncated
         told = getattr(tokenizer, "model_max_length", None)
         if isinstance(told, int) and 0 < told < _NO_TOKENIZER_LIMIT:
             return min(told, limit) if limit is not None else told
@@ -197,6 +211,58 @@ def _calling_trainer():
         return None
     finally:
         del frame
+
+
+def _trainer_loss(trainer):
+    """The loss as the Trainer computes it, when its class has its own ``compute_loss``; None
+    for transformers' own, which is ``model(**batch).loss`` (memcheck's default loss).
+
+    TRL's ``SFTTrainer`` (trl 1.16) is one: its ``compute_loss`` (trl/trainer/sft_trainer.py:1560)
+    calls the model with ``fused_lm_head=True``, whose forward (``add_fused_lm_head``,
+    trl/trainer/utils.py:1548, set up at sft_trainer.py:1144 with ``outputs=("log_probs",
+    "entropy", "is_top1")``) projects the hidden states through the LM head in tiles
+    (``ChunkedLogProbFunction``, trl/kernels/chunked_logprob.py:299) into per-token
+    log-probabilities, entropy and top-1 hits instead of the full logits; the loss is the
+    log-probabilities' mean, and the entropy and token accuracy it logs each step come from
+    the other two (sft_trainer.py:1639-1644). All of that is traced as it runs, on the twin.
+    """
+    from transformers import Trainer
+
+    if trainer is None or type(trainer).compute_loss is Trainer.compute_loss:
+        return None
+
+    def loss(model, batch):
+        return trainer.compute_loss(model, dict(batch))  # a copy: compute_loss writes into its inputs
+
+    return loss
+
+
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _plain(value, depth: int = 0) -> bool:
+    """A number or string, or a list or dict of them (three levels at most)."""
+    if isinstance(value, _PLAIN):
+        return True
+    if depth < 3 and isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if depth < 3 and isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+@contextlib.contextmanager
+def _state_kept(trainer):
+    """The trainer's numbers, and lists and dicts of them, put back as they were after the
+    traces: a ``compute_loss`` keeps running totals on the trainer (SFTTrainer's ``_metrics``
+    and ``_total_train_tokens``, sft_trainer.py:1643-1657), and a trace's synthetic values
+    (``.item()`` reads 1 on meta) must not reach the real run's logs."""
+    saved = {k: copy.deepcopy(v) for k, v in vars(trainer).items() if _plain(v)} if trainer is not None else {}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(trainer, key, value)
 
 
 def _task(config, model):

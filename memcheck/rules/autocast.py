@@ -274,6 +274,36 @@ class MetaGradScaler:
 _DEFAULT_DTYPE = {"cuda": torch.float16, "cpu": torch.bfloat16}  # torch.get_autocast_dtype's defaults
 
 
+@contextlib.contextmanager
+def meta_autocast_queries(tracer, device: Device):
+    """``torch.is_autocast_enabled("meta")`` and ``torch.get_autocast_dtype("meta")`` answered
+    as the target ``device`` would be in the tracer's emulated region (restored on exit).
+
+    Code that asks autocast about its tensors' own device gets ``"meta"`` in a trace, which
+    torch's functions reject ("unknown device type for autocast"): TRL's fused LM head picks
+    its tile dtype that way (trl 1.16, trl/kernels/chunked_logprob.py:329-331, the loss of
+    every ``SFTTrainer`` step). Other device types are torch's own answer.
+    """
+    enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    default = _DEFAULT_DTYPE[Device.parse(device).value]
+
+    def is_autocast_enabled(*args, **kwargs):
+        if (args[0] if args else kwargs.get("device_type")) == "meta":
+            return tracer.autocast is not None and tracer.autocast.active
+        return enabled(*args, **kwargs)
+
+    def get_autocast_dtype(*args, **kwargs):
+        if (args[0] if args else kwargs.get("device_type")) == "meta":
+            return tracer.autocast.dtype if tracer.autocast is not None else default
+        return get_dtype(*args, **kwargs)
+
+    torch.is_autocast_enabled, torch.get_autocast_dtype = is_autocast_enabled, get_autocast_dtype
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, get_dtype
+
+
 class UserAutocast:
     """The ``torch.autocast`` regions that user code opens itself (a model file's ``train_step``,
     a script under ``memcheck run``), emulated on meta tensors for the target ``device``.

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import re
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -13,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from memcheck.choices import ANSWERS, Choices
 from memcheck.cuda.allocator import AllocatorConfig, growing_run, simulate
 from memcheck.cuda.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.cuda.overhead import context_bytes, context_source, module_loading, workspace_allocations
@@ -29,6 +31,8 @@ from memcheck.errors import (
 from memcheck.job import Job, SettingError, as_job, escape
 from memcheck.report.results import (
     BatchInfo,
+    Branch,
+    Branches,
     Breakdown,
     DeviceMemory,
     Estimate,
@@ -218,15 +222,60 @@ def estimate(
     target = _validate(model, batch, job, eval_batch, top_modules)
     _check_train_step(train_step, job)
     name = model_name or type(model).__name__
-    run = _set_up(model, batch, eval_batch, job, target, name, progress)
-    if train_step is not None:
-        run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
-                          "(model, batch, optimizer), traced as it is")
-    gpu_map = _trace(run, job, target, loss_fn or default_loss, name, train_step)
+
+    def traced(choices: Choices) -> tuple[_Run, list[int]]:
+        run = _set_up(model, batch, eval_batch, job, target, name, progress, choices)
+        if train_step is not None:
+            run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
+                              "(model, batch, optimizer), traced as it is")
+        return run, _trace(run, job, target, loss_fn or default_loss, name, train_step)
+
+    run, gpu_map = traced(Choices(job.assume))
+    (run, gpu_map), branches = _branches(run, gpu_map, traced, job, target, name)
     job = _with_step_precision(run, job)
-    shorter = _shorter_traces(model, batch, job, target, loss_fn or default_loss, name, run.tracer.assume, train_step)
+    taken = job if branches is None else job.replace(assume=tuple(sorted(
+        set(job.assume) | set(branches.taken), key=ANSWERS.index)))  # shorter traces take the same branch
+    shorter = _shorter_traces(model, batch, taken, target, loss_fn or default_loss, name, run.tracer.assume,
+                              train_step)
     devices = _summarise(run, gpu_map, job, target, name, top_modules, shorter)
-    return _result(run, gpu_map, devices, job, target, name, timeline)
+    return _result(run, gpu_map, devices, job, target, name, timeline, branches)
+
+
+def _branches(run: _Run, gpu_map: list[int], traced: Callable, job: Job, target: GpuSpec | None,
+              name: str) -> tuple[tuple[_Run, list[int]], Branches | None]:
+    """The trace whose data-dependent answers give the larger peak (``memcheck.choices``).
+
+    The first trace answers every choice point with its first answer and notes the points
+    whose answer decided something; the whole step is then traced again with each other
+    combination of answers at those points (the job's pinned ones stay). The trace with the
+    largest device total (peak on the CPU) wins; ties keep the first."""
+    others = run.tracer.choices.alternatives()
+    if not others:
+        return (run, gpu_map), None
+    names = list(run.tracer.choices.consulted)
+    start = time.perf_counter()
+    candidates = [(run, gpu_map)]
+    for answers in others:
+        candidates.append(traced(Choices(job.assume, forced=answers)))
+        names += [n for n in candidates[-1][0].tracer.choices.consulted if n not in names]
+    seconds = time.perf_counter() - start
+    totals = []
+    for r, g in candidates:
+        devices = _summarise(r, g, _with_step_precision(r, job), target, name, 0)
+        busiest = max(devices, key=lambda d: d.total_bytes)
+        totals.append((busiest.total_bytes, busiest.peak_bytes))
+    best = max(range(len(candidates)), key=lambda i: (totals[i][0], -i))
+    mine = set(candidates[best][0].tracer.log.assumptions)
+    traces = []
+    for i, (r, _) in enumerate(candidates):
+        own = tuple(a for a in r.tracer.log.assumptions if a not in mine) if i != best else tuple(
+            a for a in mine if all(a not in c[0].tracer.log.assumptions for j, c in enumerate(candidates) if j != best))
+        answers = r.tracer.choices.taken(names)
+        traces.append(Branch(answers=tuple(a for a in answers if a not in job.assume), total_bytes=totals[i][0],
+                             peak_bytes=totals[i][1], only_here=own))
+    winner = traces[best]
+    return candidates[best], Branches(taken=winner.answers, traces=(winner, *traces[:best], *traces[best + 1:]),
+                                      seconds=round(seconds, 3))
 
 
 def _validate(model, batch, job: Job, eval_batch, top_modules) -> GpuSpec | None:
@@ -307,7 +356,8 @@ def resolve_weights_dtype(model: torch.nn.Module, job: Job) -> tuple[torch.dtype
                                                   else f" (weights_dtype {job.weights_dtype.value})"))
 
 
-def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: str, progress) -> _Run:
+def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: str, progress,
+            choices: Choices | None = None) -> _Run:
     """The meta twin (checkpointed, cast), the meta batches, the optimizer and the tracer."""
     device, precision = job.device, job.precision
     opt_label, make_optimizer = resolve_optimizer(job.optimizer, device)
@@ -331,7 +381,7 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
     info = describe_batch(mbatch, job.batch_size, job.max_len, job.target_len)
 
     arch = target.arch if target is not None else DEFAULT_ARCH
-    tracer = MemoryTracer(device, arch=arch)
+    tracer = MemoryTracer(device, arch=arch, choices=choices if choices is not None else Choices(job.assume))
     if progress is not None:
         tracer.on_phase = lambda step, phase: progress(
             f"tracing {name}: " + ("evaluation" if phase is Phase.EVAL
@@ -485,7 +535,7 @@ def _summarise(run: _Run, gpu_map: list[int], job: Job, target: GpuSpec | None, 
 
 
 def _result(run: _Run, gpu_map: list[int], devices: list[DeviceMemory], job: Job, target: GpuSpec | None,
-            name: str, timeline: bool) -> Estimate:
+            name: str, timeline: bool, branches: Branches | None = None) -> Estimate:
     """The busiest GPU's figures (and every GPU's, under a multi-GPU strategy) as an Estimate."""
     busiest = max(devices, key=lambda d: (d.total_bytes, -d.index))
     budget = job.budget_bytes
@@ -499,6 +549,7 @@ def _result(run: _Run, gpu_map: list[int], devices: list[DeviceMemory], job: Job
         context_source=context_source(target) if job.device is Device.CUDA else None,
         timeline=_timeline(run.tracer.log, gpu_map[busiest.index], busiest, job.device, run.arch,
                            root=type(run.twin).__name__) if timeline else None,
+        branches=branches,
     )
 
 

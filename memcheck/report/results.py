@@ -131,6 +131,38 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True)
+class Branch:
+    """One trace of the step with one set of answers at the data-dependent choice points."""
+
+    answers: tuple[str, ...]  # the answers at the points that mattered ("no-padding", "routing=balanced")
+    total_bytes: int  # the busiest GPU's device total (the peak on the CPU target)
+    peak_bytes: int  # its allocated peak
+    only_here: tuple[str, ...] = ()  # what this trace assumed and the taken one did not (the kernel it ran)
+
+    def to_dict(self) -> dict:
+        return {"answers": list(self.answers), "total_bytes": self.total_bytes, "peak_bytes": self.peak_bytes,
+                "only_here": list(self.only_here)}
+
+
+@dataclass(frozen=True)
+class Branches:
+    """The data-dependent branches traced (``memcheck.choices``): the answers whose trace is
+    reported (the larger peak) and every trace, that one first."""
+
+    taken: tuple[str, ...]
+    traces: tuple[Branch, ...]
+    seconds: float  # tracing the alternatives (after the first trace)
+
+    @property
+    def alternatives(self) -> int:
+        return len(self.traces) - 1
+
+    def to_dict(self) -> dict:
+        return {"taken": list(self.taken), "alternatives_traced": self.alternatives,
+                "alternatives_seconds": self.seconds, "traces": [t.to_dict() for t in self.traces]}
+
+
+@dataclass(frozen=True)
 class Estimate:
     """What one training step needs at its steady-state peak, on the target device.
 
@@ -156,6 +188,8 @@ class Estimate:
     context_source: str | None = None  # CUDA: where the context figure comes from ("published: ..." / "estimated: ...")
     # estimate(timeline=True): the busiest GPU's memory event by event (--snapshot, --plot); not in to_dict
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
+    # the data-dependent branches traced (memcheck.choices); None when no choice point mattered or all were pinned
+    branches: Branches | None = None
 
     @property
     def busiest(self) -> DeviceMemory:
@@ -283,6 +317,7 @@ class Estimate:
                 for m in self.modules
             ],
             "assumptions": list(self.assumptions),
+            "branches": None if self.branches is None else self.branches.to_dict(),
         }
 
     def __str__(self) -> str:

@@ -457,6 +457,7 @@ class Plan:
     position_limit: int | None = None  # the longest length the model's position embeddings take
     verification: "Verification | None" = None  # --measure: the recommendation run for real
     job: Job | None = None  # the recommended job, exactly as traced (estimate(model, batch, plan.job))
+    branches_note: str = ""  # the data-dependent answers the search pinned after its first trace with a choice
 
     @property
     def fits(self) -> bool:
@@ -496,6 +497,7 @@ class Plan:
             "length_profile": [asdict(p) for p in self.length_profile],
             "longest_fitting_length": self.longest_fitting_length,
             "verification": None if self.verification is None else self.verification.to_dict(),
+            "branches_note": self.branches_note or None,
         }
         return {"schema_version": SCHEMA_VERSION, "plan": plan,
                 "job": None if self.job is None else {**self.job.to_dict(), "gpus": self.gpus},

@@ -384,6 +384,8 @@ def render_plan(plan: Plan) -> str:
         lines.append(render_verification(plan.verification))
     lines.append("")
     lines.append(f"traces: {plan.traces}")
+    if plan.branches_note:
+        lines.append(plan.branches_note)
     if plan.max_len:
         lines.append(PADDING_NOTE)
     return "\n".join(lines)

@@ -328,7 +328,7 @@ class _Ones:
 
 
 _ONE_HOT = StorageTags()  # a one-hot mask and the tensors made from it -> their _Ones
-_TOP_K = StorageTags()  # topk's indices -> k
+_TOP_K = StorageTags()  # topk's indices -> (k, how many candidates each row chose among)
 ROUTING_ASSUMPTION = (
     "MoE routing: every expert hit, tokens x top_k rows in all, the first experts looped over taking "
     "every token (the costliest split; a real router's split needs less)"
@@ -353,7 +353,8 @@ def topk(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     b = bind(func, args, kwargs)
     if _is_meta(out[1]) and b["k"] > 0:
-        _TOP_K.put(out[1], int(b["k"]))
+        t = b["self"]
+        _TOP_K.put(out[1], (int(b["k"]), t.shape[b["dim"]] if t.dim() else 1))
     return out
 
 
@@ -363,9 +364,11 @@ def one_hot(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     indices = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
     if _is_meta(indices):
-        k = _TOP_K.get(indices)
+        k, candidates = _TOP_K.get(indices) or (None, None)
         n = indices.numel()
-        _mark(out, _Ones(n, n // k if k else n, out.shape[-1] if out.dim() else 1))
+        # the experts are topk's candidates (a mask may have more classes: transformers' eager
+        # loop adds one it skips), else the mask's classes
+        _mark(out, _Ones(n, n // k if k else n, candidates or (out.shape[-1] if out.dim() else 1)))
     return out
 
 

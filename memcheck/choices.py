@@ -122,14 +122,22 @@ class Choices:
         self._answers = {p.name: p.answers[0] for p in POINTS}
         for a in (*pinned, *forced):
             self._answers[_OF_ANSWER[a].name] = a
-        self.consulted: dict[str, None] = {}  # points whose answer mattered, in the order met
+        self.consulted: dict[str, set] = {}  # points whose answer mattered -> where: {(step, phase), ...}
 
     def answer(self, name: str) -> str:
         return self._answers[name]
 
-    def consult(self, name: str) -> None:
-        """Note that the answer at ``name`` decided something in this trace."""
-        self.consulted.setdefault(name, None)
+    def consult(self, name: str, where: tuple | None = None) -> None:
+        """Note that the answer at ``name`` decided something in this trace, at ``where``
+        (the tracer's ``(step, phase)``)."""
+        self.consulted.setdefault(name, set()).add(where)
+
+    def in_forwards_only(self, name: str) -> bool:
+        """Whether every check at ``name`` was in a training forward (or loss), the first in step 1's."""
+        wheres = self.consulted.get(name, set())
+        phases = {getattr(w[1], "value", None) for w in wheres if w is not None}
+        return (bool(wheres) and None not in wheres and phases <= {"forward", "loss"}
+                and any(w[0] == 0 for w in wheres))
 
     def taken(self, names) -> tuple[str, ...]:
         """This trace's answers at the points ``names``, in ``POINTS`` order."""

@@ -135,13 +135,16 @@ class Branch:
     """One trace of the step with one set of answers at the data-dependent choice points."""
 
     answers: tuple[str, ...]  # the answers at the points that mattered ("no-padding", "routing=balanced")
-    total_bytes: int  # the busiest GPU's device total (the peak on the CPU target)
-    peak_bytes: int  # its allocated peak
+    total_bytes: int | None  # the busiest GPU's device total (the peak on the CPU target); None when bounded
+    peak_bytes: int | None  # its allocated peak; None when bounded
     only_here: tuple[str, ...] = ()  # what this trace assumed and the taken one did not (the kernel it ran)
+    # traced to the end of the first forward only: the same kernels, a subset of the reported trace's
+    # allocations and no more live bytes, so bounded by it (memcheck.engine.estimate._bounded_by)
+    bounded: bool = False
 
     def to_dict(self) -> dict:
         return {"answers": list(self.answers), "total_bytes": self.total_bytes, "peak_bytes": self.peak_bytes,
-                "only_here": list(self.only_here)}
+                "only_here": list(self.only_here), "bounded": self.bounded}
 
 
 @dataclass(frozen=True)

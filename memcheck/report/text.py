@@ -189,6 +189,10 @@ def render_branches(est: Estimate) -> list[str]:
                  f"{format_bytes(taken.total_bytes)}")
     lines.extend(f"  - only in it: {a}" for a in taken.only_here)
     for other in b.traces[1:]:
+        if other.bounded:
+            lines.append(f"  {_answers(other.answers)}: at most that (traced to the end of the first forward: "
+                         "the same kernels, a subset of its allocations, no more live bytes)")
+            continue
         delta = other.total_bytes - taken.total_bytes
         sign = "-" if delta < 0 else "+"
         lines.append(f"  {_answers(other.answers)}: {sign}{format_bytes(abs(delta))} "

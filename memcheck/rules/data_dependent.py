@@ -174,7 +174,7 @@ def _padding_decides(ctx, t: torch.Tensor, answer: bool) -> None:
     unpadded = getattr(ctx, "if_unpadded", None)
     other = unpadded.value(t) if unpadded is not None else None
     if other is not None and bool(other) != answer:
-        ctx.choices.consult(PADDING)
+        ctx.choices.consult(PADDING, (ctx.step, ctx.phase))
 
 
 def _unequal(what: str):
@@ -434,7 +434,7 @@ def nonzero(ctx, func, args, kwargs):
         n = min(n, ones.balanced_share())
     ones.left -= n
     ones.calls += 1
-    ctx.choices.consult("routing")
+    ctx.choices.consult("routing", (ctx.step, ctx.phase))
     ctx.assume(BALANCED_ROUTING_ASSUMPTION if balanced else ROUTING_ASSUMPTION)
     return _positions(t, n)
 

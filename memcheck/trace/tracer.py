@@ -105,6 +105,12 @@ def _apply_order(model: torch.nn.Module) -> list[torch.nn.Module]:
     return order
 
 
+class ForwardDone(BaseException):
+    """Raised by ``set_phase`` as step 1's backward begins when the tracer is told to stop
+    there (``stop_at_backward``): a trace of the first forward only. A BaseException, so that
+    no ``except Exception`` of the traced code takes it."""
+
+
 @dataclass
 class TraceLog:
     """The ordered allocation events of a trace and what the tracer assumed.
@@ -380,6 +386,7 @@ class MemoryTracer(TorchDispatchMode):
         super().__init__()
         self.choices = choices if choices is not None else Choices()  # answers at the choice points
         self.if_unpadded = KnownValues()  # the values known if the batch had no padding (choices)
+        self.stop_at_backward = False  # raise ForwardDone as step 1's backward begins
         self.device = Device.parse(device)
         self.arch = arch  # CUDA compute capability of the target GPU; rules pick kernels by it
         self.autocast = None  # a memcheck.rules.autocast.MetaAutocast while tracing mixed precision
@@ -475,6 +482,8 @@ class MemoryTracer(TorchDispatchMode):
 
     def set_phase(self, step: int, phase: Phase) -> None:
         """Called by the training loop as it enters each phase of each step."""
+        if self.stop_at_backward and phase is Phase.BACKWARD:
+            raise ForwardDone
         if phase is Phase.ZERO_GRAD or (phase is Phase.FORWARD and step > 0):
             self._register_optimizer_state()
         if phase in (Phase.FORWARD, Phase.OPTIMIZER):

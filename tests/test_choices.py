@@ -238,3 +238,20 @@ def test_both_padding_branches_match_real_cpu_runs_with_and_without_padding():
     both = memcheck.estimate(model, batch, device="cpu", optimizer="adamw")
     assert both.branches.taken == (PADDING,)
     assert both.branches.traces[1].answers == (NO_PADDING,)
+
+
+def test_the_plan_decides_the_branch_once_and_pins_it():
+    model, _ = _meta_llama()
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**LLAMA_GQA)
+
+    def make(batch_size, length):
+        return hf.make_batch(model, config, Task.CAUSAL_LM, batch_size, length, None, device="meta")
+
+    plan = memcheck.plan(model, make, gpu="2GiB", max_len=256, checkpointing_options=("none",),
+                         length_profile=False)
+    assert plan.job.assume == (NO_PADDING,)  # the worse branch at micro-batch 1, as above
+    assert "the worse, no-padding, pinned for the other traces" in plan.branches_note
+    assert "micro-batch 1" in plan.branches_note and plan.branches_note in str(plan)
+    assert plan.estimate.branches is None  # the recommendation was traced with the answer pinned

@@ -252,8 +252,10 @@ def _branches(run: _Run, gpu_map: list[int], traced: Callable, job: Job, target:
 
     The first trace answers every choice point with its first answer and notes the points
     whose answer decided something; the whole step is then traced again with each other
-    combination of answers at those points (the job's pinned ones stay). The trace with the
-    largest device total (peak on the CPU) wins; ties keep the first."""
+    combination of answers at those points (the job's pinned ones stay). An unpadded batch is
+    first traced to the end of its first forward only, and not further when that is bounded
+    by the first trace (``_bounded_by``). The trace with the largest device total (peak on
+    the CPU) wins; ties keep the first. Returns the winner's run, GPU map and summaries."""
     others = run.tracer.choices.alternatives()
     if not others:
         return (run, gpu_map, None), None
@@ -290,8 +292,9 @@ def _branches(run: _Run, gpu_map: list[int], traced: Callable, job: Job, target:
         traces.append(Branch(answers=tuple(a for a in answers if a not in job.assume), total_bytes=None,
                              peak_bytes=None, only_here=(), bounded=True))
     winner = traces[best]
-    return (*candidates[best], summaries[best]), Branches(taken=winner.answers, traces=(winner, *traces[:best], *traces[best + 1:]),
-                                      seconds=round(seconds, 3))
+    branches = Branches(taken=winner.answers, traces=(winner, *traces[:best], *traces[best + 1:]),
+                        seconds=round(seconds, 3))
+    return (*candidates[best], summaries[best]), branches
 
 
 def _only_padding_differs(first: Choices, answers: tuple[str, ...]) -> bool:

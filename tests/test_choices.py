@@ -255,3 +255,4 @@ def test_the_plan_decides_the_branch_once_and_pins_it():
     assert "the worse, no-padding, pinned for the other traces" in plan.branches_note
     assert "micro-batch 1" in plan.branches_note and plan.branches_note in str(plan)
     assert plan.estimate.branches is None  # the recommendation was traced with the answer pinned
+    assert "--assume no-padding" in str(plan)  # in the flags that reproduce it

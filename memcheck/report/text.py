@@ -300,6 +300,8 @@ def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
     elif optimizer is not None:
         name = getattr(optimizer, "__name__", type(optimizer).__name__)
         args.append(f"the optimizer {name} builds (Trainer(optimizers=(optimizer, None)))")
+    if plan.job is not None and plan.job.assume:  # the data-dependent answers the plan pinned, or the user's
+        flags.append(f"--assume {','.join(plan.job.assume)}")
     if plan.strategy != "single":
         flags.append(f"--strategy {plan.strategy} --gpus {plan.gpus}")
         args.append({"fsdp": 'fsdp="full_shard"', "zero3": "deepspeed= a ZeRO stage 3 config",

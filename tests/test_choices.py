@@ -224,20 +224,24 @@ def test_on_cuda_gqa_fp32_sdpa_without_padding_takes_the_math_kernel_and_is_the_
 @pytest.mark.slow
 def test_both_padding_branches_match_real_cpu_runs_with_and_without_padding():
     sgd = lambda params: torch.optim.AdamW(params)  # noqa: E731
+    real = {}
     for padded, answer in ((True, PADDING), (False, NO_PADDING)):
         def build(padded=padded):
             torch.manual_seed(0)
             return _llama(padded=padded)
 
-        measured = measure_cpu(build, sgd, loss_fn=default_loss, steps=2).steady_peak_bytes
+        measured = real[answer] = measure_cpu(build, sgd, loss_fn=default_loss, steps=2).steady_peak_bytes
         model, batch = _meta_llama()
         est = memcheck.estimate(model, batch, device="cpu", optimizer="adamw", assume=answer)
         error = (est.peak_bytes - measured) / measured
         assert abs(error) <= TOLERANCE, f"{answer}: estimated {est.peak_bytes} B, measured {measured} B ({error:+.2%})"
-    # Unpinned: the larger of the two, and the other reported.
+    # Unpinned: the larger of the two, and the other reported. On the CPU the unpadded batch's
+    # first forward runs the same kernels over a subset of the padded one's allocations, so it
+    # is bounded there and not traced further; the real runs agree that it needs less.
     both = memcheck.estimate(model, batch, device="cpu", optimizer="adamw")
     assert both.branches.taken == (PADDING,)
-    assert both.branches.traces[1].answers == (NO_PADDING,)
+    assert both.branches.traces[1].answers == (NO_PADDING,) and both.branches.traces[1].bounded
+    assert real[NO_PADDING] < real[PADDING]
 
 
 def test_the_plan_decides_the_branch_once_and_pins_it():

@@ -145,6 +145,9 @@ _WORKLOAD_OPTIONS = [
                  help="Packed, padding-free batches (DataCollatorWithFlattening, TRL's packing / padding_free): each "
                       "sample slot --max-len tokens of packed sequences, all flattened into one row with position "
                       "ids. Causal LMs only."),
+    click.option("--assume", default=None, metavar="ANSWER,ANSWER",
+                 help="Pin data-dependent answers instead of tracing both and reporting the larger: padding or "
+                      "no-padding (attention masks all ones), routing=worst or routing=balanced (MoE experts)."),
     click.option("--device", default="cuda", show_default=True, metavar="DEVICE",
                  help="Target device of the estimate: cpu or cuda."),
     click.option("--optimizer", default=None, metavar="NAME",
@@ -217,7 +220,7 @@ def _workload_options(command):
               help="Write the simulated allocator trace for PyTorch's memory viewer (pytorch.org/memory_viz).")
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png",
               help="Draw memory over the steady-state training step, by category (needs matplotlib).")
-def estimate(model, max_len, target_len, batch_size, task, attn, packing, device, precision, optimizer, steps,
+def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume, device, precision, optimizer, steps,
              gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, padding, weights_dtype, lora, dora, qlora,
              max_grad_norm,
              reentrant, bucket_view, bucket_cap_mb,
@@ -256,7 +259,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, device
                    max_grad_norm=max_grad_norm, lora=_lora(lora, dora), qlora=qlora,
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
                    bucket_cap_mb=bucket_cap_mb, offload=offload, eval_batch_size=eval_batch_size,
-                   eval_accumulate_predictions=eval_accumulate_predictions, task=task, attn=attn, packing=packing)
+                   eval_accumulate_predictions=eval_accumulate_predictions, task=task, attn=attn, packing=packing,
+                   assume=assume)
         if progress is not None:
             progress(f"loading {model}")
         work, job = _load(model, job, optimizer, allow_download)
@@ -294,7 +298,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, device
               help="Write the simulated allocator trace for PyTorch's memory viewer (pytorch.org/memory_viz).")
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png",
               help="Draw memory over the recommendation's steady-state step, by category (needs matplotlib).")
-def plan(model, max_len, target_len, task, attn, packing, device, optimizer, steps, gpu, gpu_memory, strategy, gpus,
+def plan(model, max_len, target_len, task, attn, packing, assume, device, optimizer, steps, gpu, gpu_memory, strategy, gpus,
          reentrant, bucket_view, bucket_cap_mb, offload, as_json, allow_download, debug, global_batch, margin,
          precision, precision_options, checkpointing_options, measure, measure_steps, snapshot_path, plot_path):
     """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
@@ -333,7 +337,8 @@ def plan(model, max_len, target_len, task, attn, packing, device, optimizer, ste
                    precision="fp32" if precision_options else precision,  # the plan checks --precision-options
                    optimizer=optimizer or "adamw", steps=steps, use_reentrant=reentrant, strategy=strategy,
                    gpus=gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload, margin=margin,
-                   global_batch=global_batch, task=task, attn=attn, packing=packing)
+                   global_batch=global_batch, task=task, attn=attn, packing=packing,
+                   assume=assume)
         work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)
         _no_train_step(work, "memcheck plan")
         result = run_plan(work.model, work.make, job, precision_options=precision_options or precision,

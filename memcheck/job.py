@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from memcheck.choices import parse_assume
 from memcheck.cuda.gpus import GpuSpec, resolve_gpu
 from memcheck.enums import Attention, Device, Offload, Padding, Precision, Strategy, Task, WeightsDtype
 from memcheck.errors import UsageError, closest
@@ -94,6 +95,7 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("global_batch", "--global-batch", "global_batch", "global_batch"),
     Spelling("task", "--task", "task", "task"),
     Spelling("attn", "--attn", "attn", "attn", aliases=("attn_implementation",)),  # transformers
+    Spelling("assume", "--assume", "assume", "assume"),
 )
 SPELLING = {s.field: s for s in SPELLINGS}
 
@@ -258,6 +260,10 @@ class Job:
     """transformers models: what the model is trained for (decides the worst-case batch)."""
     attn: Attention | None = None
     """transformers models: the attention implementation."""
+    assume: tuple[str, ...] = ()
+    """Pinned answers at the data-dependent choice points (``memcheck.choices``): ``padding`` or
+    ``no-padding``, ``routing=worst`` or ``routing=balanced`` (``"no-padding,routing=balanced"``).
+    (): every answer a real batch can give is traced and the larger peak reported."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -423,6 +429,13 @@ def _bucket_cap(value):
 
 
 # field -> the function that checks a value and returns it normalised (idempotent)
+def _assume(value):
+    try:
+        return parse_assume(value)
+    except UsageError as exc:  # "has no answer 'no-pading' (did you mean ...); allowed: ..."
+        raise SettingError("assume", "{name} " + escape(str(exc))) from None
+
+
 def _check_weights(precision: Precision, weights: WeightsDtype) -> None:
     """A weights dtype that contradicts the precision is refused: fp32 and pure bf16/fp16
     training name their weights' dtype themselves; amp-fp16's GradScaler cannot unscale fp16
@@ -492,6 +505,7 @@ _CHECKS = {
     "global_batch": lambda v: _int("global_batch", v),
     "task": lambda v: _choice("task", Task, v, optional=True),
     "attn": lambda v: _choice("attn", Attention, v, optional=True),
+    "assume": _assume,
 }
 assert tuple(_CHECKS) == tuple(s.field for s in SPELLINGS) == tuple(f.name for f in dataclasses.fields(Job))
 

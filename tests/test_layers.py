@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "memcheck"
 # Bottom to top: the pipeline (trace -> rules -> CUDA allocator and overheads -> training
 # emulation -> engine -> reports and pictures -> front-ends), with what each part needs beneath it.
 LAYERS = (
-    ("errors", "units", "enums"),  # the vocabulary: exceptions, byte units, the choices
+    ("errors", "units", "enums", "choices"),  # the vocabulary: exceptions, byte units, the choices, choice points
     ("cuda",),  # the GPU table, the caching-allocator simulation, CUDA context and workspaces
     ("rules",),  # the op-rule registry and the rules per device
     ("trace",),  # the TorchDispatchMode tracer and the device redirect

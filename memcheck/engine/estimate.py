@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import re
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -13,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from memcheck.choices import ANSWERS, NO_PADDING, PADDING, Choices, point_of
 from memcheck.cuda.allocator import AllocatorConfig, growing_run, simulate
 from memcheck.cuda.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.cuda.overhead import context_bytes, context_source, module_loading, workspace_allocations
@@ -29,6 +31,8 @@ from memcheck.errors import (
 from memcheck.job import Job, SettingError, as_job, escape
 from memcheck.report.results import (
     BatchInfo,
+    Branch,
+    Branches,
     Breakdown,
     DeviceMemory,
     Estimate,
@@ -39,7 +43,7 @@ from memcheck.report.results import (
 from memcheck.rules import extensions
 from memcheck.rules.autocast import MetaAutocast, MetaGradScaler, UserAutocast, meta_autocast_queries
 from memcheck.trace.device_redirect import reads_meta_data, redirect_cuda
-from memcheck.trace.tracer import MemoryTracer, TraceLog
+from memcheck.trace.tracer import ForwardDone, MemoryTracer, TraceLog
 from memcheck.training.adapters import apply_adapters, quantize_4bit
 from memcheck.training.checkpointing import apply_checkpointing
 from memcheck.training.loop import LossFn, default_loss, run_eval, to_precision
@@ -218,15 +222,135 @@ def estimate(
     target = _validate(model, batch, job, eval_batch, top_modules)
     _check_train_step(train_step, job)
     name = model_name or type(model).__name__
-    run = _set_up(model, batch, eval_batch, job, target, name, progress)
-    if train_step is not None:
-        run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
-                          "(model, batch, optimizer), traced as it is")
-    gpu_map = _trace(run, job, target, loss_fn or default_loss, name, train_step)
+
+    def traced(choices: Choices, forward_only: bool = False) -> tuple[_Run, list[int] | None]:
+        run = _set_up(model, batch, eval_batch, job, target, name, progress, choices)
+        if train_step is not None:
+            run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
+                              "(model, batch, optimizer), traced as it is")
+        run.tracer.stop_at_backward = forward_only
+        try:
+            return run, _trace(run, job, target, loss_fn or default_loss, name, train_step)
+        except ForwardDone:
+            return run, None
+
+    run, gpu_map = traced(Choices(job.assume))
+    (run, gpu_map, devices), branches = _branches(run, gpu_map, traced, job, target, name, top_modules)
     job = _with_step_precision(run, job)
-    shorter = _shorter_traces(model, batch, job, target, loss_fn or default_loss, name, run.tracer.assume, train_step)
-    devices = _summarise(run, gpu_map, job, target, name, top_modules, shorter)
-    return _result(run, gpu_map, devices, job, target, name, timeline)
+    taken = job if branches is None else job.replace(assume=tuple(sorted(
+        set(job.assume) | set(branches.taken), key=ANSWERS.index)))  # shorter traces take the same branch
+    shorter = _shorter_traces(model, batch, taken, target, loss_fn or default_loss, name, run.tracer.assume,
+                              train_step)
+    if devices is None or shorter is not None:
+        devices = _summarise(run, gpu_map, job, target, name, top_modules, shorter)
+    return _result(run, gpu_map, devices, job, target, name, timeline, branches)
+
+
+def _branches(run: _Run, gpu_map: list[int], traced: Callable, job: Job, target: GpuSpec | None,
+              name: str, top_modules: int) -> tuple[tuple[_Run, list[int], list | None], Branches | None]:
+    """The trace whose data-dependent answers give the larger peak (``memcheck.choices``).
+
+    The first trace answers every choice point with its first answer and notes the points
+    whose answer decided something; the whole step is then traced again with each other
+    combination of answers at those points (the job's pinned ones stay). An unpadded batch is
+    first traced to the end of its first forward only, and not further when that is bounded
+    by the first trace (``_bounded_by``). The trace with the largest device total (peak on
+    the CPU) wins; ties keep the first. Returns the winner's run, GPU map and summaries."""
+    others = run.tracer.choices.alternatives()
+    if not others:
+        return (run, gpu_map, None), None
+    first = run.tracer.choices
+    names = list(first.consulted)
+    start = time.perf_counter()
+    candidates, bounded = [(run, gpu_map)], []
+    for answers in others:
+        if _only_padding_differs(first, answers) and first.in_forwards_only(PADDING):
+            prefix, done = traced(Choices(job.assume, forced=answers), forward_only=True)
+            if done is None and _bounded_by(run.tracer.log, prefix.tracer.log):
+                bounded.append(answers)
+                continue
+        candidates.append(traced(Choices(job.assume, forced=answers)))
+        names += [n for n in candidates[-1][0].tracer.choices.consulted if n not in names]
+    seconds = time.perf_counter() - start
+    totals, summaries = [], []
+    for r, g in candidates:
+        devices = _summarise(r, g, _with_step_precision(r, job), target, name, top_modules)
+        busiest = max(devices, key=lambda d: d.total_bytes)
+        totals.append((busiest.total_bytes, busiest.peak_bytes))
+        summaries.append(devices)
+    best = max(range(len(candidates)), key=lambda i: (totals[i][0], -i))
+    mine = candidates[best][0].tracer.log.assumptions
+    traces = []
+    for i, (r, _) in enumerate(candidates):
+        own = tuple(a for a in r.tracer.log.assumptions if a not in mine) if i != best else tuple(
+            a for a in mine if len(candidates) > 1
+            and all(a not in c[0].tracer.log.assumptions for j, c in enumerate(candidates) if j != best))
+        answers = r.tracer.choices.taken(names)
+        traces.append(Branch(answers=tuple(a for a in answers if a not in job.assume), total_bytes=totals[i][0],
+                             peak_bytes=totals[i][1], only_here=own))
+    for answers in bounded:  # traced to the end of step 1's forward only
+        traces.append(Branch(answers=tuple(a for a in answers if a not in job.assume), total_bytes=None,
+                             peak_bytes=None, only_here=(), bounded=True))
+    winner = traces[best]
+    branches = Branches(taken=winner.answers, traces=(winner, *traces[:best], *traces[best + 1:]),
+                        seconds=round(seconds, 3))
+    return (*candidates[best], summaries[best]), branches
+
+
+def _only_padding_differs(first: Choices, answers: tuple[str, ...]) -> bool:
+    """Whether the alternative ``answers`` change only the ``padding`` point, to ``no-padding``."""
+    changed = [a for a in answers if a != first.answer(point_of(a).name)]
+    return changed == [NO_PADDING]
+
+
+def _forward_prefix(log: TraceLog) -> list[tuple]:
+    """The events of step 1 before its backward begins: the setup and the first forward and loss."""
+    out = []
+    for ev in log.events:
+        if ev[6] > 0 or ev[5] in (Phase.BACKWARD, Phase.OPTIMIZER, Phase.ZERO_GRAD, Phase.EVAL):
+            break
+        out.append(ev)
+    return out
+
+
+def _bounded_by(base: TraceLog, alt: TraceLog) -> bool:
+    """Whether the trace ``alt`` (stopped where step 1's backward begins) is bounded by ``base``
+    over the whole step: its first forward made no assumption ``base`` did not (the same
+    kernels), allocated a subsequence of ``base``'s allocations (same size, module and GPU,
+    in order: the same ops, some skipped, as an unpadded batch skips its attention mask),
+    and ends it with no more live bytes, per category and in all, than ``base`` held at the
+    same point, never peaking above ``base``'s forward peak. The backward then runs the
+    same kernels over no more saved tensors."""
+    if any(a not in base.assumptions for a in alt.assumptions):
+        return False
+    mine, theirs = _forward_prefix(base), _forward_prefix(alt)
+    if not mine or len(theirs) != len(alt.events):
+        return False
+    allocs = iter((ev[2], ev[4], ev[7]) for ev in mine if ev[0] == ALLOC)
+    if not all(any(sig == other for other in allocs) for sig in ((ev[2], ev[4], ev[7]) for ev in theirs
+                                                                 if ev[0] == ALLOC)):
+        return False
+    (base_live, base_peak), (alt_live, alt_peak) = _live_by_category(mine), _live_by_category(theirs)
+    return alt_peak <= base_peak and all(n <= base_live.get(c, 0) for c, n in alt_live.items())
+
+
+def _live_by_category(events: list[tuple]) -> tuple[dict, int]:
+    """The bytes live at the end of ``events`` by category, and the peak of their sum."""
+    sizes, cats, live, peak = {}, {}, 0, 0
+    for kind, sid, n, cat, *_ in events:
+        if kind == ALLOC:
+            sizes[sid], cats[sid] = n, cat
+            live += n
+            peak = max(peak, live)
+        elif kind == FREE and sid in sizes:
+            live -= sizes.pop(sid)
+            cats.pop(sid)
+        elif kind == RECAT and sid in cats:
+            cats[sid] = cat
+    by_cat: dict = defaultdict(int)
+    for sid, n in sizes.items():
+        by_cat[cats[sid]] += n
+    return by_cat, peak
 
 
 def _validate(model, batch, job: Job, eval_batch, top_modules) -> GpuSpec | None:
@@ -352,7 +476,8 @@ def resolve_weights_dtype(model: torch.nn.Module, job: Job) -> tuple[torch.dtype
                                                   else f" (weights_dtype {job.weights_dtype.value})"))
 
 
-def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: str, progress) -> _Run:
+def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: str, progress,
+            choices: Choices | None = None) -> _Run:
     """The meta twin (checkpointed, cast), the meta batches, the optimizer and the tracer."""
     device, precision = job.device, job.precision
     opt_label, make_optimizer = resolve_optimizer(job.optimizer, device)
@@ -376,7 +501,7 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
     info = describe_batch(mbatch, job.batch_size, job.max_len, job.target_len)
 
     arch = target.arch if target is not None else DEFAULT_ARCH
-    tracer = MemoryTracer(device, arch=arch)
+    tracer = MemoryTracer(device, arch=arch, choices=choices if choices is not None else Choices(job.assume))
     if progress is not None:
         tracer.on_phase = lambda step, phase: progress(
             f"tracing {name}: " + ("evaluation" if phase is Phase.EVAL
@@ -533,7 +658,7 @@ def _summarise(run: _Run, gpu_map: list[int], job: Job, target: GpuSpec | None, 
 
 
 def _result(run: _Run, gpu_map: list[int], devices: list[DeviceMemory], job: Job, target: GpuSpec | None,
-            name: str, timeline: bool) -> Estimate:
+            name: str, timeline: bool, branches: Branches | None = None) -> Estimate:
     """The busiest GPU's figures (and every GPU's, under a multi-GPU strategy) as an Estimate."""
     busiest = max(devices, key=lambda d: (d.total_bytes, -d.index))
     budget = job.budget_bytes
@@ -547,6 +672,7 @@ def _result(run: _Run, gpu_map: list[int], devices: list[DeviceMemory], job: Job
         context_source=context_source(target) if job.device is Device.CUDA else None,
         timeline=_timeline(run.tracer.log, gpu_map[busiest.index], busiest, job.device, run.arch,
                            root=type(run.twin).__name__) if timeline else None,
+        branches=branches,
     )
 
 

@@ -60,6 +60,7 @@ from typing import Any, Callable
 
 import torch
 
+from memcheck.choices import ANSWERS
 from memcheck.cuda.gpus import GPUS, GpuSpec
 from memcheck.cuda.overhead import context_bytes
 from memcheck.engine.estimate import estimate, target_gpu
@@ -247,7 +248,7 @@ def _result(search: "_Search", space: _Space, job: Job, recommended: PlanOption 
         global_batch=job.global_batch, recommended=recommended, alternatives=alternatives, length_profile=profile,
         longest_fitting_length=longest, max_len=job.max_len, traces=search.traces, estimate=chosen,
         suggestion=suggestion, sharded=None if suggestion is None else suggestion.sharded,
-        blocks=tuple(space.blocks), position_limit=max_len_limit,
+        blocks=tuple(space.blocks), position_limit=max_len_limit, branches_note=search.branches_note,
         job=None if chosen is None else chosen.job.replace(global_batch=job.global_batch, margin=job.margin),
     )
 
@@ -272,6 +273,7 @@ class _Search:
         self.name, self.progress, self.loss_fn = name, progress, loss_fn
         self.traces = 0
         self._cache: dict[tuple, Estimate] = {}
+        self.branches_note = ""  # set when the first trace with a data-dependent choice pins its answers
 
     def accumulation(self, micro: int) -> int:
         if self.global_batch is None:
@@ -311,7 +313,21 @@ class _Search:
         est = estimate(self.model, batch, traced, loss_fn=self.loss_fn, model_name=self.name, top_modules=0)
         self.traces += 1
         self._cache[key] = est
+        self._pin_branches(est, micro, precision, checkpointing)
         return est
+
+    def _pin_branches(self, est: Estimate, micro: int, precision: Precision, checkpointing: str) -> None:
+        """Pin the data-dependent answers of the first trace that had a choice (the worse
+        branch there) for every later trace, so the search does not trace every branch at
+        every candidate (``memcheck.choices``)."""
+        if est.branches is None or self.branches_note:
+            return
+        b = est.branches
+        self.job = self.job.replace(assume=tuple(sorted(set(self.job.assume) | set(b.taken), key=ANSWERS.index)))
+        self.branches_note = (
+            f"data-dependent branches: {len(b.traces)} traced at the first candidate (micro-batch {micro}, "
+            f"{precision.value}, checkpointing {checkpointing}); the worse, {', '.join(b.taken)}, pinned for the "
+            f"other traces (assume={','.join(self.job.assume)})")
 
     def option(self, precision: Precision, checkpointing: str, limit: int, cap: int,
                best_cost: float | None = None) -> PlanOption:

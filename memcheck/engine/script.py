@@ -48,6 +48,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
+from memcheck.choices import Choices
 from memcheck.engine.estimate import (
     DEFAULT_ARCH,
     _dtype_name,
@@ -334,7 +335,7 @@ def run_script(argv: list[str], job: Job | None = None, *, progress=None, **sett
     path, args = _script(argv)
     target = target_gpu(job)
     arch = target.arch if target is not None else DEFAULT_ARCH
-    tracer = MemoryTracer(job.device, arch=arch)
+    tracer = MemoryTracer(job.device, arch=arch, choices=Choices(job.assume))
     session = _Session(tracer, job)
     if progress is not None:
         tracer.on_phase = lambda step, phase: progress(f"running {path.name}: step {step + 1}, {phase.value}")
@@ -360,6 +361,11 @@ def run_script(argv: list[str], job: Job | None = None, *, progress=None, **sett
     run = _Run(session.root, (), session.batch, None, info, tracer, arch, session.label(), None,
                weights_dtype=_dtype_name(dtype))
     gpu_map = [0]
+    choices = tracer.choices
+    for other in choices.alternatives():  # a script runs once: the other branches are not traced
+        taken = choices.taken(choices.consulted)
+        tracer.assume(f"data-dependent answers: {', '.join(taken)} traced; a script runs once, so "
+                      f"{', '.join(other)} was not (assume= pins either)")
     devices = _summarise(run, gpu_map, job, target, name, 8)
     return _result(run, gpu_map, devices, job, target, name, False)
 

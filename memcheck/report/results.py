@@ -131,6 +131,41 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True)
+class Branch:
+    """One trace of the step with one set of answers at the data-dependent choice points."""
+
+    answers: tuple[str, ...]  # the answers at the points that mattered ("no-padding", "routing=balanced")
+    total_bytes: int | None  # the busiest GPU's device total (the peak on the CPU target); None when bounded
+    peak_bytes: int | None  # its allocated peak; None when bounded
+    only_here: tuple[str, ...] = ()  # what this trace assumed and the taken one did not (the kernel it ran)
+    # traced to the end of the first forward only: the same kernels, a subset of the reported trace's
+    # allocations and no more live bytes, so bounded by it (memcheck.engine.estimate._bounded_by)
+    bounded: bool = False
+
+    def to_dict(self) -> dict:
+        return {"answers": list(self.answers), "total_bytes": self.total_bytes, "peak_bytes": self.peak_bytes,
+                "only_here": list(self.only_here), "bounded": self.bounded}
+
+
+@dataclass(frozen=True)
+class Branches:
+    """The data-dependent branches traced (``memcheck.choices``): the answers whose trace is
+    reported (the larger peak) and every trace, that one first."""
+
+    taken: tuple[str, ...]
+    traces: tuple[Branch, ...]
+    seconds: float  # tracing the alternatives (after the first trace)
+
+    @property
+    def alternatives(self) -> int:
+        return len(self.traces) - 1
+
+    def to_dict(self) -> dict:
+        return {"taken": list(self.taken), "alternatives_traced": self.alternatives,
+                "alternatives_seconds": self.seconds, "traces": [t.to_dict() for t in self.traces]}
+
+
+@dataclass(frozen=True)
 class Estimate:
     """What one training step needs at its steady-state peak, on the target device.
 
@@ -156,6 +191,8 @@ class Estimate:
     context_source: str | None = None  # CUDA: where the context figure comes from ("published: ..." / "estimated: ...")
     # estimate(timeline=True): the busiest GPU's memory event by event (--snapshot, --plot); not in to_dict
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
+    # the data-dependent branches traced (memcheck.choices); None when no choice point mattered or all were pinned
+    branches: Branches | None = None
 
     @property
     def busiest(self) -> DeviceMemory:
@@ -283,6 +320,7 @@ class Estimate:
                 for m in self.modules
             ],
             "assumptions": list(self.assumptions),
+            "branches": None if self.branches is None else self.branches.to_dict(),
         }
 
     def __str__(self) -> str:
@@ -422,6 +460,7 @@ class Plan:
     position_limit: int | None = None  # the longest length the model's position embeddings take
     verification: "Verification | None" = None  # --measure: the recommendation run for real
     job: Job | None = None  # the recommended job, exactly as traced (estimate(model, batch, plan.job))
+    branches_note: str = ""  # the data-dependent answers the search pinned after its first trace with a choice
 
     @property
     def fits(self) -> bool:
@@ -461,6 +500,7 @@ class Plan:
             "length_profile": [asdict(p) for p in self.length_profile],
             "longest_fitting_length": self.longest_fitting_length,
             "verification": None if self.verification is None else self.verification.to_dict(),
+            "branches_note": self.branches_note or None,
         }
         return {"schema_version": SCHEMA_VERSION, "plan": plan,
                 "job": None if self.job is None else {**self.job.to_dict(), "gpus": self.gpus},

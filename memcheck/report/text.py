@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
+from memcheck.choices import ANSWERS, words
 from memcheck.enums import Phase
 from memcheck.training.checkpointing import half_of
 from memcheck.training.optimizers import HF_OPTIMIZERS
@@ -154,6 +155,10 @@ def render_estimate(est: Estimate) -> str:
         lines.append("")
         lines.append("assumed:")
         lines.extend(f"  - {a}" for a in est.assumptions)
+    branch_lines = render_branches(est)
+    if branch_lines:
+        lines.append("")
+        lines.extend(branch_lines)
     if est.budget_bytes is not None:
         lines.append("")
         verdict = "FITS" if est.fits else "DOES NOT FIT"
@@ -162,6 +167,40 @@ def render_estimate(est: Estimate) -> str:
             f"{verdict}: {what} {format_bytes(est.total_bytes)} vs {format_bytes(est.budget_bytes)} available"
         )
     return "\n".join(line for line in lines if line is not None).replace("\n\n\n", "\n\n")
+
+
+def _answers(answers) -> str:
+    return "; ".join(words(a) for a in answers)
+
+
+def render_branches(est: Estimate) -> list[str]:
+    """The data-dependent branches (``memcheck.choices``): the answers pinned by the job,
+    the trace reported and what each other answer gave."""
+    lines = []
+    pinned = est.job.assume if est.job is not None else ()
+    if pinned:
+        lines.append(f"data-dependent answers pinned (assume): {_answers(pinned)}")
+    b = est.branches
+    if b is None:
+        return lines
+    what = "device total" if est.device_total_bytes is not None else "peak"
+    taken = b.traces[0]
+    lines.append(f"data-dependent branches: {len(b.traces)} traced ({b.alternatives} alternative(s) in "
+                 f"{b.seconds:.1f} s); the larger {what} is {_answers(taken.answers)}: "
+                 f"{format_bytes(taken.total_bytes)}")
+    lines.extend(f"  - only in it: {a}" for a in taken.only_here)
+    for other in b.traces[1:]:
+        if other.bounded:
+            lines.append(f"  {_answers(other.answers)}: at most that (traced to the end of the first forward: "
+                         "the same kernels, a subset of its allocations, no more live bytes)")
+            continue
+        delta = other.total_bytes - taken.total_bytes
+        sign = "-" if delta < 0 else "+"
+        lines.append(f"  {_answers(other.answers)}: {sign}{format_bytes(abs(delta))} "
+                     f"({format_bytes(other.total_bytes)})")
+        lines.extend(f"    - only in it: {a}" for a in other.only_here)
+    lines.append("  (--assume ANSWER pins one: " + ", ".join(ANSWERS) + ")")
+    return lines
 
 
 def _device_groups(devices) -> list[tuple[str, DeviceMemory]]:
@@ -276,6 +315,8 @@ def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
     if _packed(plan):
         flags.append("--packing")
         args.append("packing=True (TRL's SFTConfig; or DataCollatorWithFlattening)")
+    if plan.job is not None and plan.job.assume:  # the data-dependent answers the plan pinned, or the user's
+        flags.append(f"--assume {','.join(plan.job.assume)}")
     if plan.strategy != "single":
         flags.append(f"--strategy {plan.strategy} --gpus {plan.gpus}")
         args.append({"fsdp": 'fsdp="full_shard"', "zero3": "deepspeed= a ZeRO stage 3 config",
@@ -366,6 +407,8 @@ def render_plan(plan: Plan) -> str:
         lines.append(render_verification(plan.verification))
     lines.append("")
     lines.append(f"traces: {plan.traces}")
+    if plan.branches_note:
+        lines.append(plan.branches_note)
     if plan.max_len:
         lines.append(PACKING_NOTE if packed else PADDING_NOTE)
     return "\n".join(lines)

@@ -36,6 +36,7 @@ import math
 import numpy as np
 import torch
 
+from memcheck.choices import PADDING, ROUTING_BALANCED
 from memcheck.enums import Device
 from memcheck.rules import cuda_sort
 from memcheck.rules.registry import bind, register_op_rule
@@ -149,6 +150,7 @@ def local_scalar_dense(ctx, func, args, kwargs):
         return getattr(t, _KNOWN_TAG)  # follows from an index memcheck chose (position), already listed
     if t.dtype == torch.bool:
         value = kind not in _FALSE_WHEN
+        _padding_decides(ctx, t, value)
         ctx.assume(
             f"data-dependent check ({kind or 'bool'}) resolved to {value}: the batch is assumed to contain padding"
         )
@@ -163,6 +165,16 @@ def local_scalar_dense(ctx, func, args, kwargs):
         return at
     ctx.assume("a data-dependent integer (.item()) was taken as 1")
     return 1
+
+
+def _padding_decides(ctx, t: torch.Tensor, answer: bool) -> None:
+    """Mark the ``padding`` choice point consulted (``memcheck.choices``) when an unpadded
+    batch, whose attention masks are all ones, would answer this check otherwise: the
+    step is then traced again with the answer ``no-padding``."""
+    unpadded = getattr(ctx, "if_unpadded", None)
+    other = unpadded.value(t) if unpadded is not None else None
+    if other is not None and bool(other) != answer:
+        ctx.choices.consult(PADDING, (ctx.step, ctx.phase))
 
 
 def _unequal(what: str):
@@ -292,24 +304,38 @@ def format_scalar(ctx, func, args, kwargs):
 # every expert's weight gradient alive and the largest per-expert buffers, this was the
 # costliest split measured (a real Mixtral block routed so, 127 tokens on two experts and
 # one on the others, is within 0.3% of the trace; a random router's split, or one that
-# hits only top_k experts, needs up to 20% less there).
+# hits only top_k experts, needs up to 20% less there). The split is a choice point
+# (``memcheck.choices``, ``routing``): the step is traced again with a balanced split,
+# ``tokens * top_k / experts`` rows each, and the larger peak reported, unless the job pins
+# one (``assume="routing=balanced"``).
 
 class _Ones:
     """The ones left to select in a one-hot mask and the tensors made from it, and the most
     one ``nonzero`` can take: the number of tokens when the indices are ``topk``'s (each
-    token picks an expert at most once), else every one."""
+    token picks an expert at most once), else every one. ``total`` and ``experts`` (the
+    mask's classes) give the balanced split; ``calls`` counts the ``nonzero`` calls so far."""
 
-    __slots__ = ("left", "per_call")
+    __slots__ = ("left", "per_call", "total", "experts", "calls")
 
-    def __init__(self, left: int, per_call: int):
-        self.left, self.per_call = left, per_call
+    def __init__(self, left: int, per_call: int, experts: int):
+        self.left, self.per_call, self.total, self.experts, self.calls = left, per_call, left, max(experts, 1), 0
+
+    def balanced_share(self) -> int:
+        """The next expert's share of an even split: ``total // experts``, one more for the
+        first ``total % experts`` experts looped over."""
+        base, extra = divmod(self.total, self.experts)
+        return base + (1 if self.calls < extra else 0)
 
 
 _ONE_HOT = StorageTags()  # a one-hot mask and the tensors made from it -> their _Ones
-_TOP_K = StorageTags()  # topk's indices -> k
+_TOP_K = StorageTags()  # topk's indices -> (k, how many candidates each row chose among)
 ROUTING_ASSUMPTION = (
     "MoE routing: every expert hit, tokens x top_k rows in all, the first experts looped over taking "
     "every token (the costliest split; a real router's split needs less)"
+)
+BALANCED_ROUTING_ASSUMPTION = (
+    "MoE routing: balanced, tokens x top_k rows in all, tokens x top_k / experts to each expert "
+    "(routing=balanced)"
 )
 
 
@@ -327,7 +353,8 @@ def topk(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     b = bind(func, args, kwargs)
     if _is_meta(out[1]) and b["k"] > 0:
-        _TOP_K.put(out[1], int(b["k"]))
+        t = b["self"]
+        _TOP_K.put(out[1], (int(b["k"]), t.shape[b["dim"]] if t.dim() else 1))
     return out
 
 
@@ -337,9 +364,11 @@ def one_hot(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
     indices = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
     if _is_meta(indices):
-        k = _TOP_K.get(indices)
+        k, candidates = _TOP_K.get(indices) or (None, None)
         n = indices.numel()
-        _mark(out, _Ones(n, n // k if k else n))
+        # the experts are topk's candidates (a mask may have more classes: transformers' eager
+        # loop adds one it skips), else the mask's classes
+        _mark(out, _Ones(n, n // k if k else n, candidates or (out.shape[-1] if out.dim() else 1)))
     return out
 
 
@@ -400,8 +429,13 @@ def nonzero(ctx, func, args, kwargs):
         ctx.assume("nonzero() assumed to select every element (worst case)")
         return _positions(t, t.numel())
     n = min(t.numel(), ones.left, ones.per_call)
+    balanced = ctx.choices.answer("routing") == ROUTING_BALANCED
+    if balanced:
+        n = min(n, ones.balanced_share())
     ones.left -= n
-    ctx.assume(ROUTING_ASSUMPTION)
+    ones.calls += 1
+    ctx.choices.consult("routing", (ctx.step, ctx.phase))
+    ctx.assume(BALANCED_ROUTING_ASSUMPTION if balanced else ROUTING_ASSUMPTION)
     return _positions(t, n)
 
 

@@ -192,6 +192,16 @@ class KnownValues:
             return None
         return start + step * offset, step * stride if last > 1 else 0
 
+    def __bool__(self) -> bool:
+        """Whether any value is known."""
+        return bool(self._values)
+
+    def set_value(self, t: torch.Tensor, value: Number) -> None:
+        """Know that every element of ``t``'s storage holds ``value`` (a batch's attention mask
+        under the answer ``no-padding``, ``memcheck.choices``)."""
+        if _is_meta(t):
+            self._set(t, value)
+
     def forget(self, t: torch.Tensor) -> None:
         """Stop knowing ``t``'s values (the tracer calls it for the batch: the user's data)."""
         st = _storage(t)

@@ -18,7 +18,11 @@ everything else is a temporary.
 
 Alongside, ``KnownValues`` (``memcheck.rules.known_values``) follows the values that the
 traced code itself made known (``torch.ones`` and what follows from it), which the
-data-dependent rules read instead of their worst-case stand-ins.
+data-dependent rules read instead of their worst-case stand-ins. The tracer's ``choices``
+(``memcheck.choices``) answer the data-dependent questions that have no single worst case:
+with the answer ``no-padding`` the batch's attention masks are known to be all ones; with
+``padding`` they are not, and a second ``KnownValues`` (``if_unpadded``) follows what they
+would be if they were, so a check whose answer the mask decides marks the point consulted.
 
 A dispatch mode changes what autograd itself allocates: torch treats every tensor as a
 subclass while one is active, and the engine then sums a tensor's gradients out of place.
@@ -40,6 +44,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from torch.utils.module_tracker import ModuleTracker
 
 import memcheck.rules  # noqa: F401  (every rule module registers its rules)
+from memcheck.choices import NO_PADDING, PADDING, Choices, attention_masks
 from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Phase
 from memcheck.rules.extensions import weight_side_tensors
 from memcheck.rules.known_values import KnownValues
@@ -98,6 +103,12 @@ def _apply_order(model: torch.nn.Module) -> list[torch.nn.Module]:
 
     visit(model)
     return order
+
+
+class ForwardDone(BaseException):
+    """Raised by ``set_phase`` as step 1's backward begins when the tracer is told to stop
+    there (``stop_at_backward``): a trace of the first forward only. A BaseException, so that
+    no ``except Exception`` of the traced code takes it."""
 
 
 @dataclass
@@ -371,8 +382,11 @@ class MemoryTracer(TorchDispatchMode):
         >>> tracer.log.events[-1]
     """
 
-    def __init__(self, device: Device, arch: tuple[int, int] = (8, 0)):
+    def __init__(self, device: Device, arch: tuple[int, int] = (8, 0), choices: Choices | None = None):
         super().__init__()
+        self.choices = choices if choices is not None else Choices()  # answers at the choice points
+        self.if_unpadded = KnownValues()  # the values known if the batch had no padding (choices)
+        self.stop_at_backward = False  # raise ForwardDone as step 1's backward begins
         self.device = Device.parse(device)
         self.arch = arch  # CUDA compute capability of the target GPU; rules pick kernels by it
         self.autocast = None  # a memcheck.rules.autocast.MetaAutocast while tracing mixed precision
@@ -427,6 +441,7 @@ class MemoryTracer(TorchDispatchMode):
             self._closed = True
             self._refs.clear()
             self.known.clear()
+            self.if_unpadded.clear()
 
     # ---- what the loop tells the tracer --------------------------------------------
     @contextlib.contextmanager
@@ -467,6 +482,8 @@ class MemoryTracer(TorchDispatchMode):
 
     def set_phase(self, step: int, phase: Phase) -> None:
         """Called by the training loop as it enters each phase of each step."""
+        if self.stop_at_backward and phase is Phase.BACKWARD:
+            raise ForwardDone
         if phase is Phase.ZERO_GRAD or (phase is Phase.FORWARD and step > 0):
             self._register_optimizer_state()
         if phase in (Phase.FORWARD, Phase.OPTIMIZER):
@@ -518,6 +535,9 @@ class MemoryTracer(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     self.register(t, Category.INPUT, _GLOBAL)
                     self.known.forget(t)  # the user's data: its checks keep the worst case
+            unpadded = self.choices.answer(PADDING) == NO_PADDING
+            for t in attention_masks(batch):  # all ones without padding: known, or followed in case
+                (self.known if unpadded else self.if_unpadded).set_value(t, 1)
         if optimizer is not None:
             self._optimizers.append(optimizer)
             self._register_optimizer_state()
@@ -670,6 +690,8 @@ class MemoryTracer(TorchDispatchMode):
             out = rule(self, func, args, kwargs) if rule is not None else func(*args, **kwargs)
             self.track(out)
             self.known.observe(func, args, kwargs, out)
+            if self.if_unpadded:
+                self.if_unpadded.observe(func, args, kwargs, out)
             self._count_work(func, args, kwargs, out)
             return out
         finally:

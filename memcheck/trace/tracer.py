@@ -387,6 +387,7 @@ class MemoryTracer(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._ignored: set[int] = set()  # storages a strategy accounts for itself (sharded parameters)
         self._owner: dict[int, str] = {}  # id(param) -> module name
+        self._deepest: dict[frozenset, str] = {}  # the modules entered -> the deepest (``_module``)
         self._handles: list = []
         self._roots: list[torch.nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -554,7 +555,14 @@ class MemoryTracer(TorchDispatchMode):
 
     def track(self, out) -> None:
         """Register an op's outputs now (rules call this before ``scratch``)."""
-        for t in tree_flatten(out)[0]:
+        # most ops return one tensor or a flat tuple of them: no pytree walk (its order is theirs)
+        if isinstance(out, torch.Tensor):
+            leaves = (out,)
+        elif type(out) is tuple and all(o is None or isinstance(o, (torch.Tensor, int, float)) for o in out):
+            leaves = out
+        else:
+            leaves = tree_flatten(out)[0]
+        for t in leaves:
             if isinstance(t, torch.Tensor):
                 key = storage_key(t)
                 if key is not None and key[0] not in self._sizes and key[0] not in self._ignored:
@@ -626,7 +634,14 @@ class MemoryTracer(TorchDispatchMode):
             # In backward, work done before the first module's backward starts is the
             # backward of whatever follows the model's outputs: the loss.
             return LOSS_BACKWARD if self.phase is Phase.BACKWARD else _GLOBAL
-        return max((p for p in parents if p != _GLOBAL), key=lambda name: (name.count("."), name))
+        # the deepest module entered; remembered per set of names (tens of them in backward, and
+        # the same few sets again and again: one per layer and step)
+        key = frozenset(parents)
+        name = self._deepest.get(key)
+        if name is None:
+            name = self._deepest[key] = max((p for p in parents if p != _GLOBAL),
+                                            key=lambda name: (name.count("."), name))
+        return name
 
     def _alloc(self, sid, st, category, module):
         if self.device is Device.CUDA and st.device.type == "cpu":

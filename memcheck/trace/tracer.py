@@ -600,7 +600,16 @@ class MemoryTracer(TorchDispatchMode):
                 self._alloc(sid, st, Category.ACTIVATION, None)
             elif self._cats[sid] not in _PERSISTENT and self._cats[sid] is not Category.ACTIVATION:
                 self._recat(sid, Category.ACTIVATION, None)
-        return t
+        # Kept detached, as autograd keeps a saved output without hooks (``tensor_data()``): with
+        # default hooks the pack hook gets the live tensor, grad_fn and all (saved_variable.cpp,
+        # ``set_hooks_and_pack_data``), and for a node's own output that grad_fn is the node that
+        # holds this SavedVariable: a cycle through C++ that no collection breaks. Only a
+        # backward breaks it (it frees the saved tensors), so a graph that never gets one (an
+        # output the loss does not use: SigLIP's pooling head under an image classifier) lived
+        # to the end of the trace, where a real run frees it with the output (+14%). unpack
+        # restores the grad_fn from the SavedVariable (its own ``grad_fn_``, or the node saved
+        # for), so autograd sees the same tensor; the storage, all memcheck counts, is the same.
+        return t.detach() if isinstance(t, torch.Tensor) else t
 
     @staticmethod
     def _unpack(t):

@@ -58,16 +58,9 @@ def _build(config, device):
     "name",
     [
         "efficientnet", "segformer", "pvtv2", "convnext", "convnextv2",
-        pytest.param("siglip", marks=pytest.mark.xfail(
-            strict=True,
-            reason="+5% over the real step (was +11%): the attention-pooling head's output is computed and "
-            "dropped (the classifier reads the mean of the last hidden state); a real run frees its graph "
-            "(~610 KB) with it, after the forward. The tracer's saved-tensor cycle that kept it for good is "
-            "fixed (tests/test_tracer.py); what keeps it now, to the optimizer step, is the gradient hook "
-            "torch's ModuleTracker puts on vision_model's outputs (last_hidden_state and pooler_output "
-            "together), whose closure holds both grad_fns; the trace's peak is then the patch "
-            "convolution's backward with that graph still live",
-        )),
+        # the attention-pooling head's output is computed and dropped; its graph goes with it, after the
+        # forward (the tracer's saved-tensor packing and ModuleTracker's hooks kept it: +11% before)
+        "siglip",
     ],
 )
 def test_vision_model_training_step_matches_real_cpu_run(name):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -148,13 +149,16 @@ class _ModuleNames(ModuleTracker):
       tracer's kernel-choice mode (autocast, SDPA's kernel choice) is entered again
       around each recomputed module, as the real recomputation runs them;
     - the gradient hooks of a forward are removed once its backward has run
-      (``drop_grad_hooks``).
+      (``drop_grad_hooks``);
+    - when the root module returns, its hooks let go of the nodes its outputs do not reach
+      (``drop_unreachable``), so the graph of an output the model drops dies with it.
     """
 
     def __init__(self, function_mode: TorchFunctionMode):
         super().__init__()
         self._function_mode = function_mode
         self._entered: list[int] = []
+        self._pending: list[list] = []  # this forward's hooks' node lists (``drop_unreachable``)
 
     def drop_grad_hooks(self) -> None:
         """Remove the gradient hooks registered so far (the tracer calls it as a forward or
@@ -170,24 +174,100 @@ class _ModuleNames(ModuleTracker):
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
         getattr(self, "_hooks", []).clear()
+        self._pending.clear()
+
+    def drop_unreachable(self, outputs) -> None:
+        """Cut from this forward's gradient hooks the nodes that the root module's ``outputs``
+        do not reach: the graph of an output the model computes and drops (SigLIP's
+        attention-pooling head under an image classifier, whose loss reads the mean of the last
+        hidden state). A real run frees that graph with the output, after the forward; a hook
+        holding its node kept it to the next optimizer step (+5% on that model). A backward from
+        the outputs runs none of those nodes, so the hooks fire as before (``nb_calls`` counts
+        the nodes the engine will run). Known limitation: a loss built from a tensor the model
+        keeps elsewhere (stored on a module) reaches nodes cut here, and its hooks may fire early;
+        that moves module names in backward, not memory."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        reached: set[int] = set()
+        todo = [t.grad_fn for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if id(node) not in reached:
+                reached.add(id(node))
+                todo.extend(child for child, _ in node.next_functions if child is not None)
+        for nodes in pending:
+            nodes[:] = [n for n in nodes if id(n) in reached]
+
+    def _grad_hook(self, tree, fn) -> None:
+        """ModuleTracker's gradient hook on ``tree``'s tensors that require grad (``_all_grads_hook``)."""
+        tensors = [a for a in tree_flatten(tree)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
+        if tensors:
+            handle, nodes = _all_grads_hook(tensors, fn)
+            self._hooks.append(handle)
+            self._pending.append(nodes)
 
     def _fw_pre_hook(self, mod, input) -> None:
-        if torch._C._current_graph_task_id() == -1:
-            return super()._fw_pre_hook(mod, input)
+        if torch._C._current_graph_task_id() == -1:  # ModuleTracker._fw_pre_hook, its hook cuttable
+            name = self._get_mod_name(mod)
+            self._get_append_fn(name, False)()
+            return self._grad_hook(input, self._get_pop_fn(name, True))
         self._get_append_fn(self._get_mod_name(mod), False)()
         if self._function_mode not in _function_modes():
             self._function_mode.__enter__()
             self._entered.append(id(mod))
 
     def _fw_post_hook(self, mod, input, output) -> None:
-        if torch._C._current_graph_task_id() == -1:
-            return super()._fw_post_hook(mod, input, output)
+        if torch._C._current_graph_task_id() == -1:  # ModuleTracker._fw_post_hook, its hook cuttable
+            name = self._get_mod_name(mod)
+            self._get_pop_fn(name, False)()
+            return self._grad_hook(output, self._get_append_fn(name, True))
         self._get_pop_fn(self._get_mod_name(mod), False)()
         if self._entered and self._entered[-1] == id(mod):
             self._entered.pop()
             modes = _function_modes()
             if modes and modes[-1] is self._function_mode:
                 self._function_mode.__exit__(None, None, None)
+
+
+def _all_grads_hook(tensors: list, fn) -> tuple[object, list]:
+    """``torch.autograd.graph.register_multi_grad_hook(tensors, fn)`` in its default mode "all"
+    (torch/autograd/graph.py, same steps: the same hooks on the same tensors, ``fn`` once every
+    gradient the running backward computes for them has arrived), returning with its handle the
+    list of nodes it counts those gradients by, which ``_ModuleNames.drop_unreachable`` may cut.
+
+    torch keeps that list in the hooks' closure, and the hooks sit in the nodes' own hook dicts:
+    a cycle through C++ that holds every node, and the graph above it, until the hook is removed.
+    """
+    from torch.autograd.graph import _get_grad_fn_or_grad_acc, _MultiHandle
+
+    count: dict[int, int] = {}
+    buffer: dict[int, list] = {}
+    nb_calls = None
+    lock = threading.Lock()
+    grad_fns = list(map(_get_grad_fn_or_grad_acc, tensors))
+    len_tensors = len(tensors)
+
+    def get_inner_hook(idx: int):
+        def inner_hook(grad):
+            nonlocal nb_calls
+            task = torch._C._current_graph_task_id()
+            count[task] = count.get(task, 0)
+            buffer[task] = buffer.get(task, [None] * len_tensors)
+            with lock:
+                curr_count, count[task] = count[task], count[task] + 1
+                if curr_count == 0:  # on the first call, the calls this backward will make
+                    nb_calls = sum(map(torch._C._will_engine_execute_node, grad_fns))
+            buffer[task][idx] = grad
+            if curr_count == nb_calls - 1:
+                fn(buffer[task])
+                del count[task]
+                del buffer[task]
+
+        return inner_hook
+
+    handles = tuple(t.register_hook(get_inner_hook(i)) for i, t in enumerate(tensors))
+    return _MultiHandle(handles), grad_fns
 
 
 def _function_modes() -> list:
@@ -401,6 +481,7 @@ class MemoryTracer(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._ignored: set[int] = set()  # storages a strategy accounts for itself (sharded parameters)
         self._owner: dict[int, str] = {}  # id(param) -> module name
+        self._deepest: dict[frozenset, str] = {}  # the modules entered -> the deepest (``_module``)
         self._handles: list = []
         self._roots: list[torch.nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -574,7 +655,14 @@ class MemoryTracer(TorchDispatchMode):
 
     def track(self, out) -> None:
         """Register an op's outputs now (rules call this before ``scratch``)."""
-        for t in tree_flatten(out)[0]:
+        # most ops return one tensor or a flat tuple of them: no pytree walk (its order is theirs)
+        if isinstance(out, torch.Tensor):
+            leaves = (out,)
+        elif type(out) is tuple and all(o is None or isinstance(o, (torch.Tensor, int, float)) for o in out):
+            leaves = out
+        else:
+            leaves = tree_flatten(out)[0]
+        for t in leaves:
             if isinstance(t, torch.Tensor):
                 key = storage_key(t)
                 if key is not None and key[0] not in self._sizes and key[0] not in self._ignored:
@@ -612,7 +700,16 @@ class MemoryTracer(TorchDispatchMode):
                 self._alloc(sid, st, Category.ACTIVATION, None)
             elif self._cats[sid] not in _PERSISTENT and self._cats[sid] is not Category.ACTIVATION:
                 self._recat(sid, Category.ACTIVATION, None)
-        return t
+        # Kept detached, as autograd keeps a saved output without hooks (``tensor_data()``): with
+        # default hooks the pack hook gets the live tensor, grad_fn and all (saved_variable.cpp,
+        # ``set_hooks_and_pack_data``), and for a node's own output that grad_fn is the node that
+        # holds this SavedVariable: a cycle through C++ that no collection breaks. Only a
+        # backward breaks it (it frees the saved tensors), so a graph that never gets one (an
+        # output the loss does not use: SigLIP's pooling head under an image classifier) lived
+        # to the end of the trace, where a real run frees it with the output (+14%). unpack
+        # restores the grad_fn from the SavedVariable (its own ``grad_fn_``, or the node saved
+        # for), so autograd sees the same tensor; the storage, all memcheck counts, is the same.
+        return t.detach() if isinstance(t, torch.Tensor) else t
 
     @staticmethod
     def _unpack(t):
@@ -623,6 +720,7 @@ class MemoryTracer(TorchDispatchMode):
             self.register(p.grad, Category.GRADIENT, self._owner.get(id(p)))
 
     def _on_root_output(self, module, args, output):
+        self.modules.drop_unreachable(output)
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor):
                 key = storage_key(t)
@@ -646,7 +744,14 @@ class MemoryTracer(TorchDispatchMode):
             # In backward, work done before the first module's backward starts is the
             # backward of whatever follows the model's outputs: the loss.
             return LOSS_BACKWARD if self.phase is Phase.BACKWARD else _GLOBAL
-        return max((p for p in parents if p != _GLOBAL), key=lambda name: (name.count("."), name))
+        # the deepest module entered; remembered per set of names (tens of them in backward, and
+        # the same few sets again and again: one per layer and step)
+        key = frozenset(parents)
+        name = self._deepest.get(key)
+        if name is None:
+            name = self._deepest[key] = max((p for p in parents if p != _GLOBAL),
+                                            key=lambda name: (name.count("."), name))
+        return name
 
     def _alloc(self, sid, st, category, module):
         if self.device is Device.CUDA and st.device.type == "cpu":

@@ -3,6 +3,7 @@ PEFT does (memcheck.training.adapters), checked against real CPU runs of the sam
 (``measure_cpu``: the allocator's events under the profiler) and against hand arithmetic."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -124,6 +125,22 @@ def test_the_cli_takes_lora_dora_and_qlora(tmp_path):
     result = runner.invoke(main, [f"hf:{tmp_path}", "--max-len", "64", "--gpu", "A100-80GB", "--json", "--qlora"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["job"]["qlora"] is True
+
+
+@pytest.mark.slow
+def test_the_qlora_command_prints_no_third_party_notices(tmp_path):
+    # bitsandbytes' CPU backend logs "Failed to load CPU gemm_4bit_forward ..." when imported without its
+    # optional kernels package, and PEFT reads transformers' deprecated is_gradient_checkpointing: notices
+    # about the machine memcheck runs on, not the job. A fresh process, as bitsandbytes logs once per import.
+    import subprocess
+    import sys
+
+    _config().save_pretrained(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "memcheck", f"hf:{tmp_path}", "--max-len", "64", "--qlora",
+                           "--gpu", "A100-80GB"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
 
 
 @pytest.mark.parametrize("bad, words", [("r=0", "lora r must be at least 1, got '0'"),

@@ -23,6 +23,9 @@ memcheck (``pip install 'memcheck[peft]'``):
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -139,9 +142,27 @@ def _text(value) -> str:
     return str(value)
 
 
+@contextlib.contextmanager
+def quiet_third_party():
+    """PEFT and bitsandbytes as memcheck drives them, without their notices about the machine
+    memcheck runs on: bitsandbytes' CPU backend logs "Failed to load CPU gemm_4bit_forward" on
+    import where its optional kernels package is missing, and PEFT reads transformers'
+    deprecated ``is_gradient_checkpointing`` (a FutureWarning). Neither concerns the estimate."""
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            yield
+    finally:
+        log.setLevel(level)
+
+
 def _peft():
     try:
-        import peft
+        with quiet_third_party():
+            import peft
     except ImportError:
         raise UsageError("LoRA, DoRA and QLoRA need PEFT: pip install 'memcheck[peft]'") from None
     return peft
@@ -164,8 +185,9 @@ def quantize_4bit(model: torch.nn.Module) -> torch.nn.Module:
     ``replace_with_bnb_linear`` puts them (on meta: no weight is quantized for real; the twin
     sizes the 4-bit weight and its statistics, ``memcheck.rules.extensions.bitsandbytes``)."""
     try:
-        from transformers import BitsAndBytesConfig
-        from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+        with quiet_third_party():
+            from transformers import BitsAndBytesConfig
+            from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     except ImportError:
         raise UsageError("QLoRA needs transformers and bitsandbytes: pip install transformers bitsandbytes") from None
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -187,13 +209,15 @@ def apply_adapters(model: torch.nn.Module, lora: Lora | None, qlora: bool) -> tu
         raise UsageError(f"the model is already a PEFT model ({type(model).__name__}); drop --lora/--qlora/--dora "
                          "(memcheck traces its adapters as they are)")
     if qlora:  # the caller has quantized the twin (quantize_4bit) and sized its 4-bit weights
-        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        with quiet_third_party():
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         notes.append("QLoRA: linear layers but the head in 4-bit NF4 (double quantization, bf16 compute), other "
                      "weights cast to fp32 by prepare_model_for_kbit_training, whose own gradient checkpointing "
                      "is the job's checkpointing setting")
     lora = lora or Lora()
     try:
-        model = peft.get_peft_model(model, lora.config(_task_type(model)))
+        with quiet_third_party():
+            model = peft.get_peft_model(model, lora.config(_task_type(model)))
     except ValueError as exc:  # PEFT's own check of the targets (NoMatchingPeftModuleError is one)
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                          if isinstance(m, torch.nn.Linear) and name})

@@ -170,6 +170,16 @@ def build_model(config, task: Task | None = None, attn: Attention | None = None,
         raise ModelLoadError(f"cannot build {type(config).__name__} for task {task}: {first}") from exc
 
 
+def _training_arguments():
+    """transformers' ``TrainingArguments``; importing it imports PEFT and bitsandbytes where they
+    are installed, whose notices about this machine are kept quiet (``quiet_third_party``)."""
+    from memcheck.training.adapters import quiet_third_party
+
+    with quiet_third_party():
+        from transformers import TrainingArguments
+    return TrainingArguments
+
+
 def trainer_optimizer() -> str:
     """memcheck's name for the installed HF Trainer's default ``optim``: ``TrainingArguments.default_optim``
     is ``adamw_torch_fused`` with torch >= 2.8 (transformers' training_args.py, "--- Optimizer ---"),
@@ -177,7 +187,7 @@ def trainer_optimizer() -> str:
     from memcheck.training.optimizers import HF_OPTIMIZERS
 
     try:
-        from transformers import TrainingArguments
+        TrainingArguments = _training_arguments()
     except ImportError:  # pragma: no cover - transformers is a dependency
         return "adamw"
     return HF_OPTIMIZERS.get(str(getattr(TrainingArguments, "default_optim", "adamw_torch")), "adamw")
@@ -187,8 +197,7 @@ def trainer_max_grad_norm() -> float | None:
     """The installed HF Trainer's default gradient clipping (``TrainingArguments.max_grad_norm``: 1.0)."""
     import dataclasses
 
-    from transformers import TrainingArguments
-
+    TrainingArguments = _training_arguments()
     field = next((f for f in dataclasses.fields(TrainingArguments) if f.name == "max_grad_norm"), None)
     value = None if field is None else field.default
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
@@ -200,8 +209,7 @@ def checkpointing_argument() -> str:
     alias, "will be removed in v6"), ``gradient_checkpointing`` before."""
     import dataclasses
 
-    from transformers import TrainingArguments
-
+    TrainingArguments = _training_arguments()
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 

@@ -7,12 +7,14 @@ install:
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e '.[test]'
 
+# Two workers (pytest-xdist): CI's machine has 2 cores; each test still runs its real run and its
+# estimate in one process, so the comparisons are unchanged.
 test: install
-	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2
 
 # The edit-test loop: everything but the tests marked slow (CI runs `make test`, all of them).
 test-fast: install
-	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -m "not slow"
+	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 -m "not slow"
 
 example: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m memcheck examples/gpt2_small.py --max-len 1024

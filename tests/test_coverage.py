@@ -90,7 +90,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     'neomme': 'config failed: ValueError: layer_types must contain at least one full_attention layer.',
     'olmo_hybrid': "config failed: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':",
     'parakeet_ctc': "batch failed: ModelLoadError: memcheck cannot build a batch for ParakeetForCTC: its main input is 'input_features'; write a model file with build_model() and make_b",
-    'pegasus_x': '+3.60% (measured 76,476,736 B, estimated 79,233,568 B)',
     'perceiver': "batch failed: ModelLoadError: memcheck cannot build a batch for PerceiverForMaskedLM: its main input is 'inputs'; write a model file with build_model() and make_bat",
     'pp_lcnet': 'real failed: TraceError: PPLCNetForImageClassification(**batch) returned no .loss; pass labels in the batch or define compute_loss(model, batch)',
     'prophetnet': 'estimate failed: TraceError: ProphetNetForConditionalGeneration failed while being traced: AssertionError: Verify that `shifted_input_ids` has only positive values (fi',

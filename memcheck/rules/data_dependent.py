@@ -68,12 +68,18 @@ def _index(n: int) -> torch.Tensor:
 
 _REDUCTION_TAG = "_memcheck_reduction"
 _KNOWN_TAG = "_memcheck_known"  # the answer of ``==``/``!=`` on an index whose value memcheck chose
+_NON_NEGATIVE = "_memcheck_non_negative"  # ``ids >= 0``: ``all`` of it reads True ("Validity checks")
 
 
 def _tag_reduction(kind):
     def rule(ctx, func, args, kwargs):
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.device.type == "meta":
+            if kind == "all" and args and getattr(args[0], _NON_NEGATIVE, False):
+                kind_here = "valid"  # all(ids >= 0): the batch's ids are valid (see "Validity checks")
+                ctx.assume("token ids assumed non-negative: all(ids >= 0) read True")
+                setattr(out, _REDUCTION_TAG, kind_here)
+                return out
             setattr(out, _REDUCTION_TAG, kind)
             known = _compared_position(kind, args)
             if known is not None:
@@ -113,11 +119,42 @@ def _range_check(ctx, func, args, kwargs):
     if isinstance(out, torch.Tensor) and out.device.type == "meta" and any(
             getattr(a, _REDUCTION_TAG, None) in ("max", "min") for a in args[:2]):
         setattr(out, _REDUCTION_TAG, "range")
+    bound = args[1] if len(args) > 1 else kwargs.get("other")
+    if _is_meta(out) and isinstance(bound, (int, float)) and not isinstance(bound, bool) and (
+            (func._overloadpacket is aten.ge and bound == 0) or (func._overloadpacket is aten.gt and bound == -1)):
+        setattr(out, _NON_NEGATIVE, True)  # ids >= 0: a validity check (below)
     return out
 
 
 for _compare in (aten.ge, aten.gt, aten.le, aten.lt):
     register_op_rule(_compare, _range_check)
+
+# Validity checks: models assert that their values are finite (I-BERT's quantizer:
+# ``x_max.isnan().sum() == 0``) or that token ids are not negative (ProphetNet's
+# ``torch.all(shifted_input_ids >= 0)``). A batch a job can train on passes them, so the
+# worst case is the valid one: ``isnan``/``isinf`` read all False, ``isfinite`` all True
+# (known values, so any reduction or comparison after them reads through), and ``all`` of
+# ``ids >= 0`` (or ``ids > -1``) is True. Each is listed as an assumption.
+_FINITE = "the batch's values are assumed finite: a data-dependent NaN/Inf check read them as valid"
+
+
+def _finite_check(value: bool):
+    def rule(ctx, func, args, kwargs):
+        out = func(*args, **kwargs)
+        if _is_meta(out) and ctx.known.value(args[0]) is None:
+            ctx.known.take(out, value)
+            ctx.assume(_FINITE)
+        return out
+
+    return rule
+
+
+for _check, _value in ((aten.isnan, False), (aten.isinf, False), (aten.isposinf, False), (aten.isneginf, False),
+                       # isfinite decomposes before dispatch (CompositeImplicitAutograd): caught as a function
+                       (torch.isfinite, True), (torch.Tensor.isfinite, True)):
+    register_op_rule(_check, _finite_check(_value))
+
+
 _FALSE_WHEN = ("all", "==", "range")
 
 
@@ -148,6 +185,8 @@ def local_scalar_dense(ctx, func, args, kwargs):
     kind = getattr(t, _REDUCTION_TAG, None)
     if t.dtype == torch.bool and getattr(t, _KNOWN_TAG, None) is not None:
         return getattr(t, _KNOWN_TAG)  # follows from an index memcheck chose (position), already listed
+    if t.dtype == torch.bool and kind == "valid":
+        return True  # all(ids >= 0), listed where it was taken ("Validity checks")
     if t.dtype == torch.bool:
         value = kind not in _FALSE_WHEN
         _padding_decides(ctx, t, value)

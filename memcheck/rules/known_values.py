@@ -202,12 +202,6 @@ class KnownValues:
         if _is_meta(t):
             self._set(t, value)
 
-    def take(self, t: torch.Tensor, value: Number) -> None:
-        """Know that every element of ``t`` holds ``value`` because a rule assumes it (and lists the
-        assumption): ``isnan`` of the batch's values is all False (``memcheck.rules.data_dependent``)."""
-        if _is_meta(t) and _covers(t):
-            self._set(t, value)
-
     def forget(self, t: torch.Tensor) -> None:
         """Stop knowing ``t``'s values (the tracer calls it for the batch: the user's data)."""
         st = _storage(t)

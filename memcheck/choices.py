@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 from memcheck.errors import UsageError, closest
 
-PADDING, NO_PADDING = "padding", "no-padding"
+PADDING, NO_PADDING = "padding", "no-padding"  # the point and its first answer share a name
+ROUTING = "routing"
 ROUTING_WORST, ROUTING_BALANCED = "routing=worst", "routing=balanced"
 
 
@@ -55,7 +56,7 @@ class ChoicePoint:
 POINTS: tuple[ChoicePoint, ...] = (
     ChoicePoint(PADDING, (PADDING, NO_PADDING),
                 ("with padding (attention masks not all ones)", "without padding (attention masks all ones)")),
-    ChoicePoint("routing", (ROUTING_WORST, ROUTING_BALANCED),
+    ChoicePoint(ROUTING, (ROUTING_WORST, ROUTING_BALANCED),
                 ("MoE routing: first experts take every token", "MoE routing: balanced across experts")),
 )
 _POINT = {p.name: p for p in POINTS}

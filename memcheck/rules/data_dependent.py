@@ -36,7 +36,7 @@ import math
 import numpy as np
 import torch
 
-from memcheck.choices import PADDING, ROUTING_BALANCED
+from memcheck.choices import PADDING, ROUTING, ROUTING_BALANCED
 from memcheck.enums import Device
 from memcheck.rules import cuda_sort
 from memcheck.rules.registry import bind, register_op_rule
@@ -75,13 +75,12 @@ def _tag_reduction(kind):
     def rule(ctx, func, args, kwargs):
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.device.type == "meta":
+            tag = kind
             if kind == "all" and args and getattr(args[0], _NON_NEGATIVE, False):
-                kind_here = "valid"  # all(ids >= 0): the batch's ids are valid (see "Validity checks")
+                tag = "valid"  # all(ids >= 0): the batch's ids are valid (see "Validity checks")
                 ctx.assume("token ids assumed non-negative: all(ids >= 0) read True")
-                setattr(out, _REDUCTION_TAG, kind_here)
-                return out
-            setattr(out, _REDUCTION_TAG, kind)
-            known = _compared_position(kind, args)
+            setattr(out, _REDUCTION_TAG, tag)
+            known = _compared_position(tag, args)
             if known is not None:
                 setattr(out, _KNOWN_TAG, known)
         return out
@@ -448,12 +447,12 @@ def nonzero(ctx, func, args, kwargs):
         ctx.assume("nonzero() assumed to select every element (worst case)")
         return _positions(t, t.numel())
     n = min(t.numel(), ones.left, ones.per_call)
-    balanced = ctx.choices.answer("routing") == ROUTING_BALANCED
+    balanced = ctx.choices.answer(ROUTING) == ROUTING_BALANCED
     if balanced:
         n = min(n, ones.balanced_share())
     ones.left -= n
     ones.calls += 1
-    ctx.choices.consult("routing", (ctx.step, ctx.phase))
+    ctx.choices.consult(ROUTING, (ctx.step, ctx.phase))
     ctx.assume(BALANCED_ROUTING_ASSUMPTION if balanced else ROUTING_ASSUMPTION)
     return _positions(t, n)
 

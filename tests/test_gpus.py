@@ -43,11 +43,11 @@ def test_h100_capacity_is_what_cuda_reports_not_nvidia_smi():
 
 
 def test_context_estimate_grows_with_the_sm_count():
-    # bare 133 MiB + 132 SMs * 2048 threads * 1 KiB (264 MiB) + 187 MiB step kernels = 584 MiB on an H100;
+    # bare 133 MiB + 108 SMs * 2048 threads * 1 KiB (216 MiB) + 187 MiB step kernels = 536 MiB on an A100;
     # bare 133 MiB + 40 SMs * 1024 threads * 1 KiB (40 MiB) + 187 MiB step kernels = 360 MiB on a T4.
-    assert GPUS["H100-80GB"].context_bytes == 584 * MiB
+    assert GPUS["A100-80GB"].context_bytes == 536 * MiB
     assert GPUS["T4"].context_bytes == 360 * MiB
-    assert GPUS["H100-80GB"].context_source.startswith("estimated: 133 MiB + 132 SMs x 2048 threads x 1 KiB")
+    assert GPUS["A100-80GB"].context_source.startswith("estimated: 133 MiB + 108 SMs x 2048 threads x 1 KiB")
 
 
 def test_the_rtx_3090_uses_its_published_bare_context_plus_the_step_kernels():
@@ -60,11 +60,12 @@ def test_the_rtx_3090_uses_its_published_bare_context_plus_the_step_kernels():
     assert "187 MiB step kernels (estimated)" in gpu.context_source
 
 
-def test_only_gpus_with_a_published_bare_context_are_marked_published():
+def test_only_gpus_with_a_published_or_measured_context_are_marked_so():
     published = sorted(name for name, gpu in GPUS.items() if gpu.context_source.startswith("published: "))
-    assert published == ["RTX-3090"]
+    measured = sorted(name for name, gpu in GPUS.items() if gpu.context_source.startswith("measured: "))
+    assert published == ["RTX-3090"] and measured == ["H200"]
     for gpu in GPUS.values():
-        assert gpu.context_source.startswith(("published: ", "estimated: "))
+        assert gpu.context_source.startswith(("published: ", "measured: ", "estimated: "))
 
 
 def test_gpus_outside_the_table_say_their_context_is_the_generic_estimate():
@@ -155,7 +156,7 @@ def test_a_gpuspec_checks_itself():
 
 def test_usable_bytes_is_capacity_less_context():
     gpu = GPUS["H100-80GB"]
-    assert gpu.usable_bytes == (81089 - 584) * MiB
+    assert gpu.usable_bytes == (81089 - 767) * MiB
 
 
 # --- nvidia-smi output ---------------------------------------------------------------
@@ -251,3 +252,30 @@ def test_a_hanging_nvidia_smi_times_out_to_none(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", _fake_smi(tmp_path, "import time; time.sleep(30)"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert local_gpu(timeout=0.5) is None
+
+
+def test_library_versions_read_cudnn_without_initialising_cuda(monkeypatch):
+    # On an H200 with torch 2.11 an estimate initialised CUDA here: torch.backends.cudnn.version()
+    # checks every device's compute capability (torch/backends/cudnn/__init__.py, _init). Stand in a
+    # CUDA 13.0 build with cuDNN 9.19.0 whose CUDA must not start.
+    import types
+
+    from memcheck.cuda.gpus import local_library_versions
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("CUDA was initialised")
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch._C, "_cudnn", types.SimpleNamespace(getVersionInt=lambda: 91900), raising=False)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
+    monkeypatch.setattr(torch.backends.cudnn, "version", no_cuda)
+    assert local_library_versions() == {"cuda_version": (13, 0), "cudnn_version": 91900}
+
+
+def test_the_h200_context_is_the_one_measured_on_an_h200():
+    # benchmarks/results/NVIDIA_H200-2026-11-26-run/measured.jsonl: cudaMemGetInfo's used memory
+    # less max_memory_reserved was 804,061,184 B = 766.8 MiB in 20 of 27 runs; the table rounds to
+    # 767 MiB. The H100 (same GH100 chip) borrows it and says so.
+    assert GPUS["H200"].context_bytes == 767 * 2**20
+    assert GPUS["H200"].context_source.startswith("measured: 767 MiB")
+    assert GPUS["H100-80GB"].context_source.startswith("estimated: 767 MiB measured on an H200")

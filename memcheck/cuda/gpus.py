@@ -136,12 +136,18 @@ class _Row:
     # which torch, which loading (the full conditions go in the comment above the row).
     bare_context_mib: int | None = None
     bare_context_source: str = ""
+    # A whole context measured here (MiB: the driver's used memory less the allocator's reserved
+    # memory, after training steps), which replaces bare + step kernels; and its citation.
+    context_mib: int | None = None
+    context_source: str = ""
 
 
 def _context(row: _Row) -> tuple[int, str]:
     """``(context_bytes, context_source)`` of a table row: its published bare context, or
     the estimated one, plus the estimated kernels a training step loads."""
     step = f"{STEP_KERNELS_BYTES // MiB} MiB step kernels (estimated)"
+    if row.context_mib is not None:
+        return row.context_mib * MiB, row.context_source
     if row.bare_context_mib is not None:
         return (row.bare_context_mib * MiB + STEP_KERNELS_BYTES,
                 f"published: {row.bare_context_mib} MiB bare ({row.bare_context_source}) + {step}")
@@ -182,10 +188,22 @@ _ROWS = (
     _Row("A100-40GB", 40536, 40960, (8, 0), 108, 2048, r"a100"),
     # CUDA: deviceQuery on 'A100-SXM4-80GB' "79.15 GB" of global memory = ~81049 MiB; smi 81920
     _Row("A100-80GB", 81049, 81920, (8, 0), 108, 2048, r"a100"),
-    # torch: 'NVIDIA H100 80GB HBM3' total_memory=81089MB (torch 2.7/cu12.8; 81082-81090); smi 81559
-    _Row("H100-80GB", 81089, 81559, (9, 0), 132, 2048, r"h100"),
-    # torch: 'NVIDIA H200' total_memory=143156MB; smi 143771
-    _Row("H200", 143156, 143771, (9, 0), 132, 2048, r"h200"),
+    # torch: 'NVIDIA H100 80GB HBM3' total_memory=81089MB (torch 2.7/cu12.8; 81082-81090); smi 81559.
+    # Context: the H200's measured figure (below): the same GH100 chip, 132 SMs and driver; not
+    # measured on an H100.
+    _Row("H100-80GB", 81089, 81559, (9, 0), 132, 2048, r"h100", context_mib=767,
+         context_source="estimated: 767 MiB measured on an H200 (same GH100 chip, 132 SMs); not measured on an H100"),
+    # torch: 'NVIDIA H200' total_memory=143156MB (cudaMemGetInfo gave 150109880320 B = 143155.9 MiB
+    # here); smi 143771. Context measured by benchmarks/gpu_accuracy.py on 2026-11-26 (torch
+    # 2.11.0+cu130, cuDNN 9.19, driver 580.159.04, lazy loading; results in
+    # benchmarks/results/NVIDIA_H200-2026-11-26-run): cudaMemGetInfo's used memory less
+    # max_memory_reserved after 3 training steps was 766.8 MiB in 20 of 27 runs (every bf16/fp16
+    # run and the convolutional ones), 750.8-752.8 MiB in the 6 fp32 runs without cuDNN, 768.8 MiB
+    # once. The estimate it replaces (133 + 264 MiB of stacks + 187 MiB of step kernels = 584 MiB)
+    # was 183 MiB low.
+    _Row("H200", 143156, 143771, (9, 0), 132, 2048, r"h200", context_mib=767,
+         context_source="measured: 767 MiB after 3 training steps on an H200 (torch 2.11+cu130, driver 580; "
+                        "benchmarks/results/NVIDIA_H200-2026-11-26.md)"),
     # torch: 'NVIDIA B200' total_memory=182631MB (torch 2.8/cu128; 182642 in another printout; a
     # cudaGetDeviceProperties dump in pytorch/ao#4002 gives 178.35 GiB, 148 SMs, 2048 threads per SM,
     # compute capability 10.0); smi 183359 (NVIDIA/TensorRT-LLM#10278)
@@ -427,9 +445,13 @@ def local_library_versions() -> dict[str, object]:
         out["cuda_version"] = tuple(int(x) for x in torch.version.cuda.split(".")[:2])
     except ValueError:
         pass
+    # Not torch.backends.cudnn.version(): its _init() checks the library against every device's
+    # compute capability (torch/backends/cudnn/__init__.py, _init, torch.cuda.get_device_capability),
+    # which initialises CUDA; seen on an H200 with torch 2.11 (benchmarks/gpu_accuracy.py). The
+    # binding it reads first, _cudnn.getVersionInt(), only asks the loaded library.
     try:
-        version = torch.backends.cudnn.version()
-    except Exception:  # a broken cuDNN install must not stop an estimate
+        version = torch._C._cudnn.getVersionInt()
+    except Exception:  # no cuDNN in this build, or a broken install: it must not stop an estimate
         version = None
     if version:
         out["cudnn_version"] = int(version)

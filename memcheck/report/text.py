@@ -511,8 +511,10 @@ def render_json(est) -> str:
 
 
 def _context_kind(source: str | None) -> str:
-    """How a context figure was got, for a label: a published bare context (plus memcheck's
-    estimate of what it leaves out), or an estimate."""
+    """How a context figure was got, for a label: measured on that GPU, a published bare context
+    (plus memcheck's estimate of what it leaves out), or an estimate."""
+    if source and source.startswith("measured:"):
+        return "measured"
     return "published bare context + estimate" if source and source.startswith("published:") else "estimate"
 
 

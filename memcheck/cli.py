@@ -287,11 +287,16 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
                    "Without it the micro-batch is maximised.")
 @click.option("--margin", type=float, default=None,
               help="Fraction of the capacity held back (default 0.05: the CUDA target's device-total accuracy target).")
-@click.option("--precision", default="fp32", show_default=True, metavar="PREC", help="The precision to plan for.")
+@click.option("--precision", default=None, metavar="PREC",
+              help="The precision to plan for. Default: the GPU's best, amp-bf16 then pure bf16 on sm80 and "
+                   "later, amp-fp16 before (fp32 on --device cpu).")
 @click.option("--precision-options", default=None, metavar="PREC,PREC",
               help="Precisions you accept (fp32,amp-bf16,...); the fastest that fits wins. Overrides --precision.")
 @click.option("--checkpointing-options", default="none,half,full", show_default=True, metavar="OPT,OPT",
               help="Gradient checkpointing to consider: none, half (every second block), full.")
+@click.option("--length-profile", is_flag=True,
+              help="Also trace the recommendation at 25-75% of --max-len and search the longest length that fits "
+                   "(up to 7 more traces).")
 @click.option("--measure", is_flag=True,
               help="Then run the recommendation for real (20 steps at the worst-case batch) on this machine's "
                    "GPU (or the CPU for --device cpu) and report measured vs predicted.")
@@ -302,7 +307,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
               help="Draw memory over the recommendation's steady-state step, by category (needs matplotlib).")
 def plan(model, max_len, target_len, task, attn, packing, assume, device, optimizer, steps, gpu, gpu_memory, strategy, gpus,
          reentrant, bucket_view, bucket_cap_mb, offload, as_json, allow_download, debug, global_batch, margin,
-         precision, precision_options, checkpointing_options, measure, measure_steps, snapshot_path, plot_path):
+         precision, precision_options, checkpointing_options, length_profile, measure, measure_steps, snapshot_path,
+         plot_path):
     """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
 
     \b
@@ -336,16 +342,17 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
         check_pictures(snapshot_path, plot_path)  # before anything is traced
         # checked before the model file runs, so a bad flag is never hidden behind the model's errors
         job = Job(device=device, gpu=gpu, budget_bytes=budget, max_len=max_len, target_len=target_len,
-                   precision="fp32" if precision_options else precision,  # the plan checks --precision-options
+                   precision=precision if precision and not precision_options else "fp32",  # plan checks options
                    optimizer=optimizer or "adamw", steps=steps, use_reentrant=reentrant, strategy=strategy,
                    gpus=gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload, margin=margin,
                    global_batch=global_batch, task=task, attn=attn, packing=packing,
                    assume=assume)
         work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)
         _no_train_step(work, "memcheck plan")
-        result = run_plan(work.model, work.make, job, precision_options=precision_options or precision,
+        result = run_plan(work.model, work.make, job, precision_options=precision_options or precision or "auto",
+                          optimizer_options="auto" if optimizer is None else None,
                           checkpointing_options=checkpointing_options, max_len_limit=work.max_len_limit,
-                          loss_fn=work.loss_fn, model_name=work.name, progress=progress)
+                          loss_fn=work.loss_fn, model_name=work.name, progress=progress, length_profile=length_profile)
         _clear(progress)
         if measure and result.recommended is not None:
             from dataclasses import replace

@@ -212,6 +212,49 @@ _ROWS = (
 
 
 
+
+# --- speed, for the planner's cost proxy -----------------------------------------------
+@dataclass(frozen=True)
+class Rates:
+    """A GPU's datasheet rates, which the planner's cost proxy divides by (dense figures,
+    no sparsity): FP32 on the CUDA cores, BF16/FP16 on the tensor cores with FP32
+    accumulation (what PyTorch's matmuls use), and memory bandwidth."""
+
+    fp32_flops: float  # FLOP/s
+    tensor_flops: float  # FLOP/s, bf16 (fp16 where the GPU has no bf16)
+    bandwidth: float  # bytes/s
+    source: str
+
+
+_T = 1e12
+# Vendor datasheets, dense. GeForce cards run FP16/BF16 tensor math with FP32 accumulation at
+# half their FP16-accumulate rate (Ampere and Ada whitepapers), which is the figure used. The
+# A10G is AWS's A10 variant: NVIDIA publishes no sheet for it, so the A10's is used.
+RATES = {
+    "V100-16GB": Rates(15.7 * _T, 125 * _T, 900e9, "V100 SXM2 datasheet (fp16 tensor; no bf16)"),
+    "V100-32GB": Rates(15.7 * _T, 125 * _T, 900e9, "V100 SXM2 datasheet (fp16 tensor; no bf16)"),
+    "T4": Rates(8.1 * _T, 65 * _T, 320e9, "T4 datasheet (fp16 tensor; no bf16)"),
+    "A10G": Rates(31.2 * _T, 125 * _T, 600e9, "A10 datasheet (the A10G is AWS's variant; not published)"),
+    "RTX-3090": Rates(35.6 * _T, 71 * _T, 936e9, "GA102 whitepaper, fp32 accumulate"),
+    "RTX-4090": Rates(82.6 * _T, 165.2 * _T, 1008e9, "AD102 whitepaper, fp32 accumulate"),
+    "L4": Rates(30.3 * _T, 121 * _T, 300e9, "L4 datasheet"),
+    "L40S": Rates(91.6 * _T, 362 * _T, 864e9, "L40S datasheet"),
+    "A100-40GB": Rates(19.5 * _T, 312 * _T, 1555e9, "A100 datasheet"),
+    "A100-80GB": Rates(19.5 * _T, 312 * _T, 2039e9, "A100 datasheet (SXM)"),
+    "H100-80GB": Rates(67 * _T, 989 * _T, 3350e9, "H100 SXM datasheet"),
+    "H200": Rates(67 * _T, 989 * _T, 4800e9, "H200 SXM datasheet"),
+    "B200": Rates(75 * _T, 2250 * _T, 8000e9, "HGX B200 datasheet, per GPU (approximate)"),
+}
+A100_RATES = RATES["A100-80GB"]
+
+
+def rates_for(gpu: GpuSpec | None) -> Rates:
+    """The datasheet rates of a table GPU; an A100's for any other (a size, an unlisted card)."""
+    if gpu is not None and gpu.named and gpu.name in RATES:
+        return RATES[gpu.name]
+    return A100_RATES
+
+
 def _spec(row: _Row) -> GpuSpec:
     context, source = _context(row)
     return GpuSpec(row.name, row.cuda_mib * MiB, row.arch, context, context_source=source)

@@ -61,10 +61,10 @@ from typing import Any, Callable
 import torch
 
 from memcheck.choices import ANSWERS
-from memcheck.cuda.gpus import GPUS, GpuSpec
+from memcheck.cuda.gpus import GPUS, GpuSpec, Rates, rates_for
 from memcheck.cuda.overhead import context_bytes
 from memcheck.engine.estimate import estimate, target_gpu
-from memcheck.enums import Device, Precision, Strategy
+from memcheck.enums import Device, Offload, Precision, Strategy
 from memcheck.errors import UsageError, closest, require_int
 from memcheck.job import Job, as_job
 from memcheck.report.results import (
@@ -78,6 +78,7 @@ from memcheck.report.results import (
     Work,
 )
 from memcheck.training.checkpointing import FULL, HALF, NONE, half_of, repeated_blocks
+from memcheck.units import GiB
 
 TRACES_PER_OPTION = 5
 MAX_MICRO_BATCH = 65536  # the search's ceiling without a global batch
@@ -85,28 +86,32 @@ MAX_GPUS = 65536  # the sharded GPU count's ceiling when nothing fits on one GPU
 SHARDED_TRACES = 10  # traces the sharded GPU count may take
 CHECKPOINTING_OPTIONS = (NONE, HALF, FULL)
 
-# The cost proxy's constants (see the module docstring).
-FP32_FLOPS_PER_SECOND = 19.5e12  # A100 datasheet, FP32 (non-tensor-core)
-LOW_PRECISION_FLOPS_PER_SECOND = 312e12  # A100 datasheet, BF16/FP16 tensor cores, dense
+# The cost proxy's constants (see the module docstring); the FLOP and bandwidth rates are the
+# target GPU's datasheet figures (memcheck.cuda.gpus.RATES).
 SECONDS_PER_KERNEL = 10e-6  # eager PyTorch's per-op overhead, order of magnitude
+HOST_LINK_BYTES_PER_SECOND = 25e9  # PCIe 4.0 x16, effective; estimate (offload moves gradients and weights)
+HOST_ADAM_BYTES_PER_SECOND = 50e9  # a CPU Adam step's memory traffic; estimate (DeepSpeedCPUAdam)
+SIMPLER_WITHIN = 0.10  # a simpler option within 10% of the cheapest is recommended instead
 LENGTH_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 LENGTH_STEP = 8  # the longest fitting length is searched in multiples of 8 (pad_to_multiple_of=8)
 
 
-def _flop_seconds(work: Work) -> float:
+def _flop_seconds(work: Work, rates: Rates) -> float:
     """The proxy's FLOP terms for one micro-step."""
     high = work.flops_per_micro_step - work.low_precision_flops_per_micro_step
-    return high / FP32_FLOPS_PER_SECOND + work.low_precision_flops_per_micro_step / LOW_PRECISION_FLOPS_PER_SECOND
+    return high / rates.fp32_flops + work.low_precision_flops_per_micro_step / rates.tensor_flops
 
 
-def micro_step_cost(work: Work) -> float:
+def micro_step_cost(work: Work, rates: Rates) -> float:
     """The proxy's cost of one micro-step (relative seconds)."""
-    return _flop_seconds(work) + work.kernels_per_micro_step * SECONDS_PER_KERNEL
+    return _flop_seconds(work, rates) + work.kernels_per_micro_step * SECONDS_PER_KERNEL
 
 
-def step_cost(work: Work, accumulation: int) -> float:
-    """The proxy's cost of one optimizer step of ``accumulation`` micro-steps."""
-    return accumulation * micro_step_cost(work) + work.optimizer_kernels * SECONDS_PER_KERNEL
+def step_cost(work: Work, accumulation: int, rates: Rates, optimizer_seconds: float = 0.0) -> float:
+    """The proxy's cost of one optimizer step of ``accumulation`` micro-steps; ``optimizer_seconds``
+    is the step's memory traffic over the bandwidth (``_Search.optimizer_seconds``)."""
+    return (accumulation * micro_step_cost(work, rates) + work.optimizer_kernels * SECONDS_PER_KERNEL
+            + optimizer_seconds)
 
 
 def plan(
@@ -115,6 +120,7 @@ def plan(
     job: Job | None = None,
     *,
     precision_options=None,
+    optimizer_options=None,
     checkpointing_options=CHECKPOINTING_OPTIONS,
     max_len_limit: int | None = None,
     loss_fn=None,
@@ -140,7 +146,12 @@ def plan(
             ``target_len`` (the traced lengths), and passes the rest (optimizer, steps,
             use_reentrant, buckets, offload) to every trace.
         precision_options: precisions the user accepts (``fp32``, ``amp-bf16``, ...);
-            default: the job's precision.
+            default: the job's precision. ``"auto"``: the target GPU's best, ``amp-bf16`` then
+            pure ``bf16`` on sm80 and later, ``amp-fp16`` before (the job's on the CPU target).
+        optimizer_options: optimizer names to try (``memcheck.training.optimizers``); default:
+            the job's. ``"auto"`` (for AdamW on the CUDA target): ``adamw-fused`` then
+            ``adamw-8bit``, and last DeepSpeed's ZeRO-Offload on this one GPU (zero2, the
+            optimizer on the CPU) when the strategy is single.
         checkpointing_options: among ``none``, ``half``, ``full``.
         max_len_limit: the model's position limit; the longest fitting length is
             searched up to it.
@@ -160,7 +171,8 @@ def plan(
         >>> p.recommended.micro_batch_size, p.recommended.accumulation_steps
     """
     job = as_job(job, settings, caller="plan()")
-    space = _validate(model, make_batch, job, precision_options, checkpointing_options, max_len_limit)
+    space = _validate(model, make_batch, job, precision_options, optimizer_options, checkpointing_options,
+                      max_len_limit)
     search = _Search(model, make_batch, _arity(make_batch), job, gpu=space.target, budget=space.budget,
                      blocks=space.blocks, name=model_name or type(model).__name__, progress=progress, loss_fn=loss_fn)
     recommended, alternatives = _choose(search, space)
@@ -171,7 +183,7 @@ def plan(
 class _Space:
     """What a plan searches, checked: the options, the target and its limit."""
 
-    precisions: list[Precision]
+    tiers: list["_Tier"]  # (precision, optimizer, offload) in the order they are tried
     checkpoints: list[str]
     target: GpuSpec | None
     budget: int  # the capacity: the job's budget, else the GPU's
@@ -179,8 +191,28 @@ class _Space:
     blocks: list[str]  # the repeated blocks "full" checkpoints
     cap: int  # the largest micro-batch per GPU worth trying
 
+    @property
+    def precisions(self) -> list[Precision]:
+        return _unique(t.precision for t in self.tiers)
 
-def _validate(model, make_batch, job: Job, precision_options, checkpointing_options, max_len_limit) -> _Space:
+
+@dataclass(frozen=True)
+class _Tier:
+    """A precision and optimizer to search checkpointing and micro-batches under."""
+
+    precision: Precision
+    optimizer: str
+    offload: bool = False  # DeepSpeed ZeRO-Offload on one GPU: zero2, the optimizer on the CPU
+
+    def describe(self) -> str:
+        return f"{self.precision.value}, {self.optimizer}" + (", optimizer offloaded (zero2)" if self.offload else "")
+
+
+AUTO = "auto"
+
+
+def _validate(model, make_batch, job: Job, precision_options, optimizer_options, checkpointing_options,
+              max_len_limit) -> _Space:
     """Check what the job alone cannot (the model, the factory, the options) and lay out the search."""
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -196,37 +228,98 @@ def _validate(model, make_batch, job: Job, precision_options, checkpointing_opti
             raise UsageError("a plan needs a capacity: name the GPU (--gpu H100-80GB or --gpu 24GiB) "
                              "or give --gpu-memory")
         budget = target.capacity_bytes
-    if precision_options is None:
+    cuda = job.device is Device.CUDA
+    auto_precision = precision_options == AUTO
+    if precision_options is None or (auto_precision and not cuda):
         precision_options = (job.precision,)
+    elif auto_precision:
+        arch = target.arch if target is not None else (8, 0)
+        precision_options = ("amp-bf16", "bf16") if arch >= (8, 0) else ("amp-fp16",)
     precisions = _unique(Precision.parse(p, what="precision")
                          for p in _as_list(precision_options, "precision_options"))
+    auto_optimizer = optimizer_options == AUTO
+    if optimizer_options is None or (auto_optimizer and not (cuda and job.optimizer == "adamw")):
+        optimizers = [job.optimizer]
+    elif auto_optimizer:
+        optimizers = ["adamw-fused", "adamw-8bit"]
+    else:
+        optimizers = _unique(_optimizer_option(o) for o in _as_list(optimizer_options, "optimizer_options"))
     checkpoints = _unique(_parse_option(c) for c in _as_list(checkpointing_options, "checkpointing_options"))
-    if not precisions or not checkpoints:
-        raise UsageError("a plan needs at least one precision and one checkpointing option")
+    if not precisions or not optimizers or not checkpoints:
+        raise UsageError("a plan needs at least one precision, one optimizer and one checkpointing option")
+    tiers = [_Tier(p, o) for o in optimizers for p in precisions]
+    config = job.strategy_config
+    if auto_optimizer and cuda and config.strategy is Strategy.SINGLE and job.optimizer == "adamw":
+        tiers.append(_Tier(precisions[0], "adamw", offload=True))
     blocks = repeated_blocks(model)
     if not blocks:
         checkpoints = [c for c in checkpoints if c == NONE] or [NONE]
-    gpus = job.strategy_config.gpus
-    cap = job.global_batch // gpus if job.global_batch is not None else MAX_MICRO_BATCH
-    return _Space(precisions, checkpoints, target, budget, int(budget * (1 - job.effective_margin)), blocks, cap)
+    cap = job.global_batch // config.gpus if job.global_batch is not None else MAX_MICRO_BATCH
+    return _Space(tiers, checkpoints, target, budget, int(budget * (1 - job.effective_margin)), blocks, cap)
+
+
+def _optimizer_option(value) -> str:
+    from memcheck.training.optimizers import OPTIMIZERS
+
+    if not isinstance(value, str) or value.strip().lower() not in OPTIMIZERS:
+        raise UsageError(f"unknown optimizer {value!r} in optimizer_options{closest(str(value), OPTIMIZERS)}; "
+                         f"allowed: {', '.join(OPTIMIZERS)}")
+    return value.strip().lower()
 
 
 def _choose(search: "_Search", space: _Space) -> tuple[PlanOption | None, tuple[PlanOption, ...]]:
-    """Each option's best micro-batch, by tracing; the cheapest that fits, and the others."""
+    """Each option's best micro-batch, by tracing; the cheapest that fits (or a simpler one
+    within ``SIMPLER_WITHIN`` of it), and the others.
+
+    Tiers (precision, optimizer, offload) are tried in order. A tier whose weights, gradients
+    and optimizer state alone exceed the limit (``_Search.floor``) is not traced. Once one
+    fits, later tiers are searched only for lighter checkpointing than the best's, and an
+    option there is not traced when the same checkpointing traced in an earlier tier, with
+    its persistent state swapped for this tier's, already exceeds the limit.
+    """
     options: list[PlanOption] = []
     best: tuple[float, PlanOption] | None = None
-    # Likely winners first (low precision, no recomputation), so that later options can
-    # be dropped early: see _Search.option's bound.
-    for precision in sorted(space.precisions, key=lambda p: p is Precision.FP32):
+    best_tier = None
+    for tier in space.tiers:
+        floor = search.floor(tier)
+        if floor > space.limit:
+            search.skipped.append(f"{tier.describe()}: not traced: its weights, gradients and optimizer state "
+                                  f"alone take {floor / GiB:.2f} GiB")
+            continue
         for ck in space.checkpoints:
-            if best is not None and _dominated(best[1], ck, precision, space.cap):
+            if best is not None and _dominated(best[1], ck, tier, space.cap):
                 continue
-            option = search.option(precision, ck, space.limit, space.cap, best[0] if best else None)
+            if best is not None and best_tier is not tier:
+                if not _heavier(best[1].checkpointing, ck):  # later tiers only for lighter checkpointing
+                    continue
+                predicted = search.predicted_from_earlier(tier, ck)
+                if predicted is not None and predicted > space.limit:
+                    search.skipped.append(f"{tier.describe()}, checkpointing {ck}: not traced: "
+                                          f"{predicted / GiB:.2f} GiB at micro-batch 1, from the same checkpointing "
+                                          "traced with another optimizer or precision")
+                    continue
+            option = search.option(tier, ck, space.limit, space.cap, best[0] if best else None)
             options.append(option)
             if option.fits and (best is None or option.relative_cost < best[0]):
-                best = (option.relative_cost, option)
-    recommended = best[1] if best else None
+                best, best_tier = (option.relative_cost, option), tier
+        if best is not None and best[1].checkpointing == NONE:
+            break  # nothing lighter to find
+    recommended = _simplest_close(options, best)
     return recommended, tuple(o for o in options if o is not recommended)
+
+
+def _simplest_close(options: list[PlanOption], best: tuple[float, PlanOption] | None) -> PlanOption | None:
+    """Among the fitting options within SIMPLER_WITHIN of the cheapest, the one with the least
+    checkpointing (then the earliest tier, then the cheapest)."""
+    if best is None:
+        return None
+    close = [o for o in options if o.fits and o.relative_cost <= best[0] * (1 + SIMPLER_WITHIN)]
+    return min(close, key=lambda o: (CHECKPOINTING_OPTIONS.index(o.checkpointing), options.index(o),
+                                     o.relative_cost))
+
+
+def _heavier(checkpointing: str, than: str) -> bool:
+    return CHECKPOINTING_OPTIONS.index(checkpointing) > CHECKPOINTING_OPTIONS.index(than)
 
 
 def _result(search: "_Search", space: _Space, job: Job, recommended: PlanOption | None,
@@ -236,7 +329,8 @@ def _result(search: "_Search", space: _Space, job: Job, recommended: PlanOption 
     longest = chosen = suggestion = None
     if recommended is not None:
         chosen = search.estimate_at(recommended.micro_batch_size, recommended.precision,
-                                    recommended.checkpointing, recommended.accumulation_steps)
+                                    recommended.checkpointing, recommended.accumulation_steps,
+                                    optimizer=recommended.optimizer, offload=recommended.offload == "optimizer")
         if length_profile and search.takes_length and job.max_len:
             profile, longest = search.length_profile(recommended, space.limit, max_len_limit)
     else:
@@ -249,15 +343,16 @@ def _result(search: "_Search", space: _Space, job: Job, recommended: PlanOption 
         longest_fitting_length=longest, max_len=job.max_len, traces=search.traces, estimate=chosen,
         suggestion=suggestion, sharded=None if suggestion is None else suggestion.sharded,
         blocks=tuple(space.blocks), position_limit=max_len_limit, branches_note=search.branches_note,
+        not_traced=tuple(search.skipped),
         job=None if chosen is None else chosen.job.replace(global_batch=job.global_batch, margin=job.margin),
     )
 
 
-def _dominated(best: PlanOption, checkpointing: str, precision: Precision, cap: int) -> bool:
+def _dominated(best: PlanOption, checkpointing: str, tier: _Tier, cap: int) -> bool:
     """An option with more checkpointing at the same precision cannot beat one that already
     reaches the micro-batch ceiling: it runs the same micro-batches and recomputes."""
-    more = CHECKPOINTING_OPTIONS.index(checkpointing) > CHECKPOINTING_OPTIONS.index(best.checkpointing)
-    return best.precision == precision.value and best.micro_batch_size >= cap and more
+    more = _heavier(checkpointing, best.checkpointing)
+    return best.precision == tier.precision.value and best.micro_batch_size >= cap and more
 
 
 class _Search:
@@ -272,6 +367,8 @@ class _Search:
         self.max_len, self.target_len, self.blocks = job.max_len, job.target_len, blocks
         self.name, self.progress, self.loss_fn = name, progress, loss_fn
         self.traces = 0
+        self.rates = rates_for(gpu) if self.device is Device.CUDA else rates_for(None)
+        self.skipped: list[str] = []  # options not traced, and why
         self._cache: dict[tuple, Estimate] = {}
         self.branches_note = ""  # set when the first trace with a data-dependent choice pins its answers
 
@@ -282,17 +379,22 @@ class _Search:
 
     def estimate_at(self, micro: int, precision: str | Precision, checkpointing: str, accumulate: int, *,
                     length: int | None = None, gpu: GpuSpec | None = None, strategy: Strategy | None = None,
-                    gpus: int | None = None) -> Estimate:
-        """One trace (or the remembered one for the same point)."""
+                    gpus: int | None = None, optimizer: Any = None, offload: bool = False) -> Estimate:
+        """One trace (or the remembered one for the same point). ``offload``: DeepSpeed's
+        ZeRO-Offload on one GPU (zero2 x1, the optimizer on the CPU)."""
         precision = Precision.parse(precision)
+        optimizer = self.job.optimizer if optimizer is None else optimizer
+        if offload:
+            strategy, gpus = Strategy.ZERO2, 1
         strategy = strategy or self.strategy
         gpus = gpus or self.gpus
         gpu = gpu or self.gpu
-        key = (micro, precision, checkpointing, accumulate, length, gpu, strategy, gpus)
+        key = (micro, precision, checkpointing, accumulate, length, gpu, strategy, gpus, optimizer, offload)
         if key in self._cache:
             return self._cache[key]
         if self.progress is not None:
-            self.progress(f"tracing micro-batch {micro}, {precision.value}, checkpointing {checkpointing}"
+            self.progress(f"tracing micro-batch {micro}, {precision.value}, {optimizer if isinstance(optimizer, str) else 'optimizer'}"
+                          + (", optimizer offloaded" if offload else "") + f", checkpointing {checkpointing}"
                           + (f", length {length}" if length else "") + (f", {strategy.value} x{gpus}"
                                                                          if strategy.multi_gpu else ""))
         rows = micro * gpus if strategy in (Strategy.DP, Strategy.DP_BALANCED) else micro
@@ -307,7 +409,8 @@ class _Search:
         spec = {NONE: NONE, FULL: FULL, HALF: list(half_of(self.blocks))}[checkpointing]
         traced = self.job.replace(
             precision=precision, gpu=gpu if self.device is Device.CUDA else None, budget_bytes=self.budget,
-            strategy=strategy, gpus=gpus if strategy.multi_gpu else None, accumulate=accumulate,
+            strategy=strategy, gpus=gpus if strategy.multi_gpu else None, accumulate=accumulate, optimizer=optimizer,
+            offload=Offload.OPTIMIZER if offload else self.job.offload,
             checkpointing=spec, batch_size=micro, max_len=length or self.max_len, global_batch=None,
             eval_batch_size=None, eval_accumulate_predictions=0)
         est = estimate(self.model, batch, traced, loss_fn=self.loss_fn, model_name=self.name, top_modules=0)
@@ -329,7 +432,7 @@ class _Search:
             f"{precision.value}, checkpointing {checkpointing}); the worse, {', '.join(b.taken)}, pinned for the "
             f"other traces (assume={','.join(self.job.assume)})")
 
-    def option(self, precision: Precision, checkpointing: str, limit: int, cap: int,
+    def option(self, tier: "_Tier", checkpointing: str, limit: int, cap: int,
                best_cost: float | None = None) -> PlanOption:
         """The largest micro-batch that fits under ``limit`` for one option.
 
@@ -343,13 +446,16 @@ class _Search:
         batch) already cost more than ``best_cost`` cannot win, and its search stops.
         """
         before = self.traces
+        precision = tier.precision
         totals: dict[int, int] = {}
         work: dict[int, Work] = {}
+        extra: dict[int, float] = {}
         candidates = _divisors(cap) if self.global_batch is not None else None
 
         def trace(m: int) -> bool:
-            est = self.estimate_at(m, precision, checkpointing, self.accumulation(m))
-            totals[m], work[m] = est.total_bytes, est.work
+            est = self.estimate_at(m, precision, checkpointing, self.accumulation(m), optimizer=tier.optimizer,
+                                   offload=tier.offload)
+            totals[m], work[m], extra[m] = est.total_bytes, est.work, self.optimizer_seconds(est, tier)
             return est.total_bytes <= limit
 
         def above(m: int) -> int | None:  # the next candidate after m
@@ -367,7 +473,8 @@ class _Search:
                 micro_batch_size=micro, accumulation_steps=self.accumulation(micro), checkpointing=checkpointing,
                 precision=precision.value, predicted_device_total_bytes=totals[micro], fits=fits,
                 relative_cost=cost, traces=self.traces - before, largest_fitting_micro_batch=lo,
-                boundary_confirmed=confirmed, note=note,
+                boundary_confirmed=confirmed, note=note, optimizer=tier.optimizer,
+                offload="optimizer" if tier.offload else "none",
             )
 
         lo, hi = 0, None
@@ -380,27 +487,74 @@ class _Search:
             if lo == 0 or above(lo) is None or above(lo) == hi:
                 break
             if best_cost is not None and self._flops_bound(work[1]) >= best_cost:
-                return result(1, True, step_cost(work[1], self.accumulation(1)), False,
+                return result(1, True, step_cost(work[1], self.accumulation(1), self.rates, extra[1]), False,
                               "search stopped after 1 trace: its FLOPs alone cost more than a better option")
-            guess = at_or_below(_next_guess(totals, limit, lo, hi, cap, self._per_sample_bytes(precision,
-                                                                                                checkpointing)))
+            guess = at_or_below(_next_guess(totals, limit, lo, hi, cap, self._per_sample_bytes(tier, checkpointing)))
             candidate = guess if guess > lo else above(lo)
         if lo == 0:
             return result(1, False, math.inf, True)
-        cost = step_cost(work[lo], self.accumulation(lo))
+        cost = step_cost(work[lo], self.accumulation(lo), self.rates, extra[lo])
         if self.global_batch is None:
             cost = cost / lo  # per sample: the throughput's inverse
         return result(lo, True, cost, above(lo) is None or above(lo) == hi)
 
-    def _per_sample_bytes(self, precision: Precision, checkpointing: str) -> int:
+    def _per_sample_bytes(self, tier: "_Tier", checkpointing: str) -> int:
         """What grows with the batch, from the micro-batch-1 trace (remembered, not re-run):
         activations, temporaries, outputs and the batch itself at its peak."""
-        b = self.estimate_at(1, precision, checkpointing, self.accumulation(1)).breakdown_at_peak
+        b = self.estimate_at(1, tier.precision, checkpointing, self.accumulation(1), optimizer=tier.optimizer,
+                             offload=tier.offload).breakdown_at_peak
         return b.activations + b.temporaries + b.outputs + b.inputs
 
     def _flops_bound(self, work: Work) -> float:
         """A lower bound on an option's cost from its micro-batch-1 trace: the FLOP terms only."""
-        return _flop_seconds(work) * (self.global_batch // self.gpus if self.global_batch is not None else 1)
+        return _flop_seconds(work, self.rates) * (self.global_batch // self.gpus if self.global_batch is not None
+                                                  else 1)
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.is_floating_point()]
+
+    def floor(self, tier: "_Tier") -> int:
+        """A lower bound on any trace of ``tier``'s device total: the weights in the tier's
+        dtype, a gradient and the optimizer's state for each trainable one (AdamW: two moments
+        in the weight's dtype, as torch keeps them; 8-bit: two bytes an element; offloaded: none),
+        and the CUDA context. Used only to skip tracing, never reported as a figure."""
+        dtype = tier.precision.weights_dtype or self.job.weights_dtype.torch_dtype
+        if dtype is None and tier.precision is Precision.FP32:
+            dtype = torch.float32
+        moments = {"adamw": 2, "adam": 2, "adamw-fused": 2, "adam-fused": 2, "adamw-foreach": 2}.get(tier.optimizer, 0)
+        total = context_bytes(self.gpu) if self.device is Device.CUDA and self.gpu is not None else 0
+        for p in self._parameters():
+            weight = p.numel() * (dtype.itemsize if dtype is not None else p.element_size())
+            total += weight
+            if p.requires_grad:
+                total += weight  # its gradient
+                if not tier.offload:
+                    total += moments * weight + (2 * p.numel() if tier.optimizer == "adamw-8bit" else 0)
+        return total
+
+    def predicted_from_earlier(self, tier: "_Tier", checkpointing: str) -> int | None:
+        """Micro-batch 1 of ``tier`` at ``checkpointing`` from a trace already made at the same
+        checkpointing with another tier: its device total less that tier's floor plus this
+        one's (what the batch adds does not depend on the optimizer). None without one."""
+        for key, est in self._cache.items():
+            micro, precision, ck, _acc, length, gpu, _strategy, _gpus, optimizer, offload = key
+            if micro == 1 and ck == checkpointing and length is None and gpu == self.gpu and not offload:
+                other = _Tier(precision, optimizer)
+                return est.total_bytes - self.floor(other) + self.floor(tier)
+        return None
+
+    def optimizer_seconds(self, est: Estimate, tier: "_Tier") -> float:
+        """The proxy's time for an optimizer step's memory traffic: the weights and the
+        optimizer state read and written and the gradients read, over the GPU's bandwidth;
+        offloaded, the gradients down and the weights up the host link and the CPU's step."""
+        b = est.breakdown_at_peak
+        seconds = (3 * b.params + 2 * b.optimizer) / self.rates.bandwidth
+        if tier.offload:
+            trainable = [p for p in self._parameters() if p.requires_grad]
+            moved = sum(p.numel() * p.element_size() for p in trainable)
+            elements = sum(p.numel() for p in trainable)
+            seconds += 2 * moved / HOST_LINK_BYTES_PER_SECOND + 16 * elements / HOST_ADAM_BYTES_PER_SECOND
+        return seconds
 
     def length_profile(self, rec: PlanOption, limit: int, position_limit: int | None):
         """Peaks at 25-100% of max_len at the recommended point, and the longest length that fits."""
@@ -409,7 +563,8 @@ class _Search:
         for fraction in LENGTH_FRACTIONS:
             length = max(1, round(self.max_len * fraction))
             est = self.estimate_at(rec.micro_batch_size, rec.precision, rec.checkpointing, rec.accumulation_steps,
-                                   length=None if length == self.max_len else length)
+                                   length=None if length == self.max_len else length, optimizer=rec.optimizer,
+                                   offload=rec.offload == "optimizer")
             lengths[length] = est.total_bytes
             points.append(LengthPoint(length, est.total_bytes, est.total_bytes <= limit))
         # The recommendation fits at max_len, so the longest fitting length is at least that.
@@ -430,7 +585,7 @@ class _Search:
             if guess > top:
                 break
             est = self.estimate_at(rec.micro_batch_size, rec.precision, rec.checkpointing, rec.accumulation_steps,
-                                   length=guess)
+                                   length=guess, optimizer=rec.optimizer, offload=rec.offload == "optimizer")
             lengths[guess] = est.total_bytes
             if est.total_bytes <= limit:
                 lo = guess

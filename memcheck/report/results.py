@@ -366,6 +366,8 @@ class PlanOption:
     largest_fitting_micro_batch: int  # 0 when micro-batch 1 does not fit
     boundary_confirmed: bool  # the size above the largest fitting one was traced and does not fit
     note: str = ""  # why the search stopped early, when it did
+    optimizer: str = "adamw"  # the optimizer traced (memcheck.training.optimizers name)
+    offload: str = "none"  # "optimizer": DeepSpeed ZeRO-Offload on this one GPU (zero2, optimizer on the CPU)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -461,6 +463,7 @@ class Plan:
     verification: "Verification | None" = None  # --measure: the recommendation run for real
     job: Job | None = None  # the recommended job, exactly as traced (estimate(model, batch, plan.job))
     branches_note: str = ""  # the data-dependent answers the search pinned after its first trace with a choice
+    not_traced: tuple[str, ...] = ()  # options the search skipped without tracing, and why
 
     @property
     def fits(self) -> bool:
@@ -483,6 +486,8 @@ class Plan:
             "checkpointing": r.checkpointing if r else None,
             "checkpointed_modules": list(self.checkpointed_modules),
             "precision": r.precision if r else None,
+            "optimizer": r.optimizer if r else None,
+            "offload": r.offload if r else None,
             "predicted_device_total_bytes": r.predicted_device_total_bytes if r else None,
             "capacity_bytes": self.capacity_bytes,
             "margin": self.margin,
@@ -501,6 +506,7 @@ class Plan:
             "longest_fitting_length": self.longest_fitting_length,
             "verification": None if self.verification is None else self.verification.to_dict(),
             "branches_note": self.branches_note or None,
+            "not_traced": list(self.not_traced),
         }
         return {"schema_version": SCHEMA_VERSION, "plan": plan,
                 "job": None if self.job is None else {**self.job.to_dict(), "gpus": self.gpus},

@@ -55,8 +55,12 @@ class StrategyConfig:
             raise UsageError(
                 f"strategy 'single' runs on one GPU, got gpus={gpus}; choose dp, dp-balanced, ddp, fsdp or zero1-3"
             )
-        if strategy.multi_gpu and gpus < 2:
-            raise UsageError(f"strategy {strategy.value!r} needs at least 2 GPUs, got gpus={gpus}")
+        # One GPU is allowed for zero1-3 with an offload: DeepSpeed's ZeRO-Offload runs on one GPU
+        # (deepspeed --num_gpus 1 with offload_optimizer), moving the optimizer to the CPU.
+        one_gpu_offload = strategy in SHARDED and strategy is not Strategy.FSDP and offload is not Offload.NONE
+        if strategy.multi_gpu and gpus < 2 and not (one_gpu_offload and gpus == 1):
+            extra = "; zero1-3 run on one GPU with an offload (--offload optimizer)" if strategy in SHARDED else ""
+            raise UsageError(f"strategy {strategy.value!r} needs at least 2 GPUs, got gpus={gpus}{extra}")
         if offload is not Offload.NONE and strategy not in SHARDED:
             raise UsageError(f"offload={offload.value!r} applies to fsdp and zero1-3, not {strategy.value!r}")
         if strategy is Strategy.FSDP and offload is Offload.OPTIMIZER:

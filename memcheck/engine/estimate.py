@@ -194,7 +194,8 @@ def estimate(
         progress: called with a short line as the trace enters each phase (the CLI's
             stderr progress on a terminal).
         timeline: also keep the busiest GPU's memory event by event as ``Estimate.timeline``
-            (a ``memcheck.report.timeline.Timeline``), for ``write_snapshot`` and ``plot_timeline``.
+            (a ``memcheck.report.timeline.Timeline``), for ``write_snapshot`` and ``plot_timeline``,
+            with each allocation's Python stack (``memcheck.trace.stacks``; a few percent of the trace).
         train_step: the user's own ``train_step(model, batch, optimizer)``, traced as it is
             instead of memcheck's loop (``loss_fn`` is then unused): its order of ``zero_grad``,
             clipping, several losses. Its own ``torch.autocast`` regions are emulated (the
@@ -229,6 +230,7 @@ def estimate(
             run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
                               "(model, batch, optimizer), traced as it is")
         run.tracer.stop_at_backward = forward_only
+        run.tracer.record_stacks = timeline  # the snapshot's frames
         try:
             return run, _trace(run, job, target, loss_fn or default_loss, name, train_step)
         except ForwardDone:
@@ -761,7 +763,8 @@ def _timeline(log: TraceLog, traced: int, busiest: DeviceMemory, device: Device,
 
     events, start = _device_events(log, traced, device, arch)
     return build_timeline(events, start, device=device, gpu=busiest.index, context_bytes=busiest.context_bytes,
-                          config=AllocatorConfig.from_env(), module_label=lambda m: _short(m, root))
+                          config=AllocatorConfig.from_env(), module_label=lambda m: _short(m, root),
+                          stacks=log.stacks)
 
 
 def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch, gpu: GpuSpec | None, *,

@@ -13,9 +13,13 @@ What is memcheck's own:
 
 - The trace covers every traced event of the busiest GPU, written as device 0: setup,
   step 1, the steady-state step 2 (and any further steps and the evaluation pass).
-- ``frames`` hold one frame, ``{"filename": "step", "line": STEP, "name": "PHASE: MODULE
-  (CATEGORY)"}``, which the viewer prints as ``step:2:forward: transformer.h.3.attn
-  (activations)``; the category is the one the tensor ends with.
+- An allocation's ``frames`` are the Python stack it was made at, innermost first, as
+  ``_record_memory_history(stacks="python")`` records them (``{"filename", "line", "name"}``;
+  ``memcheck.trace.stacks`` says which frames are left out), then one synthetic frame,
+  outermost, ``{"filename": "step", "line": STEP, "name": "PHASE: MODULE (CATEGORY)"}``,
+  which the viewer prints as ``step:2:forward: transformer.h.3.attn (activations)``; the
+  category is the one the tensor ends with. A segment's frames are a synthetic one alone.
+  The same frame is one dict in the pickle, written once.
 - Entries carry a ``category`` key, which the viewer colours by (as for
   ``torch.profiler`` snapshots). Segments belong to no category and are marked
   ``unknown``; MemoryViz.js expects that name among the categories whenever any is set.
@@ -91,8 +95,30 @@ def _frames(step: int, text: str) -> list[dict]:
     return [{"filename": "step", "line": step, "name": text}]
 
 
-def _alloc_frames(a: Allocation) -> list[dict]:
-    return _frames(a.step, f"{a.phase.value}: {a.module} ({a.category.value})")
+class _AllocFrames:
+    """Each allocation's frames: its Python stack, innermost first, then the synthetic frame.
+
+    The same frame is the same dict, and the same frames the same list, so the pickle writes
+    each once and refers back to it (BINGET)."""
+
+    def __init__(self):
+        self._frame: dict[tuple, dict] = {}
+        self._frames: dict[tuple, list[dict]] = {}
+
+    def __call__(self, a: Allocation) -> list[dict]:
+        text = f"{a.phase.value}: {a.module} ({a.category.value})"
+        key = (a.frames, a.step, text)
+        frames = self._frames.get(key)
+        if frames is None:
+            frames = self._frames[key] = [self._dict(f) for f in a.frames] + _frames(a.step, text)
+        return frames
+
+    def _dict(self, frame: tuple[str, int, str]) -> dict:
+        d = self._frame.get(frame)
+        if d is None:
+            filename, line, name = frame
+            d = self._frame[frame] = {"filename": filename, "line": line, "name": name}
+        return d
 
 
 def snapshot_dict(timeline: Timeline) -> dict:
@@ -101,6 +127,7 @@ def snapshot_dict(timeline: Timeline) -> dict:
     allocations = [a for a in timeline.allocations if cuda or a.requested > 0]
     points = timeline.points
     entries: list[tuple[int, int, dict]] = []  # (event, order within the event, entry)
+    alloc_frames = _AllocFrames()
 
     def add(event: int, order: int, action: str, addr: int, size: int, frames: list, category: str):
         entries.append((event, order, {"action": action, "addr": addr, "size": size, "stream": 0,
@@ -110,7 +137,7 @@ def snapshot_dict(timeline: Timeline) -> dict:
         add(s.event, 0, "segment_map" if s.expandable else "segment_alloc", s.address, s.size,
             _segment_frames(s, points[s.event].step, points[s.event].phase.value), SEGMENT_CATEGORY)
     for a in allocations:
-        frames, category = _alloc_frames(a), a.category.value
+        frames, category = alloc_frames(a), a.category.value
         if not cuda:  # its own malloc
             add(a.event, 0, "segment_alloc", a.address, a.requested, frames, SEGMENT_CATEGORY)
         add(a.event, 1, "alloc", a.address, a.requested, frames, category)
@@ -122,10 +149,11 @@ def snapshot_dict(timeline: Timeline) -> dict:
     entries.sort(key=lambda e: (e[0], e[1]))
     live = sorted((a for a in allocations if a.freed is None), key=lambda a: a.address)
     if cuda:
-        segments = [_segment(address, size, small, expandable, frames, live)
+        segments = [_segment(address, size, small, expandable, frames, live, alloc_frames)
                     for address, size, small, expandable, frames in _reserved_ranges(timeline)]
     else:
-        segments = [_segment(a.address, a.requested, a.requested <= SMALL_SIZE, False, _alloc_frames(a), [a])
+        segments = [_segment(a.address, a.requested, a.requested <= SMALL_SIZE, False, alloc_frames(a), [a],
+                             alloc_frames)
                     for a in live]
     return {"segments": segments, "device_traces": [[e for _, _, e in entries]]}
 
@@ -151,7 +179,7 @@ def _reserved_ranges(timeline: Timeline) -> list[tuple[int, int, bool, bool, lis
 
 
 def _segment(address: int, size: int, small: bool, expandable: bool, frames: list,
-             live: list[Allocation]) -> dict:
+             live: list[Allocation], alloc_frames: _AllocFrames) -> dict:
     """One segment at the end of the trace, tiled by its live blocks and the free gaps between them."""
     addresses = [a.address for a in live]
     blocks, at = [], address
@@ -159,7 +187,7 @@ def _segment(address: int, size: int, small: bool, expandable: bool, frames: lis
         if a.address > at:
             blocks.append(_free_block(at, a.address - at))
         blocks.append({"address": a.address, "size": a.size, "requested_size": a.requested,
-                       "state": "active_allocated", "frames": _alloc_frames(a)})
+                       "state": "active_allocated", "frames": alloc_frames(a)})
         at = a.address + a.size
     if at < address + size:
         blocks.append(_free_block(at, address + size - at))

@@ -16,7 +16,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from memcheck.cuda.allocator import AllocatorConfig, CachingAllocator
 from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Phase
@@ -71,6 +71,9 @@ class Allocation:
     module: str
     phase: Phase  # where it was allocated
     step: int  # 1-based
+    # the Python stack it was allocated at, innermost first, as (filename, line, name); empty
+    # unless the trace recorded stacks (memcheck.trace.stacks says which frames are kept)
+    frames: tuple[tuple[str, int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ def build_timeline(
     context_bytes: int | None = None,
     config: AllocatorConfig | None = None,
     module_label: Callable[[str | None], str] = lambda m: m or "(outside modules)",
+    stacks: Mapping[int, tuple] | None = None,
 ) -> Timeline:
     """The timeline of one GPU's ``TraceLog.events`` (as ``estimate`` selects them).
 
@@ -163,6 +167,7 @@ def build_timeline(
         device: on CUDA the events go through the caching-allocator simulation.
         config: the allocator settings (default: ``AllocatorConfig.from_env()``, as ``estimate``).
         module_label: the report's name for a tracer module name.
+        stacks: ``TraceLog.stacks``: the Python stack of each ALLOC event, by the event's ``id``.
     """
     cuda = device is Device.CUDA
     allocator = _RecordingAllocator(config or AllocatorConfig.from_env()) if cuda else None
@@ -174,7 +179,9 @@ def build_timeline(
     segments: list[SegmentEvent] = []
     points: list[TimelinePoint] = []
     spans: list[PhaseSpan] = []
-    for i, (kind, sid, nbytes, category, module, phase, step, _) in enumerate(events):
+    stacks = stacks or {}
+    for i, event in enumerate(events):
+        kind, sid, nbytes, category, module, phase, step, _ = event
         if kind == ALLOC:
             if cuda:
                 size = allocator.malloc(sid, nbytes)
@@ -186,7 +193,8 @@ def build_timeline(
                 size, address = nbytes, ADDRESS_BASE + next_cpu_address
                 next_cpu_address += (nbytes + CPU_ALIGNMENT - 1) // CPU_ALIGNMENT * CPU_ALIGNMENT
             live[sid] = len(allocs)
-            allocs.append([i, None, address, size, nbytes, category, module_label(module), phase, step + 1])
+            allocs.append([i, None, address, size, nbytes, category, module_label(module), phase, step + 1,
+                           stacks.get(id(event), ())])
             by_cat[index[category]] += size
         elif kind == FREE:
             if cuda:

@@ -50,6 +50,7 @@ from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Phase
 from memcheck.rules.extensions import weight_side_tensors
 from memcheck.rules.known_values import KnownValues
 from memcheck.rules.registry import DISPATCH_RULES, FUNCTION_RULES, named_rule
+from memcheck.trace.stacks import StackRecorder
 
 
 _aten = torch.ops.aten
@@ -126,6 +127,9 @@ class TraceLog:
     step_starts: list[int] = field(default_factory=list)  # event index where each step begins
     # (step, phase, gpu) -> [FLOPs, of which in bf16/fp16, kernels]: what the planner's cost proxy reads
     work: dict[tuple, list[int]] = field(default_factory=dict)
+    # id(an ALLOC event in ``events``, which keeps it alive) -> the Python stack it was made at,
+    # innermost first, as (filename, line, name) (``MemoryTracer.record_stacks``; memcheck.trace.stacks)
+    stacks: dict[int, tuple] = field(default_factory=dict)
 
 
 def storage_key(t: torch.Tensor):
@@ -467,6 +471,9 @@ class MemoryTracer(TorchDispatchMode):
         self.choices = choices if choices is not None else Choices()  # answers at the choice points
         self.if_unpadded = KnownValues()  # the values known if the batch had no padding (choices)
         self.stop_at_backward = False  # raise ForwardDone as step 1's backward begins
+        # note each allocation's Python stack in ``log.stacks`` (``--snapshot``'s frames; it costs time)
+        self.record_stacks = False
+        self._stacks = StackRecorder()
         self.device = Device.parse(device)
         self.arch = arch  # CUDA compute capability of the target GPU; rules pick kernels by it
         self.autocast = None  # a memcheck.rules.autocast.MetaAutocast while tracing mixed precision
@@ -682,9 +689,7 @@ class MemoryTracer(TorchDispatchMode):
             self._sizes[self._scratch_id] = n
             self._cats[self._scratch_id] = Category.TEMPORARY
             self.live_bytes += n
-            self.log.events.append(
-                (ALLOC, self._scratch_id, n, Category.TEMPORARY, module, self.phase, self.step, gpu)
-            )
+            self._alloc_event((ALLOC, self._scratch_id, n, Category.TEMPORARY, module, self.phase, self.step, gpu))
         for sid in range(self._scratch_id, self._scratch_id + len(sizes)):
             n = self._sizes.pop(sid)
             self._cats.pop(sid)
@@ -764,9 +769,13 @@ class MemoryTracer(TorchDispatchMode):
         gpu = self._current_gpu()
         if gpu:
             self._gpu[sid] = gpu
-        self.log.events.append(
-            (ALLOC, sid, n, category, module or self._module(), self.phase, self.step, gpu)
-        )
+        self._alloc_event((ALLOC, sid, n, category, module or self._module(), self.phase, self.step, gpu))
+
+    def _alloc_event(self, event: tuple) -> None:
+        """Append an ALLOC event, with its Python stack when ``record_stacks``."""
+        self.log.events.append(event)
+        if self.record_stacks:
+            self.log.stacks[id(event)] = self._stacks.record(skip=2)  # past this method and its caller
 
     def _free(self, sid):
         if self._closed:

@@ -77,7 +77,7 @@ def test_pre_commit_accepts_the_readme_local_hook(tmp_path):
     assert repo["hooks"][0]["entry"] == "memcheck check"
 
 
-def test_the_entry_on_the_files_pre_commit_would_pass(tmp_path):
+def test_the_entry_on_the_files_pre_commit_would_pass(tmp_path, monkeypatch):
     """pre-commit searches ``files`` in each changed path and appends the matches to ``entry``."""
     hook = _hook()
     (tmp_path / ".git").mkdir()  # a repository root: model files must lie inside it
@@ -89,12 +89,8 @@ def test_the_entry_on_the_files_pre_commit_would_pass(tmp_path):
     assert passed == ["memcheck.toml", "pyproject.toml"]
     program, *args = shlex.split(hook["entry"])
     assert program == "memcheck"  # the console script of pyproject.toml's [project.scripts]: memcheck.cli:main
-    cwd = os.getcwd()
-    os.chdir(tmp_path)  # pre-commit runs the entry at the repository's root, with paths relative to it
-    try:
-        result = CliRunner().invoke(main, [*args, *passed])
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(tmp_path)  # pre-commit runs the entry at the repository's root, with paths relative to it
+    result = CliRunner().invoke(main, [*args, *passed])
     assert result.exit_code == 0, result.output
     assert "ok    memcheck.toml: " in result.stdout
     assert "pyproject.toml has no [tool.memcheck] table; skipped" in result.stderr

@@ -12,6 +12,14 @@ pre-commit runs) lets it see the torch and transformers already installed, and
 ``PIP_NO_INDEX=1`` proves that nothing is downloaded: pip would fail rather than fetch.
 ``PIP_NO_BUILD_ISOLATION=0`` (pip's inverted spelling of --no-build-isolation) builds
 memcheck with the installed setuptools instead of fetching one into an isolated env.
+
+virtualenv builds the hook's environment on the *base* interpreter (it resolves a venv's
+python to the one the venv was made from), so "system site-packages" there means the base's,
+not those of a venv the tests run in: when pytest runs inside a venv (``make test`` from a
+fresh one), torch and transformers may be in the venv only. Then the venv's own site-packages
+go on the hook's ``PYTHONPATH``, through a folder of links that leaves memcheck out (an
+installed or editable memcheck there would otherwise shadow, or be reinstalled over, the
+snapshot's).
 """
 
 from __future__ import annotations
@@ -19,9 +27,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -41,6 +51,9 @@ def build_model():
 # it is over 48 MiB and that the fix this hook prints, run for real, fits).
 FITS = {"model": "model.py", "device": "cpu", "max_len": 128, "micro_batch": 2, "gpu_memory": "1GiB"}
 OVER = {**FITS, "micro_batch": 16, "gpu_memory": "48MiB"}
+# memcheck's own entries in a site-packages: memcheck/, memcheck-0.1.0.dist-info, and an editable
+# install's __editable__.memcheck-0.1.0.pth and __editable___memcheck_0_1_0_finder.py
+MEMCHECK_FILE = re.compile(r"(__editable___?\.?)?memcheck([-_.].*)?$", re.IGNORECASE)
 GIT = ["git", "-c", "user.name=memcheck tests", "-c", "user.email=tests@memcheck.invalid", "-c", "commit.gpgsign=false",
        "-c", "init.defaultBranch=main"]
 
@@ -88,10 +101,32 @@ def project(tmp_path_factory):
     return hook_repo, user, base
 
 
+def _venv_site_packages(dest: Path) -> list[str]:
+    """The running venv's site-packages, memcheck left out, for the hook's PYTHONPATH ([] outside a venv).
+
+    Outside a venv the running interpreter is the base one, and VIRTUALENV_SYSTEM_SITE_PACKAGES
+    already shows the hook its packages. Inside one, each entry of the venv's site-packages but
+    memcheck's own (its package, its dist-info, an editable install's path file and finder) is
+    linked into ``dest``: pip in the hook's environment then finds torch and the rest installed
+    and installs the snapshot's memcheck, which is the one the hook imports.
+    """
+    if sys.prefix == sys.base_prefix:
+        return []
+    if not dest.exists():
+        dest.mkdir()
+        for site_dir in dict.fromkeys(sysconfig.get_path(key) for key in ("purelib", "platlib")):
+            for entry in Path(site_dir).iterdir() if Path(site_dir).is_dir() else ():
+                if not MEMCHECK_FILE.match(entry.name) and not (dest / entry.name).exists():
+                    (dest / entry.name).symlink_to(entry)
+    return [str(dest)]
+
+
 def _try_repo(project, *files):
     hook_repo, user, base = project
+    pythonpath = [*_venv_site_packages(base / "venv-site-packages"), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {
         **os.environ,
+        **({"PYTHONPATH": os.pathsep.join(pythonpath)} if pythonpath else {}),
         "VIRTUALENV_SYSTEM_SITE_PACKAGES": "1",
         "PIP_NO_INDEX": "1",
         "PIP_NO_BUILD_ISOLATION": "0",
@@ -129,8 +164,6 @@ def test_the_hook_fails_a_config_over_budget_and_prints_the_fix(project):
 
 def test_the_hook_selects_memcheck_configs_only(project):
     """The hook's files pattern, as pre-commit applies it (a Python regex searched in the path)."""
-    import re
-
     import yaml
 
     (hook,) = yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())

@@ -186,9 +186,11 @@ def test_nothing_fits_says_what_would():
 
     # GPT-2 small with AdamW: 124.4M params x (4 weights + 4 grads + 8 Adam) B = 1.99 GB of
     # state alone, so a 2 GiB GPU (limit 1.9 GiB) cannot hold micro-batch 1 however it checkpoints.
+    # That floor (plus the unnamed GPU's 512 MiB context) is known before tracing: no option is traced.
     p = plan(model, make, gpu="2GiB", max_len=1024, checkpointing_options=("none", "full"))
     assert not p.fits and p.recommended is None
-    assert [o.fits for o in p.alternatives] == [False, False]
+    assert p.alternatives == () and len(p.not_traced) == 1
+    assert "weights, gradients and optimizer state alone take" in p.not_traced[0]
     assert "one T4" in str(p.suggestion)  # the smallest GPU in the table (15,102 MiB)
     assert "fsdp over" in str(p.suggestion)
 
@@ -196,3 +198,78 @@ def test_nothing_fits_says_what_would():
 def test_quadratic_root_solves_a_known_parabola():
     # y = 2x^2 + 3x + 5 through x = 1, 2, 3 (y = 10, 19, 32); y = 59 at x = 4.5: 2*20.25 + 13.5 + 5 = 59
     assert _quadratic_root({1: 10, 2: 19, 3: 32}, 59) == pytest.approx(4.5)
+
+
+# ---- the default search (issue 19) -----------------------------------------------------------
+
+
+def _space(gpu, device="cuda", **kwargs):
+    from memcheck.engine.plan import AUTO, _validate
+    from memcheck.job import Job
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=64))
+    job = Job(device=device, gpu=gpu, max_len=32, budget_bytes=None if gpu else 2**30)
+    return _validate(model, lambda b: None, job, kwargs.get("precision", AUTO), kwargs.get("optimizer", AUTO),
+                     ("none", "full"), None)
+
+
+def test_the_default_search_takes_the_gpus_best_precision_and_adamw_fused_then_8bit_then_offload():
+    tiers = [(t.precision.value, t.optimizer, t.offload) for t in _space("H100-80GB").tiers]
+    assert tiers == [("amp-bf16", "adamw-fused", False), ("bf16", "adamw-fused", False),
+                     ("amp-bf16", "adamw-8bit", False), ("bf16", "adamw-8bit", False),
+                     ("amp-bf16", "adamw", True)]
+    # 8-bit state only when no fused tier fits, offload only when no 8-bit one does
+    assert [t.fallback for t in _space("H100-80GB").tiers] == [0, 0, 1, 1, 2]
+    # before sm80 (a T4 is sm75) there is no bf16: amp-fp16
+    assert {t.precision.value for t in _space("T4").tiers} == {"amp-fp16"}
+    # on the CPU target, and for what the user pins, nothing is widened
+    assert [(t.precision.value, t.optimizer) for t in _space(None, device="cpu").tiers] == [("fp32", "adamw")]
+    pinned = _space("H100-80GB", precision=("fp32",), optimizer=None).tiers
+    assert [(t.precision.value, t.optimizer, t.offload) for t in pinned] == [("fp32", "adamw", False)]
+
+
+def test_the_floor_is_weights_gradients_and_state_by_hand():
+    from memcheck.engine.plan import _Search, _Tier
+    from memcheck.enums import Precision
+    from memcheck.job import Job
+
+    model = torch.nn.Linear(1000, 1000)  # 1,001,000 parameters, all trainable, fp32
+    search = _Search(model, lambda b: None, 1, Job(device="cpu", budget_bytes=2**30), gpu=None, budget=2**30,
+                     blocks=[], name="m", progress=None, loss_fn=None)
+    n = 1_001_000
+    assert search.floor(_Tier(Precision.FP32, "adamw")) == n * (4 + 4 + 8)  # weight, grad, two fp32 moments
+    assert search.floor(_Tier(Precision.BF16, "adamw-fused")) == n * (2 + 2 + 4)  # all in bf16
+    assert search.floor(_Tier(Precision.BF16, "adamw-8bit")) == n * (2 + 2 + 2)  # two 1-byte moments
+    assert search.floor(_Tier(Precision.BF16, "adamw", offload=True)) == n * (2 + 2)  # state on the CPU
+
+
+def test_the_cost_proxy_uses_the_target_gpus_rates():
+    from memcheck.cuda.gpus import GPUS, rates_for
+    from memcheck.engine.plan import micro_step_cost
+    from memcheck.report.results import Work
+
+    fp32 = Work(flops_per_micro_step=10**15, low_precision_flops_per_micro_step=0, kernels_per_micro_step=0,
+                optimizer_kernels=0)
+    bf16 = Work(flops_per_micro_step=10**15, low_precision_flops_per_micro_step=10**15, kernels_per_micro_step=0,
+                optimizer_kernels=0)
+    t4, a100 = rates_for(GPUS["T4"]), rates_for(GPUS["A100-80GB"])
+    # T4 datasheet: 8.1 TFLOP/s fp32, 65 fp16 tensor: 1e15 FLOPs take 123.5 s and 15.4 s, 8.0x apart
+    assert micro_step_cost(fp32, t4) / micro_step_cost(bf16, t4) == pytest.approx(65 / 8.1)
+    # A100: 19.5 and 312: 16x apart (the old proxy used these for every GPU, 17x on a T4's fp32)
+    assert micro_step_cost(fp32, a100) / micro_step_cost(bf16, a100) == pytest.approx(312 / 19.5)
+
+
+def test_a_simpler_option_within_ten_percent_is_recommended():
+    from memcheck.engine.plan import _simplest_close
+    from memcheck.report.results import PlanOption
+
+    def option(ck, micro, cost):
+        return PlanOption(micro_batch_size=micro, accumulation_steps=1, checkpointing=ck, precision="amp-bf16",
+                          predicted_device_total_bytes=1, fits=True, relative_cost=cost, traces=1,
+                          largest_fitting_micro_batch=micro, boundary_confirmed=True)
+
+    none8, half16 = option("none", 8, 1.07), option("half", 16, 1.00)
+    assert _simplest_close([none8, half16], (1.00, half16)) is none8  # 7% dearer, no recomputation
+    none4 = option("none", 4, 1.20)
+    assert _simplest_close([none4, half16], (1.00, half16)) is half16  # 20% dearer: the cheapest wins

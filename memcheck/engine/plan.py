@@ -203,12 +203,14 @@ class _Tier:
     precision: Precision
     optimizer: str
     offload: bool = False  # DeepSpeed ZeRO-Offload on one GPU: zero2, the optimizer on the CPU
+    fallback: int = 0  # tried only when no tier of a lower fallback fits (8-bit state, then offload)
 
     def describe(self) -> str:
         return f"{self.precision.value}, {self.optimizer}" + (", optimizer offloaded (zero2)" if self.offload else "")
 
 
 AUTO = "auto"
+ADAMW = ("adamw", "adamw-foreach", "adamw-fused")  # what the default search widens to fused, 8-bit and offload
 
 
 def _validate(model, make_batch, job: Job, precision_options, optimizer_options, checkpointing_options,
@@ -237,8 +239,8 @@ def _validate(model, make_batch, job: Job, precision_options, optimizer_options,
         precision_options = ("amp-bf16", "bf16") if arch >= (8, 0) else ("amp-fp16",)
     precisions = _unique(Precision.parse(p, what="precision")
                          for p in _as_list(precision_options, "precision_options"))
-    auto_optimizer = optimizer_options == AUTO
-    if optimizer_options is None or (auto_optimizer and not (cuda and job.optimizer == "adamw")):
+    auto_optimizer = optimizer_options == AUTO and cuda and job.optimizer in ADAMW  # the HF Trainer's is fused
+    if optimizer_options is None or optimizer_options == AUTO and not auto_optimizer:
         optimizers = [job.optimizer]
     elif auto_optimizer:
         optimizers = ["adamw-fused", "adamw-8bit"]
@@ -247,10 +249,10 @@ def _validate(model, make_batch, job: Job, precision_options, optimizer_options,
     checkpoints = _unique(_parse_option(c) for c in _as_list(checkpointing_options, "checkpointing_options"))
     if not precisions or not optimizers or not checkpoints:
         raise UsageError("a plan needs at least one precision, one optimizer and one checkpointing option")
-    tiers = [_Tier(p, o) for o in optimizers for p in precisions]
+    tiers = [_Tier(p, o, fallback=int(auto_optimizer and o == "adamw-8bit")) for o in optimizers for p in precisions]
     config = job.strategy_config
-    if auto_optimizer and cuda and config.strategy is Strategy.SINGLE and job.optimizer == "adamw":
-        tiers.append(_Tier(precisions[0], "adamw", offload=True))
+    if auto_optimizer and config.strategy is Strategy.SINGLE:
+        tiers.append(_Tier(precisions[0], "adamw", offload=True, fallback=2))
     blocks = repeated_blocks(model)
     if not blocks:
         checkpoints = [c for c in checkpoints if c == NONE] or [NONE]
@@ -271,7 +273,8 @@ def _choose(search: "_Search", space: _Space) -> tuple[PlanOption | None, tuple[
     """Each option's best micro-batch, by tracing; the cheapest that fits (or a simpler one
     within ``SIMPLER_WITHIN`` of it), and the others.
 
-    Tiers (precision, optimizer, offload) are tried in order. A tier whose weights, gradients
+    Tiers (precision, optimizer, offload) are tried in order; the fallbacks (8-bit optimizer
+    state, then ZeRO-Offload) only when no earlier tier fits. A tier whose weights, gradients
     and optimizer state alone exceed the limit (``_Search.floor``) is not traced. Once one
     fits, later tiers are searched only for lighter checkpointing than the best's, and an
     option there is not traced when the same checkpointing traced in an earlier tier, with
@@ -281,6 +284,8 @@ def _choose(search: "_Search", space: _Space) -> tuple[PlanOption | None, tuple[
     best: tuple[float, PlanOption] | None = None
     best_tier = None
     for tier in space.tiers:
+        if best_tier is not None and tier.fallback > best_tier.fallback:
+            break  # 8-bit state and offload only when nothing before them fits
         floor = search.floor(tier)
         if floor > space.limit:
             search.skipped.append(f"{tier.describe()}: not traced: its weights, gradients and optimizer state "
@@ -517,12 +522,15 @@ class _Search:
         """A lower bound on any trace of ``tier``'s device total: the weights in the tier's
         dtype, a gradient and the optimizer's state for each trainable one (AdamW: two moments
         in the weight's dtype, as torch keeps them; 8-bit: two bytes an element; offloaded: none),
-        and the CUDA context. Used only to skip tracing, never reported as a figure."""
+        and the CUDA context; for a sharded strategy only the context. Used only to skip
+        tracing, never reported as a figure."""
         dtype = tier.precision.weights_dtype or self.job.weights_dtype.torch_dtype
         if dtype is None and tier.precision is Precision.FP32:
             dtype = torch.float32
         moments = {"adamw": 2, "adam": 2, "adamw-fused": 2, "adam-fused": 2, "adamw-foreach": 2}.get(tier.optimizer, 0)
         total = context_bytes(self.gpu) if self.device is Device.CUDA and self.gpu is not None else 0
+        if self.strategy not in (Strategy.SINGLE, Strategy.DP, Strategy.DP_BALANCED, Strategy.DDP):
+            return total  # sharded: a rank holds a part; no floor is worked out for it
         for p in self._parameters():
             weight = p.numel() * (dtype.itemsize if dtype is not None else p.element_size())
             total += weight

@@ -3,6 +3,7 @@
     python benchmarks/speed.py            # all workloads, prints a table of ratios
     python benchmarks/speed.py --quick    # GPT-2 only
     python benchmarks/speed.py --plan     # `memcheck plan` against one plain estimate, wall seconds
+    python benchmarks/speed.py --plan-8b  # Llama-3-8B's default plan against one estimate of its answer
     python benchmarks/speed.py --qlora    # the README's QLoRA command against the same without --qlora
 
 Each (tool, workload) runs in a fresh subprocess so that its wall time and its
@@ -95,6 +96,18 @@ PLAN_COMMANDS = {
 }
 
 
+# Issue 19: the default plan of Llama-3-8B's full fine-tune on one H100 against one estimate of
+# the job it recommends, run after run; the target is at most 4 estimates' time.
+PLAN_8B_RATIO_TARGET = 4.0
+PLAN_8B_COMMANDS = {
+    "plan, no other flag": ["plan", "hf:examples/llama-3-8b", "--max-len", "4096", "--gpu", "H100-80GB",
+                            "--global-batch", "64"],
+    "estimate of its answer": ["hf:examples/llama-3-8b", "--max-len", "4096", "--gpu", "H100-80GB", "-b", "1",
+                               "--accumulate", "64", "--checkpointing", "full", "--precision", "amp-bf16",
+                               "--optimizer", "adamw-fused"],
+}
+PLAN_8B_RUNS = 3
+
 QLORA_TARGET_SECONDS = 10.0  # issue 18: a 7B config's QLoRA estimate, 2 cores, no GPU
 QLORA_COMMANDS = {
     "7B --qlora": ["hf:examples/llama-2-7b", "--qlora", "--max-len", "2048", "--gpu", "RTX-4090"],
@@ -150,6 +163,30 @@ def plan_speed() -> int:
     return status
 
 
+def plan_8b_speed() -> int:
+    """Time the 8B plan and one estimate of its recommendation, alternately, PLAN_8B_RUNS times."""
+    runs: dict[str, list[dict]] = {label: [] for label in PLAN_8B_COMMANDS}
+    for _ in range(PLAN_8B_RUNS):
+        for label, args in PLAN_8B_COMMANDS.items():
+            runs[label].append(time_command(args))
+    print(f"{os.cpu_count()} CPU core(s); each run a fresh `python -m memcheck` process, in turn")
+    print(f"{'command':24s} {'run':>3s} {'wall s':>7s} {'CPU s':>6s} {'load':>5s} {'traces':>6s} {'exit':>5s}")
+    for label, results in runs.items():
+        for i, r in enumerate(results, 1):
+            if r["error"]:
+                print(f"{label:24s} {i:3d} error: {r['error']}")
+                return 1
+            traces = "-" if r["traces"] is None else str(r["traces"])
+            print(f"{label:24s} {i:3d} {r['seconds']:7.2f} {r['cpu_seconds']:6.2f} {r['load']:5.2f} {traces:>6s} "
+                  f"{r['exit_code']:5d}")
+    plan, one = (min(r["seconds"] for r in runs[label]) for label in PLAN_8B_COMMANDS)
+    verdict = "meets" if plan <= PLAN_8B_RATIO_TARGET * one else "MISSES"
+    print(f"fastest runs: plan {plan:.2f} s, one estimate {one:.2f} s: {plan / one:.2f} estimates ({verdict} the "
+          f"target of {PLAN_8B_RATIO_TARGET:.0f})")
+    print("commands: memcheck " + " | memcheck ".join(" ".join(a) for a in PLAN_8B_COMMANDS.values()))
+    return 0
+
+
 def qlora_speed() -> int:
     """Time the README's QLoRA command, run after run with the same job without --qlora."""
     runs: dict[str, list[dict]] = {label: [] for label in QLORA_COMMANDS}
@@ -178,6 +215,8 @@ def qlora_speed() -> int:
 
 
 def main(argv):
+    if "--plan-8b" in argv:
+        return plan_8b_speed()
     if "--plan" in argv:
         return plan_speed()
     if "--qlora" in argv:

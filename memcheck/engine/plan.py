@@ -2,10 +2,17 @@
 
 The planner searches by tracing, never by extrapolating a figure it reports:
 
-1. **Options.** Each (checkpointing, precision) pair is an option: checkpointing
-   ``none``, ``half`` (every second repeated block wrapped in ``torch.utils.checkpoint``)
-   and ``full`` (every block, through transformers' own switch where the model has
-   one); precisions from ``precision_options``.
+1. **Options.** Each (checkpointing, precision, optimizer) triple is an option:
+   checkpointing ``none``, ``half`` (every second repeated block wrapped in
+   ``torch.utils.checkpoint``) and ``full`` (every block, through transformers' own
+   switch where the model has one). What the user does not pin is searched in tiers
+   (``_Tier``): the target GPU's best precision (amp-bf16, then pure bf16, on sm80 and
+   later; amp-fp16 before), AdamW's fused implementation; then, only when nothing of
+   those fits, 8-bit optimizer state; then DeepSpeed's ZeRO-Offload on the one GPU. A
+   tier whose weights, gradients and optimizer state alone pass the limit is not
+   traced, and once one fits, later tiers are tried only for lighter checkpointing,
+   skipped when the same checkpointing traced in another tier, its persistent state
+   swapped for this tier's, already passes the limit (``Plan.not_traced`` says so).
 2. **The boundary, in at most 5 traces an option.** At a fixed shape, memory is
    close to affine in the micro-batch. The planner traces micro-batches 1 and 4,
    predicts from the line through them the largest micro-batch whose device total
@@ -31,24 +38,32 @@ The planner searches by tracing, never by extrapolating a figure it reports:
 
 The cost proxy (relative; it ranks configurations, it does not predict seconds):
 
-    cost per micro-step = FLOPs_fp32 / 19.5e12 + FLOPs_bf16/fp16 / 312e12 + kernels * 10e-6
+    cost per micro-step = FLOPs_fp32 / fp32 rate + FLOPs_bf16/fp16 / tensor rate + kernels * 10e-6
     cost per optimizer step = accumulation * cost per micro-step + optimizer kernels * 10e-6
+                              + (3 * weights + 2 * optimizer state) bytes / bandwidth
+                              [+ offloaded: 2 * weights / 25e9 + 16 B * parameters / 50e9]
 
-FLOPs are counted in the trace by torch.utils.flop_counter's formulas (matmuls,
-convolutions, attention), so checkpointing's recomputation is included. The
-rates are an A100's datasheet figures (FP32 19.5 TFLOP/s; BF16/FP16 tensor cores
-312 TFLOP/s); matmuls in fp32 do not use TF32 by default in PyTorch. The 10 µs per
-kernel is eager PyTorch's per-op overhead (Python, dispatch and launch), which is
-the penalty that makes small micro-batches slow: the same kernels run for fewer
-tokens. Memory-bound elementwise work is not counted.
+The rates are the target GPU's datasheet figures (``memcheck.cuda.gpus.RATES``: FP32 on
+the CUDA cores, BF16/FP16 on the tensor cores with FP32 accumulation, memory bandwidth;
+an A100's for a GPU outside the table and on the CPU target). FLOPs are counted in the
+trace by torch.utils.flop_counter's formulas (matmuls, convolutions, attention), so
+checkpointing's recomputation is included; matmuls in fp32 do not use TF32 by default in
+PyTorch. The 10 us per kernel is eager PyTorch's per-op overhead (Python, dispatch and
+launch), the penalty that makes small micro-batches slow. The optimizer step is memory
+bound: its weights, gradients and state cross the memory bus. Offloaded, the gradients go
+down and the weights come back over PCIe (25 GB/s, an estimate) and the CPU's Adam moves
+16 B a parameter (50 GB/s, an estimate). Memory-bound elementwise work elsewhere is not
+counted. Among the fitting options within 10% of the cheapest, the one with the least
+checkpointing (then the earliest tier) is recommended.
 
 Known limitations:
     The sharded GPU count's "fewest" is checked against N - 1 only: the caching
     allocator's cached segments can make a rank's device total rise by a few GiB
     from one count to the next, so a count further below could, rarely, fit.
     The proxy ranks; it is not a measured throughput. The default margin comes
-    from the CUDA target's accuracy targets (device total within 5%), since no GPU
-    measurement has been committed yet (benchmarks/results/).
+    from the CUDA target's accuracy targets (device total within 5%); the one GPU run
+    committed (benchmarks/results/) has convolutional nets far outside it. Paged
+    optimizers are not searched, and offload is searched only as zero2 on one GPU.
 """
 
 from __future__ import annotations
@@ -92,6 +107,11 @@ SECONDS_PER_KERNEL = 10e-6  # eager PyTorch's per-op overhead, order of magnitud
 HOST_LINK_BYTES_PER_SECOND = 25e9  # PCIe 4.0 x16, effective; estimate (offload moves gradients and weights)
 HOST_ADAM_BYTES_PER_SECOND = 50e9  # a CPU Adam step's memory traffic; estimate (DeepSpeedCPUAdam)
 SIMPLER_WITHIN = 0.10  # a simpler option within 10% of the cheapest is recommended instead
+# An option predicted from another tier's trace (its persistent state swapped) is skipped only
+# when the prediction passes the limit by more than this: what autocast holds besides the state
+# also differs between precisions (Llama-3-8B, full checkpointing: amp-bf16 over bf16 weights
+# 69.8 GiB, pure bf16 63.0 GiB, traced).
+SWAP_SLACK = 0.05
 LENGTH_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 LENGTH_STEP = 8  # the longest fitting length is searched in multiples of 8 (pad_to_multiple_of=8)
 
@@ -278,7 +298,7 @@ def _choose(search: "_Search", space: _Space) -> tuple[PlanOption | None, tuple[
     and optimizer state alone exceed the limit (``_Search.floor``) is not traced. Once one
     fits, later tiers are searched only for lighter checkpointing than the best's, and an
     option there is not traced when the same checkpointing traced in an earlier tier, with
-    its persistent state swapped for this tier's, already exceeds the limit.
+    its persistent state swapped for this tier's, exceeds the limit by more than SWAP_SLACK.
     """
     options: list[PlanOption] = []
     best: tuple[float, PlanOption] | None = None
@@ -298,7 +318,7 @@ def _choose(search: "_Search", space: _Space) -> tuple[PlanOption | None, tuple[
                 if not _heavier(best[1].checkpointing, ck):  # later tiers only for lighter checkpointing
                     continue
                 predicted = search.predicted_from_earlier(tier, ck)
-                if predicted is not None and predicted > space.limit:
+                if predicted is not None and predicted > space.limit * (1 + SWAP_SLACK):
                     search.skipped.append(f"{tier.describe()}, checkpointing {ck}: not traced: "
                                           f"{predicted / GiB:.2f} GiB at micro-batch 1, from the same checkpointing "
                                           "traced with another optimizer or precision")

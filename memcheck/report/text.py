@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import textwrap
 from typing import TYPE_CHECKING
 
 from tabulate import tabulate
@@ -39,6 +41,84 @@ _CATEGORY_LABELS = {
     "communication": "communication buffers",
     "other": "other",
 }
+
+
+WIDTH = 80  # every table and line fits 80 columns, whatever the terminal (issue 19)
+
+
+def wrap(line: str, hang: int = 2) -> list[str]:
+    """One line of prose broken at spaces to fit ``WIDTH``, never inside a word; the lines
+    after the first indented ``hang`` more than it (and past a leading ``- ``). A word longer
+    than a line stays whole on its own line."""
+    if len(line) <= WIDTH:
+        return [line]
+    body = line.lstrip(" ")
+    lead = " " * (len(line) - len(body))
+    indent = lead + " " * (hang + (2 if body.startswith("- ") else 0))
+    return textwrap.wrap(line, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+
+
+def _prose(*lines: str) -> list[str]:
+    return [part for line in lines for text in line.split("\n") for part in wrap(text)]
+
+
+def continued(label: str, parts, *, shell: bool, indent: str = "    ") -> list[str]:
+    """``label`` on its own line (when the parts do not fit beside it), then ``parts`` packed
+    into lines of ``WIDTH``: a shell command continued with `` \\`` (each part a flag and its
+    value, never split), or Python arguments broken after their commas."""
+    sep = " " if shell else ", "
+    one = label + " " + sep.join(parts)
+    if len(one) <= WIDTH:
+        return [one]
+    tail = " \\" if shell else ","
+    lines, current = [label], ""
+    for part in parts:
+        candidate = current + sep + part if current else part
+        if current and len(indent + candidate + tail) > WIDTH:
+            lines.append(indent + current + tail)
+            candidate = part
+        current = candidate
+    lines.append(indent + current)
+    return lines
+
+
+_NUMBERED = re.compile(r"(?<=\.)(\d+)(?=\.|$)")
+
+
+def ranges(names) -> list[str]:
+    """Module names with one repeated block index each, their indices as a range:
+    ``transformer.h.{0..10 step 2}`` for h.0, h.2, ..., h.10; ``{0..11}`` for a run; ``{1,4,9}``
+    otherwise. Names without an index, or alone in their pattern, stay as they are."""
+    groups: dict[str, list[int]] = {}
+    order: list[str] = []
+    for name in names:
+        m = _NUMBERED.search(name)
+        key = name if m is None else name[:m.start()] + "#" + name[m.end():]
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        if m is not None:
+            groups[key].append(int(m.group(1)))
+    out = []
+    for key in order:
+        idx = groups[key]
+        if len(idx) < 2:
+            out.append(key if not idx else key.replace("#", str(idx[0]), 1))
+            continue
+        out.append(key.replace("#", "{" + _index_range(idx) + "}", 1))
+    return out
+
+
+def _index_range(idx: list[int]) -> str:
+    step = idx[1] - idx[0]
+    if len(idx) >= 3 and step > 0 and all(b - a == step for a, b in zip(idx, idx[1:])):
+        return f"{idx[0]}..{idx[-1]}" + (f" step {step}" if step > 1 else "")
+    return ",".join(str(i) for i in idx)
+
+
+def _cells(text: str, width: int) -> str:
+    """A table cell broken into lines of at most ``width`` (tabulate draws them as one row)."""
+    return "\n".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)) or text
 
 
 def _pct(part: int, whole: int) -> str:
@@ -95,14 +175,14 @@ def render_estimate(est: Estimate) -> str:
                     + (" (QLoRA)" if job.qlora else "") + ", ")
         if job.qlora:
             weights = f"4-bit NF4 linear weights ({est.weights_dtype} others)"
-    lines = [
+    lines = _prose(
         f"memcheck: {est.model} on {est.device.value}, {est.precision.value}, {weights}, "
         f"{adapters}{est.optimizer}, "
         f"batch {b.batch_size}" + (f" x {b.max_len} tokens" if b.max_len else "") + (" packed" if packed else ""),
         f"strategy: {', '.join(how)}",
         f"worst-case {'packed ' if packed else ''}batch: {shapes}" if shapes else "",
-        "",
-    ]
+    )
+    lines.append("")
     bd = est.breakdown_at_peak.to_dict()
     rows = [
         [_CATEGORY_LABELS[k], format_bytes(v), _pct(v, est.peak_bytes)] for k, v in bd.items() if v
@@ -112,61 +192,106 @@ def render_estimate(est: Estimate) -> str:
     lines.append(tabulate(rows, headers=["at the peak", "memory", "share"], tablefmt="simple"))
     if est.device_total_bytes is not None:
         lines.append("")
+        label = WIDTH - 2 - 10  # the memory column: "123.45 GiB"
         lines.append(tabulate(
             [
-                ["allocated peak (max_memory_allocated)", format_bytes(est.peak_bytes)],
-                ["reserved by the caching allocator (max_memory_reserved)", format_bytes(est.reserved_bytes)],
-                ["  of which beyond the allocated peak (fragmentation)", format_bytes(est.fragmentation_bytes)],
-                [f"CUDA context and libraries ({_context_kind(est.context_source)}, "
-                 f"{est.module_loading} module loading)", format_bytes(est.context_bytes)],
-                ["device total (as nvidia-smi shows)", format_bytes(est.device_total_bytes)],
+                [_cells(what, label), format_bytes(n)] for what, n in (
+                    ("allocated peak (max_memory_allocated)", est.peak_bytes),
+                    ("reserved by the caching allocator (max_memory_reserved)", est.reserved_bytes),
+                    ("of which beyond the allocated peak (fragmentation)", est.fragmentation_bytes),
+                    (f"CUDA context and libraries ({_context_kind(est.context_source)}, "
+                     f"{est.module_loading} module loading)", est.context_bytes),
+                    ("device total (as nvidia-smi shows)", est.device_total_bytes),
+                )
             ],
-            headers=[f"on the GPU ({_gpu_label(est)})", "memory"], tablefmt="simple",
+            headers=[_cells(f"on the GPU ({_gpu_label(est)})", label), "memory"], tablefmt="simple",
         ))
     if est.per_device:
         lines.append("")
         lines.append(render_devices(est.per_device))
     lines.append("")
     where = f"GPU {est.busiest_gpu}, " if est.per_device else ""
-    lines.append(
-        f"peak {where}in step {est.peak_step}, phase {est.peak_phase.value}, module {est.peak_module}"
-    )
+    lines.extend(_prose(
+        f"peak {where}in step {est.peak_step}, phase {est.peak_phase.value}, "
+        f"module {_module_label(est, est.peak_module)}"
+    ))
     if est.reserved_bytes is not None:
-        lines.append(allocator_life_line(est))
+        lines.extend(_prose(allocator_life_line(est)))
     if est.eval_peak_bytes is not None:
-        lines.append(
+        lines.extend(_prose(
             f"the job's peak is in {'evaluation' if est.peak_in == 'eval' else 'training'}: "
             f"training {format_bytes(est.train_peak_bytes)}, evaluation {format_bytes(est.eval_peak_bytes)}"
-        )
+        ))
     if est.modules:
         lines.append("")
-        mrows = [
-            [m.name, format_bytes(m.state_bytes), format_bytes(m.activation_bytes), format_bytes(m.total)]
-            for m in est.modules
-        ]
-        lines.append(
-            tabulate(
-                mrows,
-                headers=["top modules at the peak", "weights+grads+optim+comm", "activations", "total"],
-                tablefmt="simple",
-            )
-        )
+        lines.extend(render_modules(est))
     if est.assumptions:
         lines.append("")
         lines.append("assumed:")
-        lines.extend(f"  - {a}" for a in est.assumptions)
+        lines.extend(_prose(*(f"  - {a}" for a in est.assumptions)))
     branch_lines = render_branches(est)
     if branch_lines:
         lines.append("")
-        lines.extend(branch_lines)
+        lines.extend(_prose(*branch_lines))
     if est.budget_bytes is not None:
         lines.append("")
         verdict = "FITS" if est.fits else "DOES NOT FIT"
         what = "device total" if est.device_total_bytes is not None else "peak"
-        lines.append(
+        lines.extend(_prose(
             f"{verdict}: {what} {format_bytes(est.total_bytes)} vs {format_bytes(est.budget_bytes)} available"
-        )
+        ))
     return "\n".join(line for line in lines if line is not None).replace("\n\n\n", "\n\n")
+
+
+def _module_label(est: Estimate, name: str) -> str:
+    """The root module's own row says what it holds: with the labels in the batch, a
+    transformers model computes its loss on the logits in its own forward, outside its
+    submodules (``GPT2LMHeadModel.forward``'s ``loss_function``)."""
+    if name != "(model)":
+        return name
+    labels = any(i.name == "labels" for i in est.batch.inputs)
+    return "(model: loss, logits)" if labels else "(model's own ops)"
+
+
+def render_modules(est: Estimate) -> list[str]:
+    """The top modules at the peak, in ``WIDTH`` columns: what each module owns (weights,
+    gradients, optimizer state, communication buffers), what autograd saved inside it for
+    backward, and the rest allocated inside it (temporaries, outputs, the loss). Identical copies
+    of one repeated block share a row (``transformer.h.{0..11}.attn``), its figures each copy's."""
+    groups: dict[tuple, list] = {}
+    for m in est.modules:
+        groups.setdefault(m.repeat_key, []).append(m)
+    rows = []
+    for members in groups.values():
+        m = members[0]
+        name = ranges([x.name for x in members])[0] if len(members) > 1 else _module_label(est, m.name)
+        rows.append([name, format_bytes(m.state_bytes), format_bytes(m.saved_bytes),
+                     format_bytes(m.activation_bytes - m.saved_bytes), format_bytes(m.total)])
+    headers = ["top modules at the peak", "weights,\noptim", "saved", "temps", "total"]
+    # tabulate pads a header by 2 (MIN_PADDING) and puts 2 spaces between columns
+    figures = [max(max(len(r[i]) for r in rows), max(map(len, headers[i].split("\n"))) + 2) for i in range(1, 5)]
+    width = WIDTH - sum(figures) - 2 * len(figures)
+    for r in rows:
+        r[0] = "\n".join(_split_name(r[0], width))
+    lines = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
+    lines.extend(wrap("weights, optim: the weights, gradients, optimizer state and communication buffers "
+                      "each module owns; saved: what autograd saved inside it for backward; temps: "
+                      "temporaries, outputs and the loss allocated inside it", hang=0))
+    if any(len(g) > 1 for g in groups.values()):
+        lines.append("{i..j}: copies i to j of a repeated block, with the same figures (each copy's)")
+    return lines
+
+
+def _split_name(name: str, width: int) -> list[str]:
+    """A module name over ``width`` broken after its dots (never inside a part)."""
+    out, current = [], ""
+    for part in re.split(r"(?<=\.)", name):
+        if current and len(current + part) > width:
+            out.append(current)
+            current = "  " + part
+        else:
+            current += part
+    return out + [current]
 
 
 def _answers(answers) -> str:

@@ -116,8 +116,35 @@ def _index_range(idx: list[int]) -> str:
     return ",".join(str(i) for i in idx)
 
 
+def table(headers: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -> list[str]:
+    """tabulate's "simple" table without its 2-column padding of headers, so a column is as wide
+    as its widest line (cells and headers may hold several lines); columns in ``right`` are
+    right-aligned."""
+    cols = len(headers)
+    split = [[c.split("\n") for c in row] for row in [headers] + rows]
+    widths = [max(len(line) for row in split for line in row[i]) for i in range(cols)]
+
+    def draw(row) -> list[str]:
+        height = max(len(c) for c in row)
+        out = []
+        for k in range(height):
+            cells = [(c[k] if k < len(c) else "") for c in row]
+            out.append("  ".join(cells[i].rjust(widths[i]) if i in right else cells[i].ljust(widths[i])
+                                 for i in range(cols)).rstrip())
+        return out
+
+    head = [[""] * (max(len(h) for h in split[0]) - len(h)) + h for h in split[0]]  # headers sit on the rule
+    return draw(head) + ["  ".join("-" * w for w in widths)] + [line for row in split[1:] for line in draw(row)]
+
+
 def _cells(text: str, width: int) -> str:
-    """A table cell broken into lines of at most ``width`` (tabulate draws them as one row)."""
+    """A table cell broken into lines of at most ``width`` (tabulate draws them as one row),
+    before its parenthesis when it has one: ``CUDA context and libraries`` over
+    ``(published bare context + estimate, lazy module loading)``."""
+    if len(text) <= width:
+        return text
+    if " (" in text and text.index(" (") <= width and len(text) - text.index(" (") - 1 <= width:
+        return text.replace(" (", "\n(", 1)
     return "\n".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)) or text
 
 
@@ -243,40 +270,42 @@ def render_estimate(est: Estimate) -> str:
     return "\n".join(line for line in lines if line is not None).replace("\n\n\n", "\n\n")
 
 
-def _module_label(est: Estimate, name: str) -> str:
-    """The root module's own row says what it holds: with the labels in the batch, a
-    transformers model computes its loss on the logits in its own forward, outside its
-    submodules (``GPT2LMHeadModel.forward``'s ``loss_function``)."""
+def _module_label(est: Estimate, name: str, state_bytes: int = 0) -> str:
+    """The root module's own row (``(model)``: what its forward allocates outside its
+    submodules) says what it holds: with the labels in the batch and no weights of its own, a
+    transformers model's loss on the logits (``GPT2LMHeadModel.forward``'s ``loss_function``:
+    the logits upcast, their log-softmax, and in backward their gradients)."""
     if name != "(model)":
         return name
     labels = any(i.name == "labels" for i in est.batch.inputs)
-    return "(model: loss, logits)" if labels else "(model's own ops)"
+    return "(model: loss, logits)" if labels and not state_bytes else "(model, outside submodules)"
 
 
 def render_modules(est: Estimate) -> list[str]:
     """The top modules at the peak, in ``WIDTH`` columns: what each module owns (weights,
     gradients, optimizer state, communication buffers), what autograd saved inside it for
     backward, and the rest allocated inside it (temporaries, outputs, the loss). Identical copies
-    of one repeated block share a row (``transformer.h.{0..11}.attn``), its figures each copy's."""
+    of one repeated block share a row (``transformer.h.{0..11}.attn``), its figures each copy's.
+    Laid out for ``WIDTH``: a long name is broken after a dot."""
     groups: dict[tuple, list] = {}
     for m in est.modules:
         groups.setdefault(m.repeat_key, []).append(m)
     rows = []
     for members in groups.values():
         m = members[0]
-        name = ranges([x.name for x in members])[0] if len(members) > 1 else _module_label(est, m.name)
+        name = ranges([x.name for x in members])[0] if len(members) > 1 else _module_label(est, m.name,
+                                                                                          m.state_bytes)
         rows.append([name, format_bytes(m.state_bytes), format_bytes(m.saved_bytes),
                      format_bytes(m.activation_bytes - m.saved_bytes), format_bytes(m.total)])
     headers = ["top modules at the peak", "weights,\noptim", "saved", "temps", "total"]
-    # tabulate pads a header by 2 (MIN_PADDING) and puts 2 spaces between columns
-    figures = [max(max(len(r[i]) for r in rows), max(map(len, headers[i].split("\n"))) + 2) for i in range(1, 5)]
-    width = WIDTH - sum(figures) - 2 * len(figures)
+    figures = [max(max(len(r[i]) for r in rows), *map(len, headers[i].split("\n"))) for i in range(1, 5)]
+    width = WIDTH - sum(figures) - 2 * len(figures)  # the name column: what the figures leave
     for r in rows:
         r[0] = "\n".join(_split_name(r[0], width))
-    lines = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True).splitlines()
+    lines = table(headers, rows)
     lines.extend(wrap("weights, optim: the weights, gradients, optimizer state and communication buffers "
-                      "each module owns; saved: what autograd saved inside it for backward; temps: "
-                      "temporaries, outputs and the loss allocated inside it", hang=0))
+                      "each module owns; saved: what autograd saved inside it for backward; temps: the rest "
+                      "allocated inside it (temporaries, outputs and loss, inputs, workspaces)", hang=0))
     if any(len(g) > 1 for g in groups.values()):
         lines.append("{i..j}: copies i to j of a repeated block, with the same figures (each copy's)")
     return lines
@@ -408,7 +437,14 @@ def _packed(plan: Plan) -> bool:
 
 
 def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
-    """The recommendation as memcheck flags and as transformers TrainingArguments."""
+    """The recommendation as memcheck flags and as transformers TrainingArguments, each one line."""
+    flags, args = _flag_parts(plan, r)
+    return " ".join(flags), ", ".join(args)
+
+
+def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
+    """The recommendation as memcheck flags (each with its value) and as transformers
+    TrainingArguments (each ``key=value``)."""
     flags = [f"--batch-size {r.micro_batch_size}"]
     args = [f"per_device_train_batch_size={r.micro_batch_size}"]
     if r.accumulation_steps > 1:
@@ -418,11 +454,13 @@ def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
         flags.append("--checkpointing full")
         args.append(f"{checkpointing_argument()}=True")
     elif r.checkpointing == "half":
-        flags.append("--checkpointing " + ",".join(plan.checkpointed_modules))
+        # memcheck's "half" wraps half_of(repeated_blocks(model)), the blocks the plan traced
+        # (memcheck.training.checkpointing.apply_checkpointing); the table lists them
+        flags.append("--checkpointing half")
         # transformers' every_n_layers checkpoints layers 0, n, 2n, ... (modeling_utils.py
         # _set_gradient_checkpointing): with n = 2 the blocks half_of() names.
         name = checkpointing_argument()
-        args.append(f"{name}=True, {name}_kwargs={{'every_n_layers': 2}}")
+        args.extend((f"{name}=True", f"{name}_kwargs={{'every_n_layers': 2}}"))
     if r.precision != "fp32":
         flags.append(f"--precision {r.precision}")
     args.append({"amp-bf16": "bf16=True", "amp-fp16": "fp16=True", "bf16": "bf16=True with the model loaded in "
@@ -443,11 +481,20 @@ def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
     if plan.job is not None and plan.job.assume:  # the data-dependent answers the plan pinned, or the user's
         flags.append(f"--assume {','.join(plan.job.assume)}")
     if plan.strategy != "single":
-        flags.append(f"--strategy {plan.strategy} --gpus {plan.gpus}")
+        flags.extend((f"--strategy {plan.strategy}", f"--gpus {plan.gpus}"))
         args.append({"fsdp": 'fsdp="full_shard"', "zero3": "deepspeed= a ZeRO stage 3 config",
                      "zero2": "deepspeed= a ZeRO stage 2 config", "zero1": "deepspeed= a ZeRO stage 1 config"}
                     .get(plan.strategy, f"launched on {plan.gpus} GPUs (torchrun --nproc_per_node {plan.gpus})"))
-    return " ".join(flags), ", ".join(args)
+    return flags, args
+
+
+def _checkpointing_cell(plan: Plan, option: PlanOption) -> str:
+    """The table's short label: ``half (6/12)``, the blocks checkpointed of the repeated blocks."""
+    if option.checkpointing == "half":
+        return f"half ({len(half_of(plan.blocks))}/{len(plan.blocks)})"
+    if option.checkpointing == "full" and plan.blocks:
+        return f"full ({len(plan.blocks)}/{len(plan.blocks)})"
+    return option.checkpointing
 
 
 def _checkpointing_label(plan: Plan, option: PlanOption) -> str:
@@ -470,48 +517,52 @@ def render_plan(plan: Plan) -> str:
         head += f", every sample slot packed to {plan.max_len} tokens" if packed else \
             f", every sequence padded to {plan.max_len}"
     what = "device total" if plan.device.value == "cuda" else "peak"
-    lines = [
+    lines = _prose(
         head,
         f"limit: {what} at most {format_bytes(plan.limit_bytes)} = capacity {format_bytes(plan.capacity_bytes)} "
         f"minus a {plan.margin:.0%} margin ({format_bytes(plan.margin_bytes)})",
-        "",
-    ]
+    )
+    lines.append("")
     r = plan.recommended
     if r is not None:
         per_step = r.micro_batch_size * r.accumulation_steps * plan.gpus
-        lines.append(
+        lines.extend(_prose(
             f"RECOMMENDED: micro-batch {r.micro_batch_size} x {r.accumulation_steps} accumulation step(s)"
             + (f" x {plan.gpus} GPUs" if plan.gpus > 1 else "") + f" = {per_step} samples per optimizer step, "
             f"checkpointing {_checkpointing_label(plan, r)}, {r.precision}"
-        )
+        ))
         if plan.global_batch is not None and per_step != plan.global_batch:
-            lines.append(f"  note: {per_step} is the nearest reachable to the global batch {plan.global_batch}")
+            lines.extend(_prose(f"  note: {per_step} is the nearest reachable to the global batch {plan.global_batch}"))
         lines.append(f"  {what} {format_bytes(r.predicted_device_total_bytes)} (traced at exactly this point)")
-        flags, args = _flags(plan, r)
-        lines.append(f"  memcheck flags:     {flags}")
-        lines.append(f"  TrainingArguments: {args}")
+        flags, args = _flag_parts(plan, r)
+        lines.extend(continued("  memcheck flags:", flags, shell=True))
+        lines.extend(continued("  TrainingArguments:", args, shell=False))
         if r.checkpointing == "half":
-            lines.append(f"  checkpointed blocks: {', '.join(plan.checkpointed_modules)}")
+            lines.extend(continued("  checkpointed blocks:", ranges(plan.checkpointed_modules), shell=False))
     else:
-        lines.append("NOTHING FITS: not even micro-batch 1 with the most checkpointing and the lowest precision allowed")
+        lines.extend(_prose("NOTHING FITS: not even micro-batch 1 with the most checkpointing and the lowest "
+                            "precision allowed"))
         if plan.suggestion is not None and str(plan.suggestion):
-            lines.append(f"  what would: {plan.suggestion}")
+            lines.extend(_prose(f"  what would: {plan.suggestion}"))
     lines.append("")
     rows = []
     for o in ((r,) if r else ()) + plan.alternatives:
         rows.append([
-            "*" if o is r else "", o.precision, _checkpointing_label(plan, o),
-            o.micro_batch_size if o.fits else "-", o.accumulation_steps if o.fits else "-",
-            format_bytes(o.predicted_device_total_bytes) + ("" if o.fits else " at micro-batch 1"),
+            "*" if o is r else "", o.precision, _checkpointing_cell(plan, o),
+            f"{o.micro_batch_size} x {o.accumulation_steps}" if o.fits else "-",
+            format_bytes(o.predicted_device_total_bytes),
             ("not searched" if o.note else str(o.largest_fitting_micro_batch)
-             + ("" if o.boundary_confirmed else " (not pinned)")) if o.fits else "none", f"{o.relative_cost / r.relative_cost:.2f}" if (o.fits and r) else "-",
+             + ("" if o.boundary_confirmed else " (not pinned)")) if o.fits else "none",
+            f"{o.relative_cost / r.relative_cost:.2f}" if (o.fits and r) else "-",
             str(o.traces),
         ])
-    lines.append(tabulate(rows, headers=["", "precision", "checkpointing", "micro-batch", "accumulation",
-                                         what, "largest fitting", "relative cost", "traces"], tablefmt="simple",
-                          disable_numparse=True))
-    lines.append("relative cost: the proxy's time per optimizer step (per sample without a global batch), "
-                 "1.00 = recommended; see memcheck.engine.plan")
+    lines.extend(table(["", "precision", "checkpointing", "batch\nx accum", what.replace(" ", "\n"),
+                        "largest\nfitting", "cost", "traces"], rows))
+    lines.extend(_prose(
+        "batch x accum: micro-batch x accumulation steps; cost: the proxy's time per optimizer step (per "
+        "sample without a global batch), relative, 1.00 = recommended; see memcheck.engine.plan"
+        + (f"; none: does not fit even at micro-batch 1, the {what} shown" if any(not o.fits for o in
+                                                                                   plan.alternatives) else "")))
     if plan.length_profile:
         lines.append("")
         lines.append(tabulate(
@@ -522,20 +573,21 @@ def render_plan(plan: Plan) -> str:
         ))
         if plan.longest_fitting_length is not None:
             limit = plan.position_limit or plan.max_len
-            lines.append(f"longest {length} that fits at micro-batch {r.micro_batch_size}: "
-                         f"{plan.longest_fitting_length}" + (
-                             " (the model's position limit)" if plan.longest_fitting_length == plan.position_limit
-                             else " (searched up to --max-len)" if limit == plan.max_len else
-                             f" (in multiples of 8, up to the position limit {limit})"))
+            lines.extend(_prose(f"longest {length} that fits at micro-batch {r.micro_batch_size}: "
+                                f"{plan.longest_fitting_length}" + (
+                                    " (the model's position limit)"
+                                    if plan.longest_fitting_length == plan.position_limit
+                                    else " (searched up to --max-len)" if limit == plan.max_len else
+                                    f" (in multiples of 8, up to the position limit {limit})")))
     if plan.verification is not None:
         lines.append("")
-        lines.append(render_verification(plan.verification))
+        lines.extend(_prose(render_verification(plan.verification)))
     lines.append("")
     lines.append(f"traces: {plan.traces}")
     if plan.branches_note:
-        lines.append(plan.branches_note)
+        lines.extend(_prose(plan.branches_note))
     if plan.max_len:
-        lines.append(PACKING_NOTE if packed else PADDING_NOTE)
+        lines.extend(wrap(PACKING_NOTE if packed else PADDING_NOTE, hang=0))
     return "\n".join(lines)
 
 

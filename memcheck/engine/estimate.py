@@ -190,7 +190,8 @@ def estimate(
         eval_batch: a batch for an evaluation pass after training (no autograd, same
             precision); the peak is the larger of training's and evaluation's.
         model_name: the name the report uses (default: the model's class).
-        top_modules: how many modules the report lists.
+        top_modules: how many modules the report lists (the identical copies of a repeated
+            block, all listed, count as one).
         progress: called with a short line as the trace enters each phase (the CLI's
             stderr progress on a terminal).
         timeline: also keep the busiest GPU's memory event by event as ``Estimate.timeline``

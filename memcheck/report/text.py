@@ -46,16 +46,24 @@ _CATEGORY_LABELS = {
 WIDTH = 80  # every table and line fits 80 columns, whatever the terminal (issue 19)
 
 
-def wrap(line: str, hang: int = 2) -> list[str]:
-    """One line of prose broken at spaces to fit ``WIDTH``, never inside a word; the lines
-    after the first indented ``hang`` more than it (and past a leading ``- ``). A word longer
-    than a line stays whole on its own line."""
+def wrap(line: str, hang: int = 2, indent: str | None = None) -> list[str]:
+    """One line of prose broken at spaces to fit ``WIDTH``, never inside a word, a shape or a
+    range; the lines after the first indented ``hang`` more than it (and past a leading ``- ``),
+    or by ``indent``. A word longer than a line stays whole on its own line."""
     if len(line) <= WIDTH:
         return [line]
     body = line.lstrip(" ")
     lead = " " * (len(line) - len(body))
-    indent = lead + " " * (hang + (2 if body.startswith("- ") else 0))
-    return textwrap.wrap(line, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+    if indent is None:
+        indent = lead + " " * (hang + (2 if body.startswith("- ") else 0))
+    kept = _UNBROKEN.sub(lambda m: m.group(0).replace(" ", _GLUE), line)
+    return [part.replace(_GLUE, " ") for part in
+            textwrap.wrap(kept, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)]
+
+
+_GLUE = "\x00"  # a space that wrap() does not break at
+# kept whole on a line: a shape "(8, 1024)", "8 x 1024", a range "{0..10 step 2}"
+_UNBROKEN = re.compile(r"\(\d+(?:, \d+)*,?\)|\d+ x \d+|\{[^{}\s]+(?: step \d+)?\}")
 
 
 def _prose(*lines: str) -> list[str]:
@@ -393,13 +401,13 @@ def render_comparison(cmp: Comparison) -> str:
     """The table printed by ``memcheck MODEL --compare``."""
     first = cmp.rows[0]
     b = first.batch
-    lines = [
+    lines = _prose(
         f"memcheck: {first.model} on {first.device.value}, {first.precision.value}, {first.optimizer}, "
         f"{b.batch_size} per GPU" + (f" x {b.max_len} tokens" if b.max_len else "") + f", {cmp.gpus} GPU(s)",
-        "",
-    ]
+    )
+    lines.append("")
     cuda = first.device_total_bytes is not None
-    headers = ["strategy", "peak (allocated)"] + (["reserved", "device total"] if cuda else []) + ["busiest GPU"]
+    headers = ["strategy", "peak\n(allocated)"] + (["reserved", "device\ntotal"] if cuda else []) + ["busiest\nGPU"]
     rows = []
     for r in cmp.rows:
         row = [r.strategy, format_bytes(r.peak_bytes)]
@@ -410,10 +418,11 @@ def render_comparison(cmp: Comparison) -> str:
             row.append("fits" if r.fits else "DOES NOT FIT")
         rows.append(row)
     if any(r.fits is not None for r in cmp.rows):
-        headers.append(f"vs {format_bytes(first.budget_bytes)}")
-    lines.append(tabulate(rows, headers=headers, tablefmt="simple"))
+        headers.append(f"vs\n{format_bytes(first.budget_bytes)}")
+    lines.extend(table(headers, rows))
     lines.append("")
-    lines.append("figures are each strategy's busiest GPU; run one with --strategy NAME --gpus N for its breakdown")
+    lines.extend(_prose("figures are each strategy's busiest GPU; run one with --strategy NAME --gpus N for its "
+                        "breakdown"))
     return "\n".join(lines)
 
 
@@ -727,11 +736,11 @@ def render_config_check(results, skipped=(), as_json: bool = False) -> str:
     for job, v in results:
         if v.fits:
             what = "device total" if v.estimate.device_total_bytes is not None else "peak"
-            lines.append(f"ok    {job.label}: {what} {format_bytes(v.estimate.total_bytes)} of the "
-                         f"{format_bytes(v.limit_bytes)} limit")
+            lines.extend(wrap(f"ok    {job.label}: {what} {format_bytes(v.estimate.total_bytes)} of the "
+                              f"{format_bytes(v.limit_bytes)} limit", indent=" " * 8))
         else:
-            lines.append(f"FAIL  {job.label}: {verdict_line(v)}")
-            lines.append(f"      {fix_line(v, 'config')}")
+            lines.extend(wrap(f"FAIL  {job.label}: {verdict_line(v)}", indent=" " * 8))
+            lines.extend(wrap(f"      {fix_line(v, 'config')}", indent=" " * 8))
     return "\n".join(lines)
 
 

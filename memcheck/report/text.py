@@ -124,10 +124,10 @@ def _index_range(idx: list[int]) -> str:
     return ",".join(str(i) for i in idx)
 
 
-def table(headers: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -> list[str]:
-    """tabulate's "simple" table without its 2-column padding of headers, so a column is as wide
-    as its widest line (cells and headers may hold several lines); columns in ``right`` are
-    right-aligned."""
+def table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """tabulate's "simple" table, left-aligned, without its 2-column padding of headers, so a
+    column is as wide as its widest line (cells and headers may hold several lines, the
+    headers' last lines on the rule)."""
     cols = len(headers)
     split = [[c.split("\n") for c in row] for row in [headers] + rows]
     widths = [max(len(line) for row in split for line in row[i]) for i in range(cols)]
@@ -137,8 +137,7 @@ def table(headers: list[str], rows: list[list[str]], right: tuple[int, ...] = ()
         out = []
         for k in range(height):
             cells = [(c[k] if k < len(c) else "") for c in row]
-            out.append("  ".join(cells[i].rjust(widths[i]) if i in right else cells[i].ljust(widths[i])
-                                 for i in range(cols)).rstrip())
+            out.append("  ".join(cells[i].ljust(widths[i]) for i in range(cols)).rstrip())
         return out
 
     head = [[""] * (max(len(h) for h in split[0]) - len(h)) + h for h in split[0]]  # headers sit on the rule

@@ -51,7 +51,7 @@ def wrap(line: str, hang: int = 2, indent: str | None = None) -> list[str]:
     range; the lines after the first indented ``hang`` more than it (and past a leading ``- ``),
     or by ``indent``. A word longer than a line stays whole on its own line."""
     if len(line) <= WIDTH:
-        return [line]
+        return [line.replace(_GLUE, " ")]
     body = line.lstrip(" ")
     lead = " " * (len(line) - len(body))
     if indent is None:
@@ -735,10 +735,10 @@ def render_config_check(results, skipped=(), as_json: bool = False) -> str:
     for job, v in results:
         if v.fits:
             what = "device total" if v.estimate.device_total_bytes is not None else "peak"
-            lines.extend(wrap(f"ok    {job.label}: {what} {format_bytes(v.estimate.total_bytes)} of the "
+            lines.extend(wrap(f"ok{_GLUE * 4}{job.label}: {what} {format_bytes(v.estimate.total_bytes)} of the "
                               f"{format_bytes(v.limit_bytes)} limit", indent=" " * 8))
-        else:
-            lines.extend(wrap(f"FAIL  {job.label}: {verdict_line(v)}", indent=" " * 8))
+        else:  # the verdict's word stays on the first line with the file's name
+            lines.extend(wrap(f"FAIL{_GLUE * 2}{job.label}: {verdict_line(v)}", indent=" " * 8))
             lines.extend(wrap(f"      {fix_line(v, 'config')}", indent=" " * 8))
     return "\n".join(lines)
 

@@ -48,6 +48,14 @@ def test_wrap_breaks_at_spaces_keeps_shapes_whole_and_indents_the_rest():
     assert wrap(f"a {long} b") == ["a", f"  {long}", "  b"]  # a word over the width stays whole
 
 
+def test_a_long_module_name_breaks_after_a_dot_never_inside_a_range():
+    from memcheck.report.text import _split_name
+
+    name = "base_model.model.model.layers.{0..31}.mlp.gate_proj"
+    assert _split_name(name, 35) == ["base_model.model.model.layers.", "  {0..31}.mlp.gate_proj"]
+    assert _split_name("transformer.h.{0..11}.attn", 35) == ["transformer.h.{0..11}.attn"]
+
+
 def test_continued_lines_are_a_shell_command_or_python_arguments():
     flags = [f"--flag-{i} value{i}" for i in range(12)]
     lines = continued("  memcheck flags:", flags, shell=True)

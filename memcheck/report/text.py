@@ -319,10 +319,18 @@ def render_modules(est: Estimate) -> list[str]:
 
 
 def _split_name(name: str, width: int) -> list[str]:
-    """A module name over ``width`` broken after its dots (never inside a part)."""
+    """A module name over ``width`` broken after its dots (never inside a part or a range
+    ``{0..31}``), the lines after the first indented 2."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(name):
+        depth += (ch == "{") - (ch == "}")
+        if ch == "." and depth == 0:
+            parts.append(name[start:i + 1])
+            start = i + 1
+    parts.append(name[start:])
     out, current = [], ""
-    for part in re.split(r"(?<=\.)", name):
-        if current and len(current + part) > width:
+    for part in parts:
+        if current.strip() and len(current + part) > width:
             out.append(current)
             current = "  " + part
         else:

@@ -574,11 +574,12 @@ def render_plan(plan: Plan) -> str:
         ])
     lines.extend(table(["", "precision", "checkpointing", "batch\nx accum", what.replace(" ", "\n"),
                         "largest\nfitting", "cost", "traces"], rows))
+    unfit = any(not o.fits for o in plan.alternatives)
     lines.extend(_prose(
         "batch x accum: micro-batch x accumulation steps; cost: the proxy's time per optimizer step (per "
         "sample without a global batch), relative, 1.00 = recommended; see memcheck.engine.plan"
-        + (f"; none: does not fit even at micro-batch 1, the {what} shown" if any(not o.fits for o in
-                                                                                   plan.alternatives) else "")))
+        + (f"; largest fitting none: the option does not fit even at micro-batch 1, whose {what} is shown"
+           if unfit else "")))
     if plan.length_profile:
         lines.append("")
         lines.append(tabulate(

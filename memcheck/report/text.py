@@ -277,14 +277,20 @@ def render_estimate(est: Estimate) -> str:
     return "\n".join(line for line in lines if line is not None).replace("\n\n\n", "\n\n")
 
 
+_PEFT_INNER = "base_model.model"  # PEFT's PeftModel -> LoraModel (base_model) -> the transformers model (model)
+
+
 def _module_label(est: Estimate, name: str, state_bytes: int = 0) -> str:
     """The root module's own row (``(model)``: what its forward allocates outside its
     submodules) says what it holds: with the labels in the batch and no weights of its own, a
     transformers model's loss on the logits (``GPT2LMHeadModel.forward``'s ``loss_function``:
-    the logits upcast, their log-softmax, and in backward their gradients)."""
+    the logits upcast, their log-softmax, and in backward their gradients); under PEFT that
+    model is ``base_model.model``."""
+    labels = any(i.name == "labels" for i in est.batch.inputs)
+    if name == _PEFT_INNER and labels and not state_bytes:
+        return f"{name} (loss, logits)"
     if name != "(model)":
         return name
-    labels = any(i.name == "labels" for i in est.batch.inputs)
     return "(model: loss, logits)" if labels and not state_bytes else "(model, outside submodules)"
 
 

@@ -1,4 +1,8 @@
-"""All human-readable output: tables through tabulate, JSON through ``to_dict``."""
+"""All human-readable output: tables through tabulate (or ``table``, which does not pad its
+headers), JSON through ``to_dict``. Every table and line fits ``WIDTH`` (80) columns whatever
+the terminal: prose is wrapped at spaces (``wrap``), flags are continued with `` \\`` and
+arguments broken after commas (``continued``), runs of repeated blocks are ranges
+(``ranges``: ``model.layers.{0..30 step 2}``). The JSON keeps every line whole."""
 
 from __future__ import annotations
 

@@ -217,7 +217,7 @@ def _workload_options(command):
 @click.option("--eval-accumulate-predictions", type=int, default=0, show_default=True, metavar="N",
               help="Keep N eval batches of predictions on the GPU (HF Trainer without eval_accumulation_steps).")
 @click.option("--compare", is_flag=True, help="One table of every strategy that applies to --gpus.")
-@click.option("--top", default=8, show_default=True, type=int, help="Modules to list in the table.")
+@click.option("--top", default=8, show_default=True, type=int, help="Modules to list in the table (identical copies of a repeated block count as one).")
 @click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
               help="Write the simulated allocator trace for PyTorch's memory viewer (pytorch.org/memory_viz).")
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png",

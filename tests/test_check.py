@@ -54,6 +54,18 @@ def run(*args):
     return CliRunner().invoke(main, ["check", *map(str, args)])
 
 
+def entries(stdout: str) -> list[str]:
+    """The output's lines with their continuations joined: the report wraps a line at 80
+    columns, continuing it on lines indented 8 (layout only)."""
+    out: list[str] = []
+    for line in stdout.splitlines():
+        if line.startswith(" " * 8) and out:
+            out[-1] += " " + line.strip()
+        else:
+            out.append(line)
+    return out
+
+
 @pytest.fixture
 def repo(tmp_path):
     """A repository (a directory with .git) holding the model file; configs go in it."""
@@ -119,7 +131,7 @@ def test_a_config_that_fits_exits_0_with_one_line_per_job(repo):
         "[jobs.one]\nmicro_batch = 1\n[jobs.two]\nmicro_batch = 2\n")
     result = run(repo / "memcheck.toml")
     assert result.exit_code == 0, result.output
-    lines = result.stdout.splitlines()
+    lines = entries(result.stdout)
     assert len(lines) == 2 and result.stderr == ""  # no progress: CliRunner's stderr is not a terminal
     for line, job in zip(lines, ("one", "two")):
         # 1 GiB * (1 - 0.05) = 972.8 MiB
@@ -129,14 +141,14 @@ def test_a_config_that_fits_exits_0_with_one_line_per_job(repo):
 @pytest.mark.slow
 def test_multiple_files_exit_1_when_any_job_does_not_fit(two_files):
     assert two_files.exit_code == 1, two_files.output
-    lines = two_files.stdout.splitlines()
+    lines = entries(two_files.stdout)
     assert lines[0].startswith("ok    configs/memcheck.toml: peak ")
     assert lines[1].startswith("FAIL  big.memcheck.json [jobs.big]: will not fit: ")
     assert len(lines) == 3
 
 
 def test_a_job_over_budget_prints_its_file_job_peak_capacity_and_fix(two_files):
-    fail, fix = two_files.stdout.splitlines()[1:3]
+    fail, fix = entries(two_files.stdout)[1:3]
     # the peak, then the limit: 48 MiB * 0.95 = 45.6 MiB of the 48.0 MiB capacity
     assert re.search(r"needs [\d.]+ MiB \(peak, reached in \w+\) over the 45\.6 MiB limit \(cpu budget 48\.0 MiB "
                      r"minus a 5% margin\) at micro-batch 16 x 1", fail), fail
@@ -144,7 +156,7 @@ def test_a_job_over_budget_prints_its_file_job_peak_capacity_and_fix(two_files):
 
 
 def test_the_printed_fix_fits_when_run_for_real(two_files, model_dir):
-    micro, accumulation, ck = FIX.search(two_files.stdout).groups()
+    micro, accumulation, ck = FIX.search("\n".join(entries(two_files.stdout))).groups()
     micro, accumulation = int(micro), int(accumulation)
     assert micro * accumulation == BIG_BATCH  # the job's own global batch
     checkpointing = json.loads(ck) if ck.startswith("[") else ck.strip('"')
@@ -183,7 +195,7 @@ def test_pyproject_tool_memcheck_and_yaml_are_read(repo):
         "model: model.py\ndevice: cpu\nmax_len: 128\njobs:\n  small: {micro_batch: 2, gpu_memory: 1GiB}\n")
     result = run(repo / "pyproject.toml", repo / "train.memcheck.yaml")
     assert result.exit_code == 0, result.output
-    first, second = result.stdout.splitlines()
+    first, second = entries(result.stdout)
     assert "pyproject.toml [tool.memcheck.jobs.tiny]: peak " in first
     assert "train.memcheck.yaml [jobs.small]: peak " in second
 
@@ -369,4 +381,4 @@ def test_progress_goes_to_a_terminal_only_and_stdout_stays_clean(repo):
     stdout, stderr, code = run_cli(["check", str(repo / "memcheck.toml")], tty=True)
     assert code == 0, stderr
     assert "memcheck.toml: tracing model" in stderr and stderr.rstrip(" ").endswith("\r\033[K")
-    assert stdout.startswith("ok    ") and len(stdout.splitlines()) == 1 and "\r" not in stdout
+    assert stdout.startswith("ok    ") and len(entries(stdout)) == 1 and "\r" not in stdout

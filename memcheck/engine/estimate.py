@@ -190,7 +190,8 @@ def estimate(
         eval_batch: a batch for an evaluation pass after training (no autograd, same
             precision); the peak is the larger of training's and evaluation's.
         model_name: the name the report uses (default: the model's class).
-        top_modules: how many modules the report lists.
+        top_modules: how many modules the report lists (the identical copies of a repeated
+            block, all listed, count as one).
         progress: called with a short line as the trace enters each phase (the CLI's
             stderr progress on a terminal).
         timeline: also keep the busiest GPU's memory event by event as ``Estimate.timeline``
@@ -731,6 +732,21 @@ def _with_workspaces(events: list[tuple], arch, start: int) -> tuple[list[tuple]
     return out, len(out) if new_start is None else new_start
 
 
+def _top_modules(rows: list[ModuleMemory], top: int) -> list[ModuleMemory]:
+    """The rows of the ``top`` largest groups, a group being the rows of one repeated block that
+    hold exactly the same bytes (``model.layers.7.mlp`` beside ``model.layers.3.mlp``,
+    ``ModuleMemory.repeat_key``) or a row alone, so the report can show each group whole
+    (``memcheck.report.text`` draws a group as one row)."""
+    keys: list = []
+    for m in rows:
+        if m.repeat_key not in keys:
+            if len(keys) == top:
+                break
+            keys.append(m.repeat_key)
+    kept = set(keys)
+    return [m for m in rows if m.repeat_key in kept]
+
+
 def _short(module: str | None, root: str) -> str:
     if not module or module == "Global":
         return "(outside modules)"
@@ -828,13 +844,16 @@ def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch
             if module is not None:
                 state[sid][2] = module
     by_cat: dict[Category, int] = defaultdict(int)
-    by_mod: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    by_mod: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # state, not state, saved for backward
     for n, cat, module in state.values():
         by_cat[cat] += n
-        by_mod[_short(module, root)][0 if cat in _STATE else 1] += n
-    modules = sorted(
-        (ModuleMemory(m, st, act) for m, (st, act) in by_mod.items()), key=lambda m: -m.total
-    )[:top_modules]
+        row = by_mod[_short(module, root)]
+        row[0 if cat in _STATE else 1] += n
+        if cat is Category.ACTIVATION:
+            row[2] += n
+    modules = _top_modules(
+        sorted((ModuleMemory(m, st, act, saved) for m, (st, act, saved) in by_mod.items()), key=lambda m: -m.total),
+        top_modules)
     peak_event = events[best_at]
     return DeviceMemory(
         index=index, peak_bytes=best, breakdown_at_peak=Breakdown.from_categories(by_cat),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,9 @@ class Breakdown:
         return asdict(self)
 
 
+_BLOCK_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")  # a repeated block's index: model.layers.[3].mlp
+
+
 @dataclass(frozen=True)
 class ModuleMemory:
     """Memory live at the peak that belongs to one module (by its qualified name)."""
@@ -49,10 +53,17 @@ class ModuleMemory:
     name: str
     state_bytes: int  # parameters, buffers, gradients, optimizer state and communication buffers it owns
     activation_bytes: int  # activations, temporaries and outputs allocated inside it
+    saved_bytes: int = 0  # of activation_bytes, what autograd saved for backward (Category.ACTIVATION)
 
     @property
     def total(self) -> int:
         return self.state_bytes + self.activation_bytes
+
+    @property
+    def repeat_key(self) -> tuple:
+        """The name with its first block index as ``#`` (``model.layers.#.mlp``) and the bytes:
+        rows with equal keys are identical copies of one repeated block."""
+        return _BLOCK_INDEX.sub("#", self.name, count=1), self.state_bytes, self.activation_bytes, self.saved_bytes
 
 
 @dataclass(frozen=True)
@@ -316,7 +327,8 @@ class Estimate:
             "checkpointed_modules": list(self.checkpointing),
             "work": None if self.work is None else asdict(self.work),
             "modules": [
-                {"name": m.name, "state_bytes": m.state_bytes, "activation_bytes": m.activation_bytes}
+                {"name": m.name, "state_bytes": m.state_bytes, "activation_bytes": m.activation_bytes,
+                 "saved_bytes": m.saved_bytes}
                 for m in self.modules
             ],
             "assumptions": list(self.assumptions),

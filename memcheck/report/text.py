@@ -1,8 +1,14 @@
-"""All human-readable output: tables through tabulate, JSON through ``to_dict``."""
+"""All human-readable output: tables through tabulate (or ``table``, which does not pad its
+headers), JSON through ``to_dict``. Every table and line fits ``WIDTH`` (80) columns whatever
+the terminal: prose is wrapped at spaces (``wrap``), flags are continued with `` \\`` and
+arguments broken after commas (``continued``), runs of repeated blocks are ranges
+(``ranges``: ``model.layers.{0..30 step 2}``). The JSON keeps every line whole."""
 
 from __future__ import annotations
 
 import json
+import re
+import textwrap
 from typing import TYPE_CHECKING
 
 from tabulate import tabulate
@@ -39,6 +45,118 @@ _CATEGORY_LABELS = {
     "communication": "communication buffers",
     "other": "other",
 }
+
+
+WIDTH = 80  # every table and line fits 80 columns, whatever the terminal (issue 19)
+
+
+def wrap(line: str, hang: int = 2, indent: str | None = None) -> list[str]:
+    """One line of prose broken at spaces to fit ``WIDTH``, never inside a word, a shape or a
+    range; the lines after the first indented ``hang`` more than it (and past a leading ``- ``),
+    or by ``indent``. A word longer than a line stays whole on its own line."""
+    if len(line) <= WIDTH:
+        return [line.replace(_GLUE, " ")]
+    body = line.lstrip(" ")
+    lead = " " * (len(line) - len(body))
+    if indent is None:
+        indent = lead + " " * (hang + (2 if body.startswith("- ") else 0))
+    kept = _UNBROKEN.sub(lambda m: m.group(0).replace(" ", _GLUE), line)
+    return [part.replace(_GLUE, " ") for part in
+            textwrap.wrap(kept, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)]
+
+
+_GLUE = "\x00"  # a space that wrap() does not break at
+# kept whole on a line: a shape "(8, 1024)", "8 x 1024", a range "{0..10 step 2}"
+_UNBROKEN = re.compile(r"\(\d+(?:, \d+)*,?\)|\d+ x \d+|\{[^{}\s]+(?: step \d+)?\}")
+
+
+def _prose(*lines: str) -> list[str]:
+    return [part for line in lines for text in line.split("\n") for part in wrap(text)]
+
+
+def continued(label: str, parts, *, shell: bool, indent: str = "    ") -> list[str]:
+    """``label`` on its own line (when the parts do not fit beside it), then ``parts`` packed
+    into lines of ``WIDTH``: a shell command continued with `` \\`` (each part a flag and its
+    value, never split), or Python arguments broken after their commas."""
+    sep = " " if shell else ", "
+    one = label + " " + sep.join(parts)
+    if len(one) <= WIDTH:
+        return [one]
+    tail = " \\" if shell else ","
+    lines, current = [label], ""
+    for part in parts:
+        candidate = current + sep + part if current else part
+        if current and len(indent + candidate + tail) > WIDTH:
+            lines.append(indent + current + tail)
+            candidate = part
+        current = candidate
+    lines.append(indent + current)
+    return lines
+
+
+_NUMBERED = re.compile(r"(?<=\.)(\d+)(?=\.|$)")
+
+
+def ranges(names) -> list[str]:
+    """Module names with one repeated block index each, their indices as a range:
+    ``transformer.h.{0..10 step 2}`` for h.0, h.2, ..., h.10; ``{0..11}`` for a run; ``{1,4,9}``
+    otherwise. Names without an index, or alone in their pattern, stay as they are."""
+    groups: dict[str, list[int]] = {}
+    order: list[str] = []
+    for name in names:
+        m = _NUMBERED.search(name)
+        key = name if m is None else name[:m.start()] + "#" + name[m.end():]
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        if m is not None:
+            groups[key].append(int(m.group(1)))
+    out = []
+    for key in order:
+        idx = groups[key]
+        if len(idx) < 2:
+            out.append(key if not idx else key.replace("#", str(idx[0]), 1))
+            continue
+        out.append(key.replace("#", "{" + _index_range(idx) + "}", 1))
+    return out
+
+
+def _index_range(idx: list[int]) -> str:
+    step = idx[1] - idx[0]
+    if len(idx) >= 3 and step > 0 and all(b - a == step for a, b in zip(idx, idx[1:])):
+        return f"{idx[0]}..{idx[-1]}" + (f" step {step}" if step > 1 else "")
+    return ",".join(str(i) for i in idx)
+
+
+def table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """tabulate's "simple" table, left-aligned, without its 2-column padding of headers, so a
+    column is as wide as its widest line (cells and headers may hold several lines, the
+    headers' last lines on the rule)."""
+    cols = len(headers)
+    split = [[c.split("\n") for c in row] for row in [headers] + rows]
+    widths = [max(len(line) for row in split for line in row[i]) for i in range(cols)]
+
+    def draw(row) -> list[str]:
+        height = max(len(c) for c in row)
+        out = []
+        for k in range(height):
+            cells = [(c[k] if k < len(c) else "") for c in row]
+            out.append("  ".join(cells[i].ljust(widths[i]) for i in range(cols)).rstrip())
+        return out
+
+    head = [[""] * (max(len(h) for h in split[0]) - len(h)) + h for h in split[0]]  # headers sit on the rule
+    return draw(head) + ["  ".join("-" * w for w in widths)] + [line for row in split[1:] for line in draw(row)]
+
+
+def _cells(text: str, width: int) -> str:
+    """A table cell broken into lines of at most ``width`` (tabulate draws them as one row),
+    before its parenthesis when it has one: ``CUDA context and libraries`` over
+    ``(published bare context + estimate, lazy module loading)``."""
+    if len(text) <= width:
+        return text
+    if " (" in text and text.index(" (") <= width and len(text) - text.index(" (") - 1 <= width:
+        return text.replace(" (", "\n(", 1)
+    return "\n".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)) or text
 
 
 def _pct(part: int, whole: int) -> str:
@@ -95,14 +213,14 @@ def render_estimate(est: Estimate) -> str:
                     + (" (QLoRA)" if job.qlora else "") + ", ")
         if job.qlora:
             weights = f"4-bit NF4 linear weights ({est.weights_dtype} others)"
-    lines = [
+    lines = _prose(
         f"memcheck: {est.model} on {est.device.value}, {est.precision.value}, {weights}, "
         f"{adapters}{est.optimizer}, "
         f"batch {b.batch_size}" + (f" x {b.max_len} tokens" if b.max_len else "") + (" packed" if packed else ""),
         f"strategy: {', '.join(how)}",
         f"worst-case {'packed ' if packed else ''}batch: {shapes}" if shapes else "",
-        "",
-    ]
+    )
+    lines.append("")
     bd = est.breakdown_at_peak.to_dict()
     rows = [
         [_CATEGORY_LABELS[k], format_bytes(v), _pct(v, est.peak_bytes)] for k, v in bd.items() if v
@@ -112,61 +230,122 @@ def render_estimate(est: Estimate) -> str:
     lines.append(tabulate(rows, headers=["at the peak", "memory", "share"], tablefmt="simple"))
     if est.device_total_bytes is not None:
         lines.append("")
+        label = WIDTH - 2 - 10  # the memory column: "123.45 GiB"
         lines.append(tabulate(
             [
-                ["allocated peak (max_memory_allocated)", format_bytes(est.peak_bytes)],
-                ["reserved by the caching allocator (max_memory_reserved)", format_bytes(est.reserved_bytes)],
-                ["  of which beyond the allocated peak (fragmentation)", format_bytes(est.fragmentation_bytes)],
-                [f"CUDA context and libraries ({_context_kind(est.context_source)}, "
-                 f"{est.module_loading} module loading)", format_bytes(est.context_bytes)],
-                ["device total (as nvidia-smi shows)", format_bytes(est.device_total_bytes)],
+                [_cells(what, label), format_bytes(n)] for what, n in (
+                    ("allocated peak (max_memory_allocated)", est.peak_bytes),
+                    ("reserved by the caching allocator (max_memory_reserved)", est.reserved_bytes),
+                    ("of which beyond the allocated peak (fragmentation)", est.fragmentation_bytes),
+                    (f"CUDA context and libraries ({_context_kind(est.context_source)}, "
+                     f"{est.module_loading} module loading)", est.context_bytes),
+                    ("device total (as nvidia-smi shows)", est.device_total_bytes),
+                )
             ],
-            headers=[f"on the GPU ({_gpu_label(est)})", "memory"], tablefmt="simple",
+            headers=[_cells(f"on the GPU ({_gpu_label(est)})", label), "memory"], tablefmt="simple",
         ))
     if est.per_device:
         lines.append("")
         lines.append(render_devices(est.per_device))
     lines.append("")
     where = f"GPU {est.busiest_gpu}, " if est.per_device else ""
-    lines.append(
-        f"peak {where}in step {est.peak_step}, phase {est.peak_phase.value}, module {est.peak_module}"
-    )
+    lines.extend(_prose(
+        f"peak {where}in step {est.peak_step}, phase {est.peak_phase.value}, "
+        f"module {_module_label(est, est.peak_module)}"
+    ))
     if est.reserved_bytes is not None:
-        lines.append(allocator_life_line(est))
+        lines.extend(_prose(allocator_life_line(est)))
     if est.eval_peak_bytes is not None:
-        lines.append(
+        lines.extend(_prose(
             f"the job's peak is in {'evaluation' if est.peak_in == 'eval' else 'training'}: "
             f"training {format_bytes(est.train_peak_bytes)}, evaluation {format_bytes(est.eval_peak_bytes)}"
-        )
+        ))
     if est.modules:
         lines.append("")
-        mrows = [
-            [m.name, format_bytes(m.state_bytes), format_bytes(m.activation_bytes), format_bytes(m.total)]
-            for m in est.modules
-        ]
-        lines.append(
-            tabulate(
-                mrows,
-                headers=["top modules at the peak", "weights+grads+optim+comm", "activations", "total"],
-                tablefmt="simple",
-            )
-        )
+        lines.extend(render_modules(est))
     if est.assumptions:
         lines.append("")
         lines.append("assumed:")
-        lines.extend(f"  - {a}" for a in est.assumptions)
+        lines.extend(_prose(*(f"  - {a}" for a in est.assumptions)))
     branch_lines = render_branches(est)
     if branch_lines:
         lines.append("")
-        lines.extend(branch_lines)
+        lines.extend(_prose(*branch_lines))
     if est.budget_bytes is not None:
         lines.append("")
         verdict = "FITS" if est.fits else "DOES NOT FIT"
         what = "device total" if est.device_total_bytes is not None else "peak"
-        lines.append(
+        lines.extend(_prose(
             f"{verdict}: {what} {format_bytes(est.total_bytes)} vs {format_bytes(est.budget_bytes)} available"
-        )
+        ))
     return "\n".join(line for line in lines if line is not None).replace("\n\n\n", "\n\n")
+
+
+_PEFT_INNER = "base_model.model"  # PEFT's PeftModel -> LoraModel (base_model) -> the transformers model (model)
+
+
+def _module_label(est: Estimate, name: str, state_bytes: int = 0) -> str:
+    """The root module's own row (``(model)``: what its forward allocates outside its
+    submodules) says what it holds: with the labels in the batch and no weights of its own, a
+    transformers model's loss on the logits (``GPT2LMHeadModel.forward``'s ``loss_function``:
+    the logits upcast, their log-softmax, and in backward their gradients); under PEFT that
+    model is ``base_model.model``."""
+    labels = any(i.name == "labels" for i in est.batch.inputs)
+    if name == _PEFT_INNER and labels and not state_bytes:
+        return f"{name} (loss, logits)"
+    if name != "(model)":
+        return name
+    return "(model: loss, logits)" if labels and not state_bytes else "(model, outside submodules)"
+
+
+def render_modules(est: Estimate) -> list[str]:
+    """The top modules at the peak, in ``WIDTH`` columns: what each module owns (weights,
+    gradients, optimizer state, communication buffers), what autograd saved inside it for
+    backward, and the rest allocated inside it (temporaries, outputs, the loss). Identical copies
+    of one repeated block share a row (``transformer.h.{0..11}.attn``), its figures each copy's.
+    Laid out for ``WIDTH``: a long name is broken after a dot."""
+    groups: dict[tuple, list] = {}
+    for m in est.modules:
+        groups.setdefault(m.repeat_key, []).append(m)
+    rows = []
+    for members in groups.values():
+        m = members[0]
+        name = ranges([x.name for x in members])[0] if len(members) > 1 else _module_label(est, m.name,
+                                                                                          m.state_bytes)
+        rows.append([name, format_bytes(m.state_bytes), format_bytes(m.saved_bytes),
+                     format_bytes(m.activation_bytes - m.saved_bytes), format_bytes(m.total)])
+    headers = ["top modules at the peak", "weights,\noptim", "saved", "temps", "total"]
+    figures = [max(max(len(r[i]) for r in rows), *map(len, headers[i].split("\n"))) for i in range(1, 5)]
+    width = WIDTH - sum(figures) - 2 * len(figures)  # the name column: what the figures leave
+    for r in rows:
+        r[0] = "\n".join(_split_name(r[0], width))
+    lines = table(headers, rows)
+    lines.extend(wrap("weights, optim: the weights, gradients, optimizer state and communication buffers "
+                      "each module owns; saved: what autograd saved inside it for backward; temps: the rest "
+                      "allocated inside it (temporaries, outputs and loss, inputs, workspaces)", hang=0))
+    if any(len(g) > 1 for g in groups.values()):
+        lines.append("{i..j}: copies i to j of a repeated block, with the same figures (each copy's)")
+    return lines
+
+
+def _split_name(name: str, width: int) -> list[str]:
+    """A module name over ``width`` broken after its dots (never inside a part or a range
+    ``{0..31}``), the lines after the first indented 2."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(name):
+        depth += (ch == "{") - (ch == "}")
+        if ch == "." and depth == 0:
+            parts.append(name[start:i + 1])
+            start = i + 1
+    parts.append(name[start:])
+    out, current = [], ""
+    for part in parts:
+        if current.strip() and len(current + part) > width:
+            out.append(current)
+            current = "  " + part
+        else:
+            current += part
+    return out + [current]
 
 
 def _answers(answers) -> str:
@@ -239,13 +418,13 @@ def render_comparison(cmp: Comparison) -> str:
     """The table printed by ``memcheck MODEL --compare``."""
     first = cmp.rows[0]
     b = first.batch
-    lines = [
+    lines = _prose(
         f"memcheck: {first.model} on {first.device.value}, {first.precision.value}, {first.optimizer}, "
         f"{b.batch_size} per GPU" + (f" x {b.max_len} tokens" if b.max_len else "") + f", {cmp.gpus} GPU(s)",
-        "",
-    ]
+    )
+    lines.append("")
     cuda = first.device_total_bytes is not None
-    headers = ["strategy", "peak (allocated)"] + (["reserved", "device total"] if cuda else []) + ["busiest GPU"]
+    headers = ["strategy", "peak\n(allocated)"] + (["reserved", "device\ntotal"] if cuda else []) + ["busiest\nGPU"]
     rows = []
     for r in cmp.rows:
         row = [r.strategy, format_bytes(r.peak_bytes)]
@@ -256,10 +435,11 @@ def render_comparison(cmp: Comparison) -> str:
             row.append("fits" if r.fits else "DOES NOT FIT")
         rows.append(row)
     if any(r.fits is not None for r in cmp.rows):
-        headers.append(f"vs {format_bytes(first.budget_bytes)}")
-    lines.append(tabulate(rows, headers=headers, tablefmt="simple"))
+        headers.append(f"vs\n{format_bytes(first.budget_bytes)}")
+    lines.extend(table(headers, rows))
     lines.append("")
-    lines.append("figures are each strategy's busiest GPU; run one with --strategy NAME --gpus N for its breakdown")
+    lines.extend(_prose("figures are each strategy's busiest GPU; run one with --strategy NAME --gpus N for its "
+                        "breakdown"))
     return "\n".join(lines)
 
 
@@ -283,7 +463,14 @@ def _packed(plan: Plan) -> bool:
 
 
 def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
-    """The recommendation as memcheck flags and as transformers TrainingArguments."""
+    """The recommendation as memcheck flags and as transformers TrainingArguments, each one line."""
+    flags, args = _flag_parts(plan, r)
+    return " ".join(flags), ", ".join(args)
+
+
+def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
+    """The recommendation as memcheck flags (each with its value) and as transformers
+    TrainingArguments (each ``key=value``)."""
     flags = [f"--batch-size {r.micro_batch_size}"]
     args = [f"per_device_train_batch_size={r.micro_batch_size}"]
     if r.accumulation_steps > 1:
@@ -293,11 +480,13 @@ def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
         flags.append("--checkpointing full")
         args.append(f"{checkpointing_argument()}=True")
     elif r.checkpointing == "half":
-        flags.append("--checkpointing " + ",".join(plan.checkpointed_modules))
+        # memcheck's "half" wraps half_of(repeated_blocks(model)), the blocks the plan traced
+        # (memcheck.training.checkpointing.apply_checkpointing); the table lists them
+        flags.append("--checkpointing half")
         # transformers' every_n_layers checkpoints layers 0, n, 2n, ... (modeling_utils.py
         # _set_gradient_checkpointing): with n = 2 the blocks half_of() names.
         name = checkpointing_argument()
-        args.append(f"{name}=True, {name}_kwargs={{'every_n_layers': 2}}")
+        args.extend((f"{name}=True", f"{name}_kwargs={{'every_n_layers': 2}}"))
     if r.precision != "fp32":
         flags.append(f"--precision {r.precision}")
     args.append({"amp-bf16": "bf16=True", "amp-fp16": "fp16=True", "bf16": "bf16=True with the model loaded in "
@@ -318,11 +507,20 @@ def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
     if plan.job is not None and plan.job.assume:  # the data-dependent answers the plan pinned, or the user's
         flags.append(f"--assume {','.join(plan.job.assume)}")
     if plan.strategy != "single":
-        flags.append(f"--strategy {plan.strategy} --gpus {plan.gpus}")
+        flags.extend((f"--strategy {plan.strategy}", f"--gpus {plan.gpus}"))
         args.append({"fsdp": 'fsdp="full_shard"', "zero3": "deepspeed= a ZeRO stage 3 config",
                      "zero2": "deepspeed= a ZeRO stage 2 config", "zero1": "deepspeed= a ZeRO stage 1 config"}
                     .get(plan.strategy, f"launched on {plan.gpus} GPUs (torchrun --nproc_per_node {plan.gpus})"))
-    return " ".join(flags), ", ".join(args)
+    return flags, args
+
+
+def _checkpointing_cell(plan: Plan, option: PlanOption) -> str:
+    """The table's short label: ``half (6/12)``, the blocks checkpointed of the repeated blocks."""
+    if option.checkpointing == "half":
+        return f"half ({len(half_of(plan.blocks))}/{len(plan.blocks)})"
+    if option.checkpointing == "full" and plan.blocks:
+        return f"full ({len(plan.blocks)}/{len(plan.blocks)})"
+    return option.checkpointing
 
 
 def _checkpointing_label(plan: Plan, option: PlanOption) -> str:
@@ -345,48 +543,53 @@ def render_plan(plan: Plan) -> str:
         head += f", every sample slot packed to {plan.max_len} tokens" if packed else \
             f", every sequence padded to {plan.max_len}"
     what = "device total" if plan.device.value == "cuda" else "peak"
-    lines = [
+    lines = _prose(
         head,
         f"limit: {what} at most {format_bytes(plan.limit_bytes)} = capacity {format_bytes(plan.capacity_bytes)} "
         f"minus a {plan.margin:.0%} margin ({format_bytes(plan.margin_bytes)})",
-        "",
-    ]
+    )
+    lines.append("")
     r = plan.recommended
     if r is not None:
         per_step = r.micro_batch_size * r.accumulation_steps * plan.gpus
-        lines.append(
+        lines.extend(_prose(
             f"RECOMMENDED: micro-batch {r.micro_batch_size} x {r.accumulation_steps} accumulation step(s)"
             + (f" x {plan.gpus} GPUs" if plan.gpus > 1 else "") + f" = {per_step} samples per optimizer step, "
             f"checkpointing {_checkpointing_label(plan, r)}, {r.precision}"
-        )
+        ))
         if plan.global_batch is not None and per_step != plan.global_batch:
-            lines.append(f"  note: {per_step} is the nearest reachable to the global batch {plan.global_batch}")
+            lines.extend(_prose(f"  note: {per_step} is the nearest reachable to the global batch {plan.global_batch}"))
         lines.append(f"  {what} {format_bytes(r.predicted_device_total_bytes)} (traced at exactly this point)")
-        flags, args = _flags(plan, r)
-        lines.append(f"  memcheck flags:     {flags}")
-        lines.append(f"  TrainingArguments: {args}")
+        flags, args = _flag_parts(plan, r)
+        lines.extend(continued("  memcheck flags:", flags, shell=True))
+        lines.extend(continued("  TrainingArguments:", args, shell=False))
         if r.checkpointing == "half":
-            lines.append(f"  checkpointed blocks: {', '.join(plan.checkpointed_modules)}")
+            lines.extend(continued("  checkpointed blocks:", ranges(plan.checkpointed_modules), shell=False))
     else:
-        lines.append("NOTHING FITS: not even micro-batch 1 with the most checkpointing and the lowest precision allowed")
+        lines.extend(_prose("NOTHING FITS: not even micro-batch 1 with the most checkpointing and the lowest "
+                            "precision allowed"))
         if plan.suggestion is not None and str(plan.suggestion):
-            lines.append(f"  what would: {plan.suggestion}")
+            lines.extend(_prose(f"  what would: {plan.suggestion}"))
     lines.append("")
     rows = []
     for o in ((r,) if r else ()) + plan.alternatives:
         rows.append([
-            "*" if o is r else "", o.precision, _checkpointing_label(plan, o),
-            o.micro_batch_size if o.fits else "-", o.accumulation_steps if o.fits else "-",
-            format_bytes(o.predicted_device_total_bytes) + ("" if o.fits else " at micro-batch 1"),
+            "*" if o is r else "", o.precision, _checkpointing_cell(plan, o),
+            f"{o.micro_batch_size} x {o.accumulation_steps}" if o.fits else "-",
+            format_bytes(o.predicted_device_total_bytes),
             ("not searched" if o.note else str(o.largest_fitting_micro_batch)
-             + ("" if o.boundary_confirmed else " (not pinned)")) if o.fits else "none", f"{o.relative_cost / r.relative_cost:.2f}" if (o.fits and r) else "-",
+             + ("" if o.boundary_confirmed else " (not pinned)")) if o.fits else "none",
+            f"{o.relative_cost / r.relative_cost:.2f}" if (o.fits and r) else "-",
             str(o.traces),
         ])
-    lines.append(tabulate(rows, headers=["", "precision", "checkpointing", "micro-batch", "accumulation",
-                                         what, "largest fitting", "relative cost", "traces"], tablefmt="simple",
-                          disable_numparse=True))
-    lines.append("relative cost: the proxy's time per optimizer step (per sample without a global batch), "
-                 "1.00 = recommended; see memcheck.engine.plan")
+    lines.extend(table(["", "precision", "checkpointing", "batch\nx accum", what.replace(" ", "\n"),
+                        "largest\nfitting", "cost", "traces"], rows))
+    unfit = any(not o.fits for o in plan.alternatives)
+    lines.extend(_prose(
+        "batch x accum: micro-batch x accumulation steps; cost: the proxy's time per optimizer step (per "
+        "sample without a global batch), relative, 1.00 = recommended; see memcheck.engine.plan"
+        + (f"; largest fitting none: the option does not fit even at micro-batch 1, whose {what} is shown"
+           if unfit else "")))
     if plan.length_profile:
         lines.append("")
         lines.append(tabulate(
@@ -397,20 +600,21 @@ def render_plan(plan: Plan) -> str:
         ))
         if plan.longest_fitting_length is not None:
             limit = plan.position_limit or plan.max_len
-            lines.append(f"longest {length} that fits at micro-batch {r.micro_batch_size}: "
-                         f"{plan.longest_fitting_length}" + (
-                             " (the model's position limit)" if plan.longest_fitting_length == plan.position_limit
-                             else " (searched up to --max-len)" if limit == plan.max_len else
-                             f" (in multiples of 8, up to the position limit {limit})"))
+            lines.extend(_prose(f"longest {length} that fits at micro-batch {r.micro_batch_size}: "
+                                f"{plan.longest_fitting_length}" + (
+                                    " (the model's position limit)"
+                                    if plan.longest_fitting_length == plan.position_limit
+                                    else " (searched up to --max-len)" if limit == plan.max_len else
+                                    f" (in multiples of 8, up to the position limit {limit})")))
     if plan.verification is not None:
         lines.append("")
-        lines.append(render_verification(plan.verification))
+        lines.extend(_prose(render_verification(plan.verification)))
     lines.append("")
     lines.append(f"traces: {plan.traces}")
     if plan.branches_note:
-        lines.append(plan.branches_note)
+        lines.extend(_prose(plan.branches_note))
     if plan.max_len:
-        lines.append(PACKING_NOTE if packed else PADDING_NOTE)
+        lines.extend(wrap(PACKING_NOTE if packed else PADDING_NOTE, hang=0))
     return "\n".join(lines)
 
 
@@ -550,11 +754,11 @@ def render_config_check(results, skipped=(), as_json: bool = False) -> str:
     for job, v in results:
         if v.fits:
             what = "device total" if v.estimate.device_total_bytes is not None else "peak"
-            lines.append(f"ok    {job.label}: {what} {format_bytes(v.estimate.total_bytes)} of the "
-                         f"{format_bytes(v.limit_bytes)} limit")
-        else:
-            lines.append(f"FAIL  {job.label}: {verdict_line(v)}")
-            lines.append(f"      {fix_line(v, 'config')}")
+            lines.extend(wrap(f"ok{_GLUE * 4}{job.label}: {what} {format_bytes(v.estimate.total_bytes)} of the "
+                              f"{format_bytes(v.limit_bytes)} limit", indent=" " * 8))
+        else:  # the verdict's word stays on the first line with the file's name
+            lines.extend(wrap(f"FAIL{_GLUE * 2}{job.label}: {verdict_line(v)}", indent=" " * 8))
+            lines.extend(wrap(f"      {fix_line(v, 'config')}", indent=" " * 8))
     return "\n".join(lines)
 
 

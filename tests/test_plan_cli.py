@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 import re
 import shlex
 
@@ -164,8 +165,8 @@ def test_table_names_the_recommendation_flags_and_training_arguments(table):
 def test_table_lists_the_alternatives_the_length_profile_traces_and_padding(table):
     out = table.stdout
     # both options are rows, the recommended one starred; GPT-2 with n_layer=2 has 2 blocks
-    assert re.search(r"^\*?\s+fp32\s+none\s", out, re.M), out
-    assert re.search(r"^\*?\s+fp32\s+full \(2/2\)\s", out, re.M), out
+    assert re.search(r"^\*?\s+fp32\s+adamw\s+none\s", out, re.M), out
+    assert re.search(r"^\*?\s+fp32\s+adamw\s+full \(2/2\)\s", out, re.M), out
     assert len(re.findall(r"^\*\s", out, re.M)) == 1
     # the length profile at 25/50/75/100% of --max-len 32: 8, 16, 24, 32
     for length, share in ((8, 25), (16, 50), (24, 75), (32, 100)):
@@ -442,3 +443,23 @@ def test_measure_runs_pure_bf16_in_bf16(small):
     assert result.exit_code in (0, 1), result.output
     v = json.loads(result.stdout)["plan"]["verification"]
     assert abs(v["measured_bytes"] - v["predicted_bytes"]) <= 0.01 * v["measured_bytes"], v
+
+
+@pytest.mark.slow
+def test_the_toml_the_plan_prints_is_a_memcheck_check_job_with_the_same_device_total(table, as_json, small):
+    """The copy-paste TOML block, pasted under the job's own top-level keys, checks the same job."""
+    lines = table.stdout.splitlines()
+    at = lines.index("  memcheck check (TOML):")
+    block = []
+    for line in lines[at + 1:]:
+        if not line.startswith("    "):
+            break
+        block.append(line.strip())
+    assert block[0] == "[jobs.recommended]"
+    config = Path(small).parent / "plan.toml"  # a config names model files beside it only
+    config.write_text('model = "small.py"\ngpu = "1GiB"\nmax_len = 32\n' + "\n".join(block) + "\n")
+    result = run("check", str(config), "--json")
+    assert result.exit_code == 0, result.output
+    (checked,) = json.loads(result.stdout)["results"]
+    data = json.loads(as_json.stdout)["plan"]
+    assert checked["fits"] and checked["total_bytes"] == data["predicted_device_total_bytes"]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from tabulate import tabulate
 
 from memcheck.choices import ANSWERS, words
-from memcheck.enums import Phase
+from memcheck.enums import PRECISION_ALIASES, Phase
 from memcheck.training.checkpointing import half_of
 from memcheck.training.optimizers import HF_OPTIMIZERS
 from memcheck.workloads.hf import checkpointing_argument
@@ -506,12 +506,63 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
         args.append("packing=True (TRL's SFTConfig; or DataCollatorWithFlattening)")
     if plan.job is not None and plan.job.assume:  # the data-dependent answers the plan pinned, or the user's
         flags.append(f"--assume {','.join(plan.job.assume)}")
-    if plan.strategy != "single":
+    if r.offload == "optimizer":  # DeepSpeed's ZeRO-Offload on this one GPU
+        flags.extend(("--strategy zero2", "--gpus 1", "--offload optimizer"))
+        args.append('deepspeed= a ZeRO stage 2 config with "offload_optimizer": {"device": "cpu"}')
+    elif plan.strategy != "single":
         flags.extend((f"--strategy {plan.strategy}", f"--gpus {plan.gpus}"))
         args.append({"fsdp": 'fsdp="full_shard"', "zero3": "deepspeed= a ZeRO stage 3 config",
                      "zero2": "deepspeed= a ZeRO stage 2 config", "zero1": "deepspeed= a ZeRO stage 1 config"}
                     .get(plan.strategy, f"launched on {plan.gpus} GPUs (torchrun --nproc_per_node {plan.gpus})"))
     return flags, args
+
+
+# Lightning's Trainer(precision=...) for each precision: the first of its names memcheck reads.
+LIGHTNING_NAMES = {v: k for k, v in reversed(list(PRECISION_ALIASES.items()))}
+
+
+def _lightning_parts(plan: Plan, r: PlanOption) -> list[str]:
+    """The recommendation in Lightning's words: the Trainer's arguments, then what Lightning
+    has no Trainer argument for (checkpointing, the optimizer)."""
+    parts = [f'precision="{LIGHTNING_NAMES.get(r.precision, r.precision)}"']
+    if r.accumulation_steps > 1:
+        parts.append(f"accumulate_grad_batches={r.accumulation_steps}")
+    if r.offload == "optimizer":
+        parts.append('strategy="deepspeed_stage_2_offload"')
+    elif plan.strategy in ("ddp", "fsdp"):
+        parts.extend((f'strategy="{plan.strategy}"', f"devices={plan.gpus}"))
+    elif plan.strategy.startswith("zero"):
+        parts.extend((f'strategy="deepspeed_stage_{plan.strategy[-1]}"', f"devices={plan.gpus}"))
+    parts.append(f"DataLoader(batch_size={r.micro_batch_size})")
+    if r.checkpointing == "full":
+        parts.append("model.gradient_checkpointing_enable()")
+    elif r.checkpointing == "half":
+        parts.append("torch.utils.checkpoint around the blocks listed")
+    optimizer = {"adamw-fused": "torch.optim.AdamW(params, fused=True)",
+                 "adamw-8bit": "bitsandbytes.optim.AdamW8bit(params)",
+                 "adamw": "torch.optim.AdamW(params)"}.get(r.optimizer)
+    if optimizer and r.offload != "optimizer":
+        parts.append(optimizer)
+    return parts
+
+
+def _toml_lines(plan: Plan, r: PlanOption) -> list[str]:
+    """The recommendation as a ``memcheck check`` job (its config keys, memcheck.job.SPELLINGS)."""
+    lines = ["[jobs.recommended]", f"micro_batch = {r.micro_batch_size}", f"accumulation = {r.accumulation_steps}",
+             f'checkpointing = "{r.checkpointing}"', f'precision = "{r.precision}"', f'optimizer = "{r.optimizer}"']
+    if r.offload == "optimizer":
+        lines += ['strategy = "zero2"', "gpus = 1", 'offload = "optimizer"']
+    elif plan.strategy != "single":
+        lines += [f'strategy = "{plan.strategy}"', f"gpus = {plan.gpus}"]
+    if plan.job is not None and plan.job.assume:
+        lines.append("assume = [" + ", ".join(f'"{a}"' for a in plan.job.assume) + "]")
+    return lines
+
+
+def _optimizer_cell(option: PlanOption) -> str:
+    if option.offload == "optimizer":
+        return "offload"
+    return {"adamw-fused": "fused", "adamw-8bit": "8-bit"}.get(option.optimizer, option.optimizer)
 
 
 def _checkpointing_cell(plan: Plan, option: PlanOption) -> str:
@@ -555,7 +606,8 @@ def render_plan(plan: Plan) -> str:
         lines.extend(_prose(
             f"RECOMMENDED: micro-batch {r.micro_batch_size} x {r.accumulation_steps} accumulation step(s)"
             + (f" x {plan.gpus} GPUs" if plan.gpus > 1 else "") + f" = {per_step} samples per optimizer step, "
-            f"checkpointing {_checkpointing_label(plan, r)}, {r.precision}"
+            f"checkpointing {_checkpointing_label(plan, r)}, {r.precision}, {r.optimizer}"
+            + (", optimizer offloaded to the CPU (DeepSpeed ZeRO-2)" if r.offload == "optimizer" else "")
         ))
         if plan.global_batch is not None and per_step != plan.global_batch:
             lines.extend(_prose(f"  note: {per_step} is the nearest reachable to the global batch {plan.global_batch}"))
@@ -563,6 +615,9 @@ def render_plan(plan: Plan) -> str:
         flags, args = _flag_parts(plan, r)
         lines.extend(continued("  memcheck flags:", flags, shell=True))
         lines.extend(continued("  TrainingArguments:", args, shell=False))
+        lines.extend(continued("  Lightning:", _lightning_parts(plan, r), shell=False))
+        lines.append("  memcheck check (TOML):")
+        lines.extend("    " + line for line in _toml_lines(plan, r))
         if r.checkpointing == "half":
             lines.extend(continued("  checkpointed blocks:", ranges(plan.checkpointed_modules), shell=False))
     else:
@@ -574,7 +629,7 @@ def render_plan(plan: Plan) -> str:
     rows = []
     for o in ((r,) if r else ()) + plan.alternatives:
         rows.append([
-            "*" if o is r else "", o.precision, _checkpointing_cell(plan, o),
+            "*" if o is r else "", o.precision, _optimizer_cell(o), _checkpointing_cell(plan, o),
             f"{o.micro_batch_size} x {o.accumulation_steps}" if o.fits else "-",
             format_bytes(o.predicted_device_total_bytes),
             ("not searched" if o.note else str(o.largest_fitting_micro_batch)
@@ -582,7 +637,7 @@ def render_plan(plan: Plan) -> str:
             f"{o.relative_cost / r.relative_cost:.2f}" if (o.fits and r) else "-",
             str(o.traces),
         ])
-    lines.extend(table(["", "precision", "checkpointing", "batch\nx accum", what.replace(" ", "\n"),
+    lines.extend(table(["", "precision", "optim", "checkpointing", "batch\nx accum", what.replace(" ", "\n"),
                         "largest\nfitting", "cost", "traces"], rows))
     unfit = any(not o.fits for o in plan.alternatives)
     lines.extend(_prose(
@@ -611,6 +666,8 @@ def render_plan(plan: Plan) -> str:
         lines.extend(_prose(render_verification(plan.verification)))
     lines.append("")
     lines.append(f"traces: {plan.traces}")
+    for skipped in plan.not_traced:
+        lines.extend(wrap(f"  {skipped}", hang=4))
     if plan.branches_note:
         lines.extend(_prose(plan.branches_note))
     if plan.max_len:

@@ -449,3 +449,22 @@ def test_timeline_device_and_context_are_the_estimates():
     est = tiny("cuda")
     assert est.timeline.device is Device.CUDA
     assert est.timeline.context_bytes == est.context_bytes == GPUS["A100-40GB"].context_bytes
+
+
+def test_a_snapshot_of_the_gpt2_example_has_frames_in_the_example_file(tmp_path):
+    """Issue 19: memory_viz shows the user's own file and line. examples/gpt2_small.py's
+    compute_loss (``return model(**batch).loss``) is the frame under the model's allocations."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "gpt2_small.py"
+    line = 1 + example.read_text().splitlines().index("    return model(**batch).loss")
+    out = tmp_path / "gpt2.pickle"
+    result = CliRunner().invoke(main, [str(example), "--max-len", "16", "-b", "1", "--gpu", "24GiB",
+                                       "--snapshot", str(out)])
+    assert result.exit_code == 0, result.output
+    snapshot = pickle.loads(out.read_bytes())
+    frames = [f for event in snapshot["device_traces"][0] for f in event["frames"]]
+    ours = [f for f in frames if f["filename"] == str(example)]
+    assert ours and {(f["line"], f["name"]) for f in ours} == {(line, "compute_loss")}
+    assert any(f["filename"].endswith("modeling_gpt2.py") for f in frames)
+    _memory_viz.trace_plot(snapshot)  # and torch's viewer renders it

@@ -118,3 +118,18 @@ def test_the_plan_table_fits_80_columns(gpt2):
                          precision_options=("amp-bf16",), length_profile=False, model_name="gpt2-6-layers",
                          assume=("padding",))
     _golden("plan_80.txt", str(plan))
+
+
+def test_the_readmes_memcheck_outputs_fit_80_columns():
+    """Issue 19: every memcheck output shown in the README (regenerated from real runs) is at
+    most 80 columns wide; only the typed command line may be longer."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```\n(.*?)```\n", readme, flags=re.S) if b.startswith("$ memcheck")]
+    assert len(blocks) >= 5
+    for block in blocks:
+        for line in block.splitlines()[1:]:
+            if not line.startswith("$ "):
+                assert len(line) <= 80, (block.splitlines()[0], line)

@@ -64,7 +64,7 @@ def _reported(progress, debug: bool, locate=None):
     code (a MemcheckError's own; 3 for anything else, which is a bug in memcheck).
     ``locate(message)``, when given, names where it happened (``memcheck check``: the
     config file and job)."""
-    from memcheck.errors import MemcheckError
+    from memcheck.errors import MemcheckError, TimeLimitExceeded, exited_message
     from memcheck.job import SettingError
 
     try:
@@ -78,6 +78,15 @@ def _reported(progress, debug: bool, locate=None):
     except Exception as exc:  # a bug in memcheck: say so, briefly
         _clear(progress)
         _fail(exc, debug, EXIT_INTERNAL, locate(_internal(exc)) if locate else _internal(exc))
+    except TimeLimitExceeded as exc:  # --timeout: the phase is named in the message
+        _clear(progress)
+        _fail(exc, debug, EXIT_BAD_INPUT, locate(str(exc)) if locate else str(exc))
+    except BaseException as exc:  # sys.exit() or GeneratorExit from the model's code that no phase named
+        message = exited_message(exc, "the model's code")
+        if message is None:  # Ctrl-C: main() reports it
+            raise
+        _clear(progress)
+        _fail(exc, debug, EXIT_BAD_INPUT, locate(message) if locate else message)
 
 
 def _no_train_step(work, what: str) -> None:

@@ -44,6 +44,28 @@ class WillNotFit(MemcheckError):
         super().__init__(message)
 
 
+class TimeLimitExceeded(BaseException):
+    """A phase (loading the model, tracing) ran past the CLI's ``--timeout``. A BaseException, so
+    that no ``except Exception`` of the model's code takes it; the CLI reports it (exit 2)."""
+
+    exit_code = 2
+
+
+def exited_message(exc: BaseException, what: str, when: str = "") -> str | None:
+    """The one line for a BaseException the model's own code raised that is not an error
+    (``SystemExit`` from ``sys.exit()``/``exit()``, ``GeneratorExit``, ...), naming ``what``
+    (the model, where it happened); None for an ``Exception``, a ``KeyboardInterrupt`` (the
+    user's Ctrl-C) or memcheck's own ``TimeLimitExceeded``, which are not the model's exits."""
+    if isinstance(exc, (Exception, KeyboardInterrupt, TimeLimitExceeded)):
+        return None
+    if isinstance(exc, SystemExit):
+        how = f"exited (sys.exit({exc.code!r}))"
+    else:
+        how = f"raised {type(exc).__name__}"
+    return (f"{what} {how}{when}, so memcheck could not finish judging the job; remove the exit from the model's "
+            "code (memcheck runs it)")
+
+
 def require_int(value, what: str, *, minimum: int = 1, message: str | None = None) -> int:
     """Return ``value`` if it is an int (not a bool) of at least ``minimum``; otherwise raise
     UsageError with ``message`` (by default "WHAT must be a positive integer, got VALUE")."""

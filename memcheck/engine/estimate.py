@@ -24,6 +24,7 @@ from memcheck.errors import (
     TraceError,
     UnsupportedOpError,
     UsageError,
+    exited_message,
     meta_kernel_failure,
     model_frame,
     require_int,
@@ -574,6 +575,12 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
         raise
     except Exception as exc:  # the model's own code failed under the trace
         raise _translate(exc, name) from exc
+    except BaseException as exc:  # sys.exit(), GeneratorExit, ... from the model's code: never a verdict
+        exited = exited_message(exc, f"{where + ': ' if (where := model_frame(exc)) else ''}{name}",
+                                " while being traced")
+        if exited is None:  # Ctrl-C, the time limit, memcheck's own ForwardDone
+            raise
+        raise TraceError(exited) from exc
 
 
 def _with_step_precision(run: _Run, job: Job) -> Job:

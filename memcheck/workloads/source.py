@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from memcheck.enums import Attention, Task
-from memcheck.errors import MemcheckError, ModelLoadError, UsageError, require_int
+from memcheck.errors import MemcheckError, ModelLoadError, TimeLimitExceeded, UsageError, exited_message, require_int
 from memcheck.job import Job, SettingError, check_setting, escape
 from memcheck.trace.device_redirect import on_meta, on_meta_keeping_host, reads_meta_data
 from memcheck.workloads import hf
@@ -98,7 +98,7 @@ def _import_file(path: Path):
         raise
     except BaseException as exc:  # SyntaxError, ImportError, anything the file raises
         sys.modules.pop(name, None)
-        if isinstance(exc, KeyboardInterrupt):
+        if isinstance(exc, (KeyboardInterrupt, TimeLimitExceeded)):
             raise
         raise ModelLoadError(
             f"{_where(exc, path)}: loading the model file failed: {_one_line(exc)}; fix the file and retry"
@@ -113,6 +113,11 @@ def _call(path: Path, fn, what: str, *args):
         raise
     except Exception as exc:
         raise ModelLoadError(f"{_where(exc, path)}: {what} raised {_one_line(exc)}") from exc
+    except BaseException as exc:  # sys.exit(), GeneratorExit, ... from the model's code
+        exited = exited_message(exc, f"{_where(exc, path)}: {what}")
+        if exited is None:  # Ctrl-C, the time limit
+            raise
+        raise ModelLoadError(exited) from exc
 
 
 def _building(device: str, keep_host: bool = False):

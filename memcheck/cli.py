@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import os
 import sys
 import traceback
@@ -18,6 +19,7 @@ import traceback
 import click
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports a process stopped by it
 
 
 class _DefaultGroup(click.Group):
@@ -52,6 +54,30 @@ def _fail(exc: BaseException, debug: bool, code: int, message: str | None = None
     first = text.splitlines()[0] if text else type(exc).__name__
     click.echo(f"memcheck: error: {first}", err=True)
     sys.exit(code)
+
+
+def _print(text: str, nl: bool = True) -> None:
+    """The report on stdout, flushed and checked. A reader that stopped reading (``| head -1``:
+    a broken pipe) is not an error: the rest is dropped quietly and the exit code stays the
+    verdict's, which the report only shows (``pipefail`` still sees a misfit). A stdout that
+    takes only part of it (a full disk, ``> /dev/full``) is: one line on stderr, exit 2."""
+    try:
+        click.echo(text, nl=nl)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _drop_stdout()
+    except OSError as exc:
+        _drop_stdout()
+        click.echo(f"memcheck: error: the report could not be written to stdout: {exc.strerror or exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of what is still
+    buffered neither fails nor prints a traceback (the recipe of Python's signal docs, "Note on SIGPIPE")."""
+    with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _internal(exc: BaseException) -> str:
@@ -285,7 +311,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
             result = run_estimate(work.model, work.batch, job, timeline=bool(snapshot_path or plot_path),
                                   train_step=work.train_step, **runtime)
             write_pictures(result, snapshot_path, plot_path)
-    click.echo(render_json(result) if as_json else str(result))
+    _print(render_json(result) if as_json else str(result))
     sys.exit(EXIT_DOES_NOT_FIT if result.fits is False else EXIT_FITS)
 
 
@@ -380,7 +406,7 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
         elif snapshot_path or plot_path:
             click.echo("memcheck: note: nothing fits, so --snapshot/--plot have no recommendation to draw; "
                        "nothing written", err=True)
-    click.echo(render_json(result) if as_json else str(result))
+    _print(render_json(result) if as_json else str(result))
     failed = result.verification is not None and (
         result.verification.out_of_memory or result.verification.measured_bytes > result.capacity_bytes)
     sys.exit(EXIT_DOES_NOT_FIT if not result.fits or failed else EXIT_FITS)
@@ -428,7 +454,7 @@ def run(max_len, device, gpu, gpu_memory, steps, as_json, allow_download, debug,
         job = Job(device=device, gpu=gpu, budget_bytes=budget, max_len=max_len, steps=steps)
         with contextlib.redirect_stdout(sys.stderr):  # the script's prints; stdout is the report's
             result = run_script(list(command), job)
-    click.echo(render_json(result) if as_json else str(result))
+    _print(render_json(result) if as_json else str(result))
     sys.exit(EXIT_DOES_NOT_FIT if result.fits is False else EXIT_FITS)
 
 
@@ -507,8 +533,106 @@ def check_configs(files, as_json, allow_download, debug):
     its git repository: memcheck runs their code. A pyproject.toml without [tool.memcheck]
     is skipped with a note. Every file is read and every model loaded before anything is
     traced. Exit codes: 0 every job fits, 1 a job does not fit (its fix is printed in
-    config keys), 2 a config or model error, 3 internal error.
+    config keys), 2 a config or model error, 3 internal error. The jobs are loaded and traced
+    in a child process: one whose model code ends it (os._exit) is an error, never a pass.
     """
+    _in_child(lambda: _check_jobs(files, as_json, allow_download, debug))
+
+
+def _in_child(body) -> None:
+    """Run ``body`` (a command's work, which ends in ``sys.exit``) in a forked child that hands
+    back its output and exit code through a pipe, so that a child that vanishes without one
+    (the model's code called ``os._exit``, or it was killed) is an error (exit 2), never the
+    exit 0 of a verdict nobody reached. One child for all the jobs; where there is no fork
+    (Windows), ``body`` runs in this process."""
+    if not hasattr(os, "fork"):
+        body()
+        return
+    import json
+    import signal
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.close(read)
+        _AT[0] = write
+        _child(body, write)
+    os.close(write)
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the child, which says so
+    try:
+        with os.fdopen(read, "rb") as pipe:
+            lines = pipe.read().decode("utf-8", "replace").splitlines()
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    finally:
+        signal.signal(signal.SIGINT, old)
+    messages = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            messages.append(json.loads(line))
+    answer = next((m for m in messages if "code" in m), None)
+    if answer is None:
+        how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+        at = next((m["at"] for m in reversed(messages) if "at" in m), None)
+        click.echo(f"memcheck: error: {at + ': ' if at else ''}the process loading and tracing the jobs {how} "
+                   "before it judged them (the model's code called os._exit, or the process was killed); no job "
+                   "was judged", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    if answer["out"]:
+        _print(answer["out"], nl=False)
+    if answer["err"]:
+        click.echo(answer["err"], nl=False, err=True)
+    sys.exit(answer["code"])
+
+
+def _child(body, fd: int) -> None:
+    """The forked child of ``_in_child``: run ``body`` with its stdout (and its stderr, unless
+    that is a terminal showing progress) kept, and write ``{"code", "out", "err"}`` to ``fd``."""
+    import io
+    import json
+
+    try:
+        out, err = io.StringIO(), io.StringIO()
+        live = sys.stderr.isatty()  # the progress line is drawn as it happens
+        code = EXIT_INTERNAL
+        with contextlib.redirect_stdout(out), \
+                (contextlib.nullcontext() if live else contextlib.redirect_stderr(err)):
+            try:
+                body()
+                code = EXIT_FITS
+            except SystemExit as exc:  # the command's own exit
+                code = exc.code if isinstance(exc.code, int) else EXIT_INTERNAL
+            except KeyboardInterrupt:
+                click.echo("memcheck: interrupted", err=True)
+                code = EXIT_INTERRUPTED
+            except BaseException as exc:  # noqa: BLE001 - a bug in memcheck: say so
+                click.echo(f"memcheck: error: {_internal(exc)}", err=True)
+        sys.stderr.flush()
+        data = json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue()}) + "\n"
+        _write_all(fd, data.encode("utf-8"))
+    finally:
+        os._exit(0)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+_AT = [None]  # in the child of _in_child: the pipe's fd, to say which job is being loaded or traced
+
+
+def _at(where: str) -> None:
+    """Tell the parent of ``_in_child`` which job runs now (named if the child vanishes)."""
+    if _AT[0] is not None:
+        import json
+
+        _write_all(_AT[0], (json.dumps({"at": where}) + "\n").encode("utf-8"))
+
+
+def _check_jobs(files, as_json, allow_download, debug) -> None:
+    """``memcheck check``'s work (in the child of ``_in_child``); ends in ``sys.exit``."""
     progress = _begin(as_json, allow_download)
     from memcheck.config_gate import load_configs
     from memcheck.engine.preflight import check as run_check
@@ -523,6 +647,7 @@ def check_configs(files, as_json, allow_download, debug):
         workloads = []
         for config in jobs:  # every model is loaded (its code run) before the first trace
             where[0] = config
+            _at(f"{config.label}: {config.model}, loading the model")
             if progress is not None:
                 progress(f"{config.label}: loading the model")
             job = config.job
@@ -534,12 +659,13 @@ def check_configs(files, as_json, allow_download, debug):
         _loaded()
         for config, work in zip(jobs, workloads):
             where[0], label = config, config.label
+            _at(f"{label}: {config.model}, tracing")
             results.append((config, run_check(
                 work.model, work.make, config.check_job(work), model_name=work.name, loss_fn=work.loss_fn,
                 progress=None if progress is None else (lambda line, label=label: progress(f"{label}: {line}")),
             )))
     if results or as_json:
-        click.echo(render_config_check(results, skipped, as_json=as_json))
+        _print(render_config_check(results, skipped, as_json=as_json))
     sys.exit(EXIT_DOES_NOT_FIT if any(not v.fits for _, v in results) else EXIT_FITS)
 
 
@@ -555,7 +681,7 @@ def gpus(as_json):
     from memcheck.cuda.gpus import GPUS
     from memcheck.report.text import render_gpus
 
-    click.echo(render_gpus(GPUS.values(), as_json=as_json))
+    _print(render_gpus(GPUS.values(), as_json=as_json))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -43,7 +43,7 @@ from memcheck.report.results import (
 )
 from memcheck.rules import extensions
 from memcheck.rules.autocast import MetaAutocast, MetaGradScaler, UserAutocast, meta_autocast_queries
-from memcheck.trace.device_redirect import reads_meta_data, redirect_cuda
+from memcheck.trace.device_redirect import reads_meta_data, redirect_cuda, tracing_globals
 from memcheck.trace.tracer import ForwardDone, MemoryTracer, TraceLog
 from memcheck.training.adapters import apply_adapters, quantize_4bit
 from memcheck.training.checkpointing import apply_checkpointing
@@ -148,6 +148,7 @@ def _translate(exc: Exception, model_name: str) -> MemcheckError:
                       f"{type(exc).__name__}: {text} (fix the model code there; --debug shows the traceback)")
 
 
+@tracing_globals()
 def estimate(
     model: torch.nn.Module,
     batch: Any,
@@ -575,6 +576,8 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
         raise
     except Exception as exc:  # the model's own code failed under the trace
         raise _translate(exc, name) from exc
+    except ForwardDone:  # the tracer's own stop at step 1's backward
+        raise
     except BaseException as exc:  # sys.exit(), GeneratorExit, ... from the model's code: never a verdict
         exited = exited_message(exc, f"{where + ': ' if (where := model_frame(exc)) else ''}{name}",
                                 " while being traced")

@@ -93,6 +93,7 @@ from memcheck.report.results import (
     Work,
 )
 from memcheck.training.checkpointing import FULL, HALF, NONE, half_of, repeated_blocks
+from memcheck.trace.device_redirect import tracing_globals
 from memcheck.units import GiB
 
 TRACES_PER_OPTION = 5
@@ -134,6 +135,7 @@ def step_cost(work: Work, accumulation: int, rates: Rates, optimizer_seconds: fl
             + optimizer_seconds)
 
 
+@tracing_globals()
 def plan(
     model: torch.nn.Module,
     make_batch: Callable[..., Any],

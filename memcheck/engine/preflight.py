@@ -26,9 +26,10 @@ from memcheck.errors import UsageError, WillNotFit, require_int
 from memcheck.job import Job, as_job
 from memcheck.report.results import Estimate, EvalFix, Verdict
 from memcheck.report.text import will_not_fit_message
-from memcheck.trace.device_redirect import on_meta
+from memcheck.trace.device_redirect import on_meta, tracing_globals
 
 
+@tracing_globals()
 def check(
     model: torch.nn.Module,
     batch: Any,

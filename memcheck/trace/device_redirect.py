@@ -298,3 +298,36 @@ def on_meta_keeping_host(gpu=None):
     with meta_parameters(), redirect_cuda(gpu, devices=("cuda",)):
         yield
 
+
+
+@contextlib.contextmanager
+def tracing_globals():
+    """The torch globals a trace needs, whatever the caller set, all restored on exit: grad on
+    and inference mode off (a backward is traced, even from inside ``torch.no_grad()`` or
+    ``torch.inference_mode()`` in an evaluation script), and, when the caller set a default
+    device (``torch.set_default_device("cuda")``, ``with torch.device("meta")``), the CPU
+    (memcheck's own host tensors stay on the host; the model's code is redirected to meta as
+    always). The default dtype is the caller's, as the real job would run with it (Adam's step
+    counters follow it), and is put back if anything changed it. Used by ``estimate()``,
+    ``plan()`` and ``check()``, also as a decorator."""
+    dtype = torch.get_default_dtype()
+    set_device = _default_device()
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), \
+                (torch.device("cpu") if set_device not in (None, "cpu") else contextlib.nullcontext()):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def _default_device() -> str | None:
+    """The device type the caller made the default, or None. Read from torch's own record
+    (``torch.utils._device.CURRENT_DEVICE``, set by ``set_default_device`` and ``with
+    torch.device(...)``): ``torch.get_default_device()`` makes a tensor there to answer, which
+    fails for ``cuda`` on a machine without CUDA."""
+    from torch.utils import _device
+
+    current = getattr(_device, "CURRENT_DEVICE", None)
+    if current is None:
+        return None
+    return torch.device(current).type

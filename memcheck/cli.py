@@ -3,8 +3,12 @@
 Exit codes:
     0  the job fits (or no budget was given); check: every job in the configs fits
     1  the job does not fit the budget; check: any job does not fit
-    2  bad input: a flag, the model file, the config, an op memcheck cannot trace
+    2  bad input: a flag, the model file, the config, an op memcheck cannot trace, a model whose
+       code exits, a phase past --timeout, a report or file that could not be written whole
     3  a bug in memcheck itself (please report it with --debug output)
+    130  Ctrl-C
+A reader that closes stdout early (``| head -1``) does not change the code: the rest of the report
+is dropped quietly and the exit code stays the verdict's.
 """
 
 from __future__ import annotations
@@ -35,9 +39,21 @@ class _DefaultGroup(click.Group):
         except click.ClickException as exc:
             click.echo(f"memcheck: error: {exc.format_message()}", err=True)
             sys.exit(EXIT_BAD_INPUT)
-        except click.Abort:
+        except click.Abort as exc:  # click's answer to Ctrl-C (or end of input) outside a command
+            if isinstance(exc.__cause__, KeyboardInterrupt):
+                click.echo("memcheck: interrupted", err=True)
+                sys.exit(EXIT_INTERRUPTED)
             click.echo("memcheck: aborted", err=True)
-            sys.exit(EXIT_DOES_NOT_FIT)
+            sys.exit(EXIT_BAD_INPUT)
+
+    def invoke(self, ctx):
+        """Ctrl-C stops at once: one line, exit 130 (128 + SIGINT, as a shell reports it), no
+        traceback; every file memcheck writes is renamed into place whole, so none is half-written."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("memcheck: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
 
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
@@ -84,6 +100,75 @@ def _internal(exc: BaseException) -> str:
     return f"internal error ({type(exc).__name__}: {exc}); rerun with --debug and report it"
 
 
+# --timeout: a 70B-shaped estimate traces in seconds (README "Speed": LLaMA-7B's 32 layers in 1.86 s;
+# 80 layers scale that to ~5 s) and a plan of GPT-2 small over two precisions takes ~30 s (~7x more
+# layers: ~3.5 min); 600 s per phase leaves room above both and still ends a model that never returns.
+DEFAULT_TIMEOUT = 600.0
+MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: beyond any trace; setitimer takes it on every platform
+GRACE = 10.0  # seconds after the limit before the watchdog ends a phase stuck in C code
+_LIMIT = {"seconds": 0.0, "phase": None, "watchdog": None}
+
+
+def _set_timeout(seconds) -> None:
+    """Check --timeout (seconds per phase; 0: no limit) and keep it for ``_phase``."""
+    from memcheck.errors import UsageError
+
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= MAX_TIMEOUT:
+        raise UsageError(f"--timeout must be a number of seconds from 0 (no limit) to {MAX_TIMEOUT:g} (a week), "
+                         f"got {seconds!r}")
+    _LIMIT["seconds"] = float(seconds)
+
+
+def _phase(name: str | None) -> None:
+    """Start the time limit of the phase ``name`` ("loading the model", "tracing"), or stop it
+    (None). In the main thread, SIGALRM raises ``TimeLimitExceeded`` there when the phase runs
+    past --timeout (the model's Python code, sleeps and waits included); a phase stuck in C code
+    that never returns to Python is ended by a watchdog thread ``GRACE`` seconds later (exit 2)."""
+    import signal
+    import threading
+
+    seconds = _LIMIT["seconds"]
+    if _LIMIT["watchdog"] is not None:
+        _LIMIT["watchdog"].cancel()
+        _LIMIT["watchdog"] = None
+    _LIMIT["phase"] = name
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        return  # no SIGALRM (Windows), or not the main thread: no limit
+    if name is None or not seconds:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        return
+    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    _LIMIT["watchdog"] = threading.Timer(seconds + GRACE, _hard_stop, (_timeout_message(name),))
+    _LIMIT["watchdog"].daemon = True
+    _LIMIT["watchdog"].start()
+
+
+def _timeout_message(phase: str) -> str:
+    return (f"{phase} took longer than --timeout {_LIMIT['seconds']:g} s, so memcheck stopped; give a longer "
+            "--timeout (0: no limit) if the model really needs it")
+
+
+def _on_alarm(signum, frame):
+    from memcheck.errors import TimeLimitExceeded
+
+    phase = _LIMIT["phase"]
+    if phase is not None:
+        raise TimeLimitExceeded(_timeout_message(phase))
+
+
+def _hard_stop(message: str) -> None:
+    """The watchdog: the main thread did not come back to Python to take the time limit."""
+    line = f"memcheck: error: {message}\n"
+    if _AT[0] is not None:  # the child of memcheck check: its parent reports it
+        import json
+
+        _write_all(_AT[0], (json.dumps({"code": EXIT_BAD_INPUT, "out": "", "err": line}) + "\n").encode())
+    else:
+        os.write(2, line.encode())
+    os._exit(EXIT_BAD_INPUT)
+
+
 @contextlib.contextmanager
 def _reported(progress, debug: bool, locate=None):
     """Every command's errors: the progress line erased, then one line on stderr and the exit
@@ -94,7 +179,10 @@ def _reported(progress, debug: bool, locate=None):
     from memcheck.job import SettingError
 
     try:
-        yield
+        try:
+            yield
+        finally:
+            _phase(None)
         _clear(progress)
     except MemcheckError as exc:
         _clear(progress)
@@ -130,8 +218,10 @@ def _load(model: str, job, optimizer: str | None, allow_download: bool, **load):
     ``make_optimizer`` unless --optimizer was given."""
     from memcheck.workloads.source import load_workload
 
+    _phase("loading the model")
     work = load_workload(model, batch_size=job.batch_size or 1, max_len=job.max_len, target_len=job.target_len,
                          task=job.task, attn=job.attn, allow_download=allow_download, packing=job.packing, **load)
+    _phase("tracing")  # until the command's _reported block ends
     _loaded()
     return work, work.job_for(job, optimizer)
 
@@ -210,6 +300,9 @@ _WORKLOAD_OPTIONS = [
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table."),
     click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise)."),
     click.option("--debug", is_flag=True, help="Show the full traceback of errors."),
+    click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True, metavar="SECONDS",
+                 help="Stop with exit 2 when loading the model, or tracing, takes longer than this (each; 0: no "
+                      "limit)."),
 ]
 
 
@@ -262,7 +355,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
              max_grad_norm,
              reentrant, bucket_view, bucket_cap_mb,
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
-             snapshot_path, plot_path):
+             snapshot_path, plot_path, timeout):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
 
     \b
@@ -280,6 +373,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
     from memcheck.units import parse_size
 
     with _reported(progress, debug):
+        _set_timeout(timeout)
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         if top < 0:
             raise UsageError(f"--top must be 0 or more, got {top}")
@@ -343,7 +437,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
 def plan(model, max_len, target_len, task, attn, packing, assume, device, optimizer, steps, gpu, gpu_memory, strategy, gpus,
          reentrant, bucket_view, bucket_cap_mb, offload, as_json, allow_download, debug, global_batch, margin,
          precision, precision_options, checkpointing_options, length_profile, measure, measure_steps, snapshot_path,
-         plot_path):
+         plot_path, timeout):
     """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
 
     \b
@@ -363,6 +457,7 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
     from memcheck.units import parse_size
 
     with _reported(progress, debug):
+        _set_timeout(timeout)
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         require_int(measure_steps, "--measure-steps", minimum=2,
                     message=f"--measure-steps must be an integer of at least 2, got {measure_steps!r}")
@@ -392,9 +487,11 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
         if measure and result.recommended is not None:
             from dataclasses import replace
 
+            _phase(None)  # a real run, not a trace: --measure-steps bounds it
             result = replace(result, verification=_measure_plan(model, result, work, measure_steps, allow_download))
         if (snapshot_path or plot_path) and result.job is not None:
             # A plan keeps no timeline: its recommended job is traced once more, with one, and must agree.
+            _phase("tracing")
             rows = result.recommended.micro_batch_size * (result.gpus if result.strategy in ("dp", "dp-balanced")
                                                           else 1)
             traced = run_estimate(work.model, work.batch_at(rows), result.job, loss_fn=work.loss_fn,
@@ -468,6 +565,7 @@ def _begin(as_json: bool, allow_download: bool):
     # collections on the way (about 1 s of a QLoRA estimate's 11 s on 2 cores, for a few
     # hundred objects freed).
     gc.disable()
+    sys.stdin = open(os.devnull)  # memcheck never reads stdin: a model's input() or a prompt gets EOF
     if not allow_download:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _quiet_transformers()
@@ -523,7 +621,10 @@ def _measure_plan(spec, result, work, steps, allow_download):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every job's result.")
 @click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise).")
 @click.option("--debug", is_flag=True, help="Show the full traceback of errors.")
-def check_configs(files, as_json, allow_download, debug):
+@click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True, metavar="SECONDS",
+              help="Stop with exit 2 when loading a job's model, or tracing it, takes longer than this (each; 0: no "
+                   "limit).")
+def check_configs(files, as_json, allow_download, debug, timeout):
     """Check the jobs in config files (TOML, JSON, YAML, or pyproject.toml's [tool.memcheck]).
 
     \b
@@ -536,7 +637,7 @@ def check_configs(files, as_json, allow_download, debug):
     config keys), 2 a config or model error, 3 internal error. The jobs are loaded and traced
     in a child process: one whose model code ends it (os._exit) is an error, never a pass.
     """
-    _in_child(lambda: _check_jobs(files, as_json, allow_download, debug))
+    _in_child(lambda: _check_jobs(files, as_json, allow_download, debug, timeout))
 
 
 def _in_child(body) -> None:
@@ -631,7 +732,7 @@ def _at(where: str) -> None:
         _write_all(_AT[0], (json.dumps({"at": where}) + "\n").encode("utf-8"))
 
 
-def _check_jobs(files, as_json, allow_download, debug) -> None:
+def _check_jobs(files, as_json, allow_download, debug, timeout=DEFAULT_TIMEOUT) -> None:
     """``memcheck check``'s work (in the child of ``_in_child``); ends in ``sys.exit``."""
     progress = _begin(as_json, allow_download)
     from memcheck.config_gate import load_configs
@@ -641,6 +742,7 @@ def _check_jobs(files, as_json, allow_download, debug) -> None:
 
     results, where = [], [None]  # where[0]: the job being loaded or traced, for error messages
     with _reported(progress, debug, locate=lambda message: _in_job(where[0], message)):
+        _set_timeout(timeout)
         jobs, skipped = load_configs(files)
         for path in skipped:
             click.echo(f"memcheck: note: {path} has no [tool.memcheck] table; skipped", err=True)
@@ -648,6 +750,7 @@ def _check_jobs(files, as_json, allow_download, debug) -> None:
         for config in jobs:  # every model is loaded (its code run) before the first trace
             where[0] = config
             _at(f"{config.label}: {config.model}, loading the model")
+            _phase("loading the model")
             if progress is not None:
                 progress(f"{config.label}: loading the model")
             job = config.job
@@ -660,6 +763,7 @@ def _check_jobs(files, as_json, allow_download, debug) -> None:
         for config, work in zip(jobs, workloads):
             where[0], label = config, config.label
             _at(f"{label}: {config.model}, tracing")
+            _phase("tracing")
             results.append((config, run_check(
                 work.model, work.make, config.check_job(work), model_name=work.name, loss_fn=work.loss_fn,
                 progress=None if progress is None else (lambda line, label=label: progress(f"{label}: {line}")),

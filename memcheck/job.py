@@ -415,7 +415,8 @@ def _margin(value):
 def _max_grad_norm(value):
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf") \
+            or value > 1.7e308:  # an int beyond any float (10**400): float() would overflow
         raise SettingError("max_grad_norm", f"{{name}} must be a number of 0 or more (0: no clipping), "
                                             f"got {escape(repr(value))}")
     return float(value)

@@ -23,6 +23,7 @@ import traceback
 import click
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+_REAL_EXIT = os._exit  # memcheck's own; the model's os._exit raises (``_begin``)
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports a process stopped by it
 
 
@@ -49,11 +50,14 @@ class _DefaultGroup(click.Group):
     def invoke(self, ctx):
         """Ctrl-C stops at once: one line, exit 130 (128 + SIGINT, as a shell reports it), no
         traceback; every file memcheck writes is renamed into place whole, so none is half-written."""
+        saved = os._exit  # _begin makes the model's os._exit raise; put back for an embedding process
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
             click.echo("memcheck: interrupted", err=True)
             sys.exit(EXIT_INTERRUPTED)
+        finally:
+            os._exit = saved
 
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
@@ -166,7 +170,7 @@ def _hard_stop(message: str) -> None:
         _write_all(_AT[0], (json.dumps({"code": EXIT_BAD_INPUT, "out": "", "err": line}) + "\n").encode())
     else:
         os.write(2, line.encode())
-    os._exit(EXIT_BAD_INPUT)
+    _REAL_EXIT(EXIT_BAD_INPUT)
 
 
 @contextlib.contextmanager
@@ -566,10 +570,25 @@ def _begin(as_json: bool, allow_download: bool):
     # hundred objects freed).
     gc.disable()
     sys.stdin = open(os.devnull)  # memcheck never reads stdin: a model's input() or a prompt gets EOF
+    os._exit = _model_os_exit
     if not allow_download:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _quiet_transformers()
     return _progress_line if not as_json and sys.stderr.isatty() else None
+
+
+def _model_os_exit(status: int = 0):
+    """``os._exit`` while a command that runs the model's code works: in this process it raises
+    ``ModelExit`` (reported as the model's exit, exit 2) instead of ending it with a code that
+    would read as a verdict; in a process the model's code forked, it is ``os._exit``."""
+    from memcheck.errors import ModelExit
+
+    if os.getpid() != _MAIN_PID[0]:
+        _REAL_EXIT(status)
+    raise ModelExit(status)
+
+
+_MAIN_PID = [os.getpid()]
 
 
 def _loaded() -> None:
@@ -658,7 +677,7 @@ def _in_child(body) -> None:
     pid = os.fork()
     if pid == 0:  # the child: never returns
         os.close(read)
-        _AT[0] = write
+        _AT[0], _MAIN_PID[0] = write, os.getpid()
         _child(body, write)
     os.close(write)
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the child, which says so
@@ -713,7 +732,7 @@ def _child(body, fd: int) -> None:
         data = json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue()}) + "\n"
         _write_all(fd, data.encode("utf-8"))
     finally:
-        os._exit(0)
+        _REAL_EXIT(0)
 
 
 def _write_all(fd: int, data: bytes) -> None:

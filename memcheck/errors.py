@@ -51,6 +51,11 @@ class TimeLimitExceeded(BaseException):
     exit_code = 2
 
 
+class ModelExit(SystemExit):
+    """The model's code called ``os._exit(status)`` while the CLI ran it (the CLI makes
+    ``os._exit`` raise this, so that the process does not end with a code read as a verdict)."""
+
+
 def exited_message(exc: BaseException, what: str, when: str = "") -> str | None:
     """The one line for a BaseException the model's own code raised that is not an error
     (``SystemExit`` from ``sys.exit()``/``exit()``, ``GeneratorExit``, ...), naming ``what``
@@ -58,7 +63,9 @@ def exited_message(exc: BaseException, what: str, when: str = "") -> str | None:
     user's Ctrl-C) or memcheck's own ``TimeLimitExceeded``, which are not the model's exits."""
     if isinstance(exc, (Exception, KeyboardInterrupt, TimeLimitExceeded)):
         return None
-    if isinstance(exc, SystemExit):
+    if isinstance(exc, ModelExit):
+        how = f"exited (os._exit({exc.code!r}))"
+    elif isinstance(exc, SystemExit):
         how = f"exited (sys.exit({exc.code!r}))"
     else:
         how = f"raised {type(exc).__name__}"

@@ -99,13 +99,21 @@ def test_a_build_model_that_exits_is_a_model_error(tmp_path):
     _one_line(_run(model, "--device", "cpu"), 2, f"{model}:", "build_model() exited (sys.exit(0))")
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="memcheck check isolates its jobs with fork")
-def test_check_fails_when_the_model_ends_the_process_with_os_exit(tmp_path):
-    """os._exit cannot be caught: memcheck check runs its jobs in one forked child, and a child
-    gone without an answer is exit 2 naming the job (before: exit 0, a passing gate)."""
+def test_os_exit_in_the_model_is_a_model_error(tmp_path):
+    """The CLI makes the model's os._exit raise (before: exit 0 and no report, a passing gate)."""
     model = _model(tmp_path, forward="        import os; os._exit(0)")
+    _one_line(_run(model, "--device", "cpu"), 2, f"{model}:", "exited (os._exit(0)) while being traced")
+    _one_line(_run("check", _config(tmp_path, model)), 2, f"{model}:", "exited (os._exit(0))")
+    assert os._exit.__module__ == "posix" or os._exit.__module__ == "nt"  # put back after the command
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="memcheck check isolates its jobs with fork")
+def test_check_fails_when_the_model_ends_the_process(tmp_path):
+    """What no Python code can catch (a SIGKILL, a C library's exit): memcheck check runs its jobs
+    in one forked child, and a child gone without an answer is exit 2 naming the job."""
+    model = _model(tmp_path, forward="        import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     config = _config(tmp_path, model)
-    _one_line(_run("check", config), 2, f"{config}: {model}, tracing", "os._exit")
+    _one_line(_run("check", config), 2, f"{config}: {model}, tracing", "was killed by signal 9", "no job was judged")
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):

@@ -287,3 +287,29 @@ def test_fuzz_the_cli_exits_0_1_or_2_with_one_line(tmp_path_factory, field, valu
     if result.exit_code == 2:
         assert len(result.stderr.splitlines()) == 1, (field, value, result.stderr)
     assert sorted(p.name for p in where.iterdir()) == ["model.py"], (field, value)
+
+
+def test_a_picture_written_short_is_an_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """write_atomically checks the file's size after the write (a short write that raised no
+    error, as some network file systems give) and removes its temporary file."""
+    import memcheck.report.timeline as timeline
+
+    real = os.fdopen
+
+    class Short:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            return self.f.write(data[:3])
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(timeline.os, "fdopen", lambda fd, mode: Short(real(fd, mode)))
+    with pytest.raises(UsageError, match=r"--snapshot '.*step.pickle' could not be written: 3 of 10 bytes written"):
+        timeline.write_atomically(tmp_path / "step.pickle", b"0123456789", "--snapshot")
+    assert list(tmp_path.iterdir()) == []

@@ -253,6 +253,9 @@ def write_atomically(path: Path, data: bytes, what: str) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        written = os.stat(tmp).st_size  # checked after the write: a file cut short is an error
+        if written != len(data):
+            raise OSError(f"{written} of {len(data)} bytes written")
         os.replace(tmp, path)
     except OSError as exc:
         with contextlib.suppress(OSError):

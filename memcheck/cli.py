@@ -664,8 +664,10 @@ def _in_child(body) -> None:
     back its output and exit code through a pipe, so that a child that vanishes without one
     (the model's code called ``os._exit``, or it was killed) is an error (exit 2), never the
     exit 0 of a verdict nobody reached. One child for all the jobs; where there is no fork
-    (Windows), ``body`` runs in this process."""
-    if not hasattr(os, "fork"):
+    (Windows), ``body`` runs in this process, as it does when torch is loaded here already (a
+    process that embeds the CLI, such as a test's CliRunner: its warm imports would be lost in
+    every child, seconds each; the model's os._exit still raises there, ``_model_os_exit``)."""
+    if not hasattr(os, "fork") or (_ISOLATE[0] is None and "torch" in sys.modules) or _ISOLATE[0] is False:
         body()
         return
     import json
@@ -704,6 +706,9 @@ def _in_child(body) -> None:
     if answer["err"]:
         click.echo(answer["err"], nl=False, err=True)
     sys.exit(answer["code"])
+
+
+_ISOLATE = [None]  # _in_child: None: fork unless torch is loaded here; True / False: always / never
 
 
 def _child(body, fd: int) -> None:

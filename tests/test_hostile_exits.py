@@ -108,12 +108,16 @@ def test_os_exit_in_the_model_is_a_model_error(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="memcheck check isolates its jobs with fork")
-def test_check_fails_when_the_model_ends_the_process(tmp_path):
+def test_check_fails_when_the_model_ends_the_process(tmp_path, monkeypatch):
     """What no Python code can catch (a SIGKILL, a C library's exit): memcheck check runs its jobs
-    in one forked child, and a child gone without an answer is exit 2 naming the job."""
-    model = _model(tmp_path, forward="        import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    in one forked child (from the command line: this process has torch loaded, so it is asked
+    for), and a child gone without an answer is exit 2 naming the job."""
+    model = tmp_path / "model.py"
+    model.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
     config = _config(tmp_path, model)
-    _one_line(_run("check", config), 2, f"{config}: {model}, tracing", "was killed by signal 9", "no job was judged")
+    monkeypatch.setattr(cli, "_ISOLATE", [True])
+    _one_line(_run("check", config), 2, f"{config}: {model}, loading the model", "was killed by signal 9",
+              "no job was judged")
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):

@@ -34,9 +34,17 @@ class _DefaultGroup(click.Group):
         """Run the CLI; click's own usage errors become one line and exit code 2, like memcheck's."""
         extra["standalone_mode"] = False
         try:
-            return super().main(args=args, prog_name=prog_name, **extra)
+            done = super().main(args=args, prog_name=prog_name, **extra)
+            _print("", nl=False)  # --help, --version: flushed and checked as the report is
+            return done
         except click.exceptions.Exit as exc:
+            _print("", nl=False)
             sys.exit(exc.exit_code)
+        except BrokenPipeError:  # --help into | head -1
+            _drop_stdout()
+            sys.exit(EXIT_FITS)
+        except OSError as exc:  # --help into a full disk
+            _print_failed(exc)
         except click.ClickException as exc:
             click.echo(f"memcheck: error: {exc.format_message()}", err=True)
             sys.exit(EXIT_BAD_INPUT)
@@ -87,9 +95,13 @@ def _print(text: str, nl: bool = True) -> None:
     except BrokenPipeError:
         _drop_stdout()
     except OSError as exc:
-        _drop_stdout()
-        click.echo(f"memcheck: error: the report could not be written to stdout: {exc.strerror or exc}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
+        _print_failed(exc)
+
+
+def _print_failed(exc: OSError) -> None:
+    _drop_stdout()
+    click.echo(f"memcheck: error: the report could not be written to stdout: {exc.strerror or exc}", err=True)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 def _drop_stdout() -> None:

@@ -632,7 +632,7 @@ def render_plan(plan: Plan) -> str:
             "*" if o is r else "", o.precision, _optimizer_cell(o), _checkpointing_cell(plan, o),
             f"{o.micro_batch_size} x {o.accumulation_steps}" if o.fits else "-",
             format_bytes(o.predicted_device_total_bytes),
-            ("not searched" if o.note else str(o.largest_fitting_micro_batch)
+            ("stopped" if o.note else str(o.largest_fitting_micro_batch)
              + ("" if o.boundary_confirmed else " (not pinned)")) if o.fits else "none",
             f"{o.relative_cost / r.relative_cost:.2f}" if (o.fits and r) else "-",
             str(o.traces),
@@ -644,7 +644,9 @@ def render_plan(plan: Plan) -> str:
         "batch x accum: micro-batch x accumulation steps; cost: the proxy's time per optimizer step (per "
         "sample without a global batch), relative, 1.00 = recommended; see memcheck.engine.plan"
         + (f"; largest fitting none: the option does not fit even at micro-batch 1, whose {what} is shown"
-           if unfit else "")))
+           if unfit else "")
+        + ("; stopped: searched no further after micro-batch 1, whose FLOPs alone cost more than a better "
+           "option's" if any(o.note for o in plan.alternatives) else "")))
     if plan.length_profile:
         lines.append("")
         lines.append(tabulate(

@@ -4,6 +4,7 @@
     python benchmarks/speed.py --quick    # GPT-2 only
     python benchmarks/speed.py --plan     # `memcheck plan` against one plain estimate, wall seconds
     python benchmarks/speed.py --plan-8b  # Llama-3-8B's default plan against one estimate of its answer
+    python benchmarks/speed.py --plan-70b # Llama-3-70B's default plan against one plain estimate
     python benchmarks/speed.py --qlora    # the README's QLoRA command against the same without --qlora
 
 Each (tool, workload) runs in a fresh subprocess so that its wall time and its
@@ -107,6 +108,12 @@ PLAN_8B_COMMANDS = {
                                "--optimizer", "adamw-fused"],
 }
 PLAN_8B_RUNS = 3
+# The same for Llama-3-70B, which no single GPU holds: the plan ends in the sharded GPU count.
+PLAN_70B_COMMANDS = {
+    "plan, no other flag": ["plan", "hf:examples/llama-3-70b", "--max-len", "4096", "--gpu", "H100-80GB",
+                            "--global-batch", "64"],
+    "estimate, no other flag": ["hf:examples/llama-3-70b", "--max-len", "4096", "--gpu", "H100-80GB", "-b", "1"],
+}
 
 QLORA_TARGET_SECONDS = 10.0  # issue 18: a 7B config's QLoRA estimate, 2 cores, no GPU
 QLORA_COMMANDS = {
@@ -187,12 +194,12 @@ def _in_turn(commands: dict[str, list[str]], runs: int) -> dict[str, list[dict]]
     return None if failed else results
 
 
-def plan_8b_speed() -> int:
+def plan_8b_speed(commands=PLAN_8B_COMMANDS) -> int:
     """Time the 8B plan and one estimate of its recommendation, alternately, PLAN_8B_RUNS times."""
-    runs = _in_turn(PLAN_8B_COMMANDS, PLAN_8B_RUNS)
+    runs = _in_turn(commands, PLAN_8B_RUNS)
     if runs is None:
         return 1
-    plan, one = (min(r["seconds"] for r in runs[label]) for label in PLAN_8B_COMMANDS)
+    plan, one = (min(r["seconds"] for r in runs[label]) for label in commands)
     verdict = "meets" if plan <= PLAN_8B_RATIO_TARGET * one else "MISSES"
     print(f"fastest runs: plan {plan:.2f} s, one estimate {one:.2f} s: {plan / one:.2f} estimates ({verdict} the "
           f"target of {PLAN_8B_RATIO_TARGET:.0f})")
@@ -215,6 +222,8 @@ def qlora_speed() -> int:
 def main(argv):
     if "--plan-8b" in argv:
         return plan_8b_speed()
+    if "--plan-70b" in argv:
+        return plan_8b_speed(PLAN_70B_COMMANDS)
     if "--plan" in argv:
         return plan_speed()
     if "--qlora" in argv:

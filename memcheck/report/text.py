@@ -637,16 +637,17 @@ def render_plan(plan: Plan) -> str:
             f"{o.relative_cost / r.relative_cost:.2f}" if (o.fits and r) else "-",
             str(o.traces),
         ])
-    lines.extend(table(["", "precision", "optim", "checkpointing", "batch\nx accum", what.replace(" ", "\n"),
-                        "largest\nfitting", "cost", "traces"], rows))
-    unfit = any(not o.fits for o in plan.alternatives)
-    lines.extend(_prose(
-        "batch x accum: micro-batch x accumulation steps; cost: the proxy's time per optimizer step (per "
-        "sample without a global batch), relative, 1.00 = recommended; see memcheck.engine.plan"
-        + (f"; largest fitting none: the option does not fit even at micro-batch 1, whose {what} is shown"
-           if unfit else "")
-        + ("; stopped: searched no further after micro-batch 1, whose FLOPs alone cost more than a better "
-           "option's" if any(o.note for o in plan.alternatives) else "")))
+    if rows:  # none when every option was ruled out before tracing (not_traced, below)
+        lines.extend(table(["", "precision", "optim", "checkpointing", "batch\nx accum", what.replace(" ", "\n"),
+                            "largest\nfitting", "cost", "traces"], rows))
+        unfit = any(not o.fits for o in plan.alternatives)
+        lines.extend(_prose(
+            "batch x accum: micro-batch x accumulation steps; cost: the proxy's time per optimizer step (per "
+            "sample without a global batch), relative, 1.00 = recommended; see memcheck.engine.plan"
+            + (f"; largest fitting none: the option does not fit even at micro-batch 1, whose {what} is shown"
+               if unfit else "")
+            + ("; stopped: searched no further after micro-batch 1, whose FLOPs alone cost more than a better "
+               "option's" if any(o.note for o in plan.alternatives) else "")))
     if plan.length_profile:
         lines.append("")
         lines.append(tabulate(

@@ -10,9 +10,10 @@ The planner searches by tracing, never by extrapolating a figure it reports:
    later; amp-fp16 before), AdamW's fused implementation; then, only when nothing of
    those fits, 8-bit optimizer state; then DeepSpeed's ZeRO-Offload on the one GPU. A
    tier whose weights, gradients and optimizer state alone pass the limit is not
-   traced, and once one fits, later tiers are tried only for lighter checkpointing,
-   skipped when the same checkpointing traced in another tier, its persistent state
-   swapped for this tier's, already passes the limit (``Plan.not_traced`` says so).
+   traced, and once one fits, later tiers of the same FLOP rate are tried only for
+   lighter checkpointing, skipped when the same checkpointing traced in another tier,
+   its persistent state swapped for this tier's, already passes the limit by more than
+   ``SWAP_SLACK`` (``Plan.not_traced`` says so). Precisions are tried low first.
 2. **The boundary, in at most 5 traces an option.** At a fixed shape, memory is
    close to affine in the micro-batch. The planner traces micro-batches 1 and 4,
    predicts from the line through them the largest micro-batch whose device total

@@ -208,15 +208,34 @@ def _custom_dir(path, code_dir=None):
     return path
 
 
-def test_custom_hf_code_is_refused_without_the_flag_even_with_yes_on_stdin(tmp_path):
+def test_custom_hf_code_is_refused_without_the_flag_even_with_yes_on_stdin(tmp_path, monkeypatch):
     # Before issue 24 transformers asked "run the custom code? [y/N]" on stdin: `yes | memcheck`
     # ran it (and copied it into the module cache).
+    import transformers.dynamic_module_utils as dynamic
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))  # not the user's cache
+    monkeypatch.setattr(sys, "path", list(sys.path))
     model = _custom_dir(tmp_path / "custom")
     result = run(f"hf:{model}", "--device", "cpu", input="y\n" * 20)
     assert result.exit_code == 2, result.output
     assert result.stderr.count("\n") == 1 and "--trust-remote-code" in result.stderr, result.stderr
     assert "configuration_custom" in result.stderr
-    assert not list(model.glob("*.ran"))
+    assert not list(tmp_path.rglob("*.ran"))
+
+
+def test_with_the_flag_the_custom_code_runs_and_its_failure_is_one_line(tmp_path, monkeypatch):
+    import transformers.dynamic_module_utils as dynamic
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))  # not the user's cache
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    model = _custom_dir(tmp_path / "custom")
+    result = run(f"hf:{model}", "--device", "cpu", "--trust-remote-code")
+    for name in [m for m in sys.modules if m.startswith("transformers_modules")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert list(tmp_path.rglob("configuration_custom.py.ran"))  # run (from its copy): the flag reached transformers
+    # the file defines no CustomConfig: the user's code failed, a bad input (2), not memcheck's bug (3)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert "custom code (trust_remote_code) failed" in result.stderr
 
 
 def test_trust_remote_code_reaches_transformers_as_true_or_false_never_none(tmp_path, monkeypatch):

@@ -131,6 +131,12 @@ def load_config(spec: str, *, allow_download: bool = False, trust_remote_code: b
         hint = "" if allow_download else " (memcheck looks offline only; pass --allow-download to fetch it)"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"hf:{spec}: cannot load its config{hint}: {first}") from exc
+    except Exception as exc:
+        if not trust_remote_code:
+            raise
+        raise ModelLoadError(f"hf:{spec}: its custom code (trust_remote_code) failed: "  # the user's code
+                             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                             ) from exc
 
 
 def _needs_remote_code(spec: str, path: Path) -> SettingError:
@@ -228,6 +234,11 @@ def build_model(config, task: Task | None = None, attn: Attention | None = None,
             raise _needs_remote_code(type(config).__name__, Path()) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot build {type(config).__name__} for task {task}: {first}") from exc
+    except Exception as exc:
+        if not trust_remote_code:
+            raise
+        raise ModelLoadError(f"cannot build {type(config).__name__}: its custom code (trust_remote_code) failed: "
+                             f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
 
 
 def _training_arguments():

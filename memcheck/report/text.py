@@ -556,6 +556,8 @@ def _toml_lines(plan: Plan, r: PlanOption) -> list[str]:
         lines += [f'strategy = "{plan.strategy}"', f"gpus = {plan.gpus}"]
     if plan.job is not None and plan.job.assume:
         lines.append("assume = [" + ", ".join(f'"{a}"' for a in plan.job.assume) + "]")
+    if plan.job is not None and plan.job.trust_remote_code:
+        lines.append("trust_remote_code = true")
     return lines
 
 

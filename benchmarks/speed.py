@@ -4,6 +4,7 @@
     python benchmarks/speed.py --quick    # GPT-2 only
     python benchmarks/speed.py --plan     # `memcheck plan` against one plain estimate, wall seconds
     python benchmarks/speed.py --plan-8b  # Llama-3-8B's default plan against one estimate of its answer
+    python benchmarks/speed.py --plan-70b # Llama-3-70B's default plan against one plain estimate
     python benchmarks/speed.py --qlora    # the README's QLoRA command against the same without --qlora
 
 Each (tool, workload) runs in a fresh subprocess so that its wall time and its
@@ -107,6 +108,12 @@ PLAN_8B_COMMANDS = {
                                "--optimizer", "adamw-fused"],
 }
 PLAN_8B_RUNS = 3
+# The same for Llama-3-70B, which no single GPU holds: the plan ends in the sharded GPU count.
+PLAN_70B_COMMANDS = {
+    "plan, no other flag": ["plan", "hf:examples/llama-3-70b", "--max-len", "4096", "--gpu", "H100-80GB",
+                            "--global-batch", "64"],
+    "estimate, no other flag": ["hf:examples/llama-3-70b", "--max-len", "4096", "--gpu", "H100-80GB", "-b", "1"],
+}
 
 QLORA_TARGET_SECONDS = 10.0  # issue 18: a 7B config's QLoRA estimate, 2 cores, no GPU
 QLORA_COMMANDS = {
@@ -163,60 +170,60 @@ def plan_speed() -> int:
     return status
 
 
-def plan_8b_speed() -> int:
-    """Time the 8B plan and one estimate of its recommendation, alternately, PLAN_8B_RUNS times."""
-    runs: dict[str, list[dict]] = {label: [] for label in PLAN_8B_COMMANDS}
-    for _ in range(PLAN_8B_RUNS):
-        for label, args in PLAN_8B_COMMANDS.items():
-            runs[label].append(time_command(args))
+def _in_turn(commands: dict[str, list[str]], runs: int) -> dict[str, list[dict]] | None:
+    """Each command ``runs`` times, in turn, a fresh process each; a table of every run printed.
+    None when one failed (exit 2 or 3)."""
+    results: dict[str, list[dict]] = {label: [] for label in commands}
+    for _ in range(runs):
+        for label, args in commands.items():
+            results[label].append(time_command(args))
+    width = max(map(len, commands))
     print(f"{os.cpu_count()} CPU core(s); each run a fresh `python -m memcheck` process, in turn")
-    print(f"{'command':24s} {'run':>3s} {'wall s':>7s} {'CPU s':>6s} {'load':>5s} {'traces':>6s} {'exit':>5s}")
-    for label, results in runs.items():
-        for i, r in enumerate(results, 1):
+    print(f"{'command':{width}s} {'run':>3s} {'wall s':>7s} {'CPU s':>6s} {'load':>5s} {'traces':>6s} {'exit':>5s}")
+    failed = False
+    for label, done in results.items():
+        for i, r in enumerate(done, 1):
             if r["error"]:
-                print(f"{label:24s} {i:3d} error: {r['error']}")
-                return 1
+                print(f"{label:{width}s} {i:3d} error: {r['error']}")
+                failed = True
+                continue
             traces = "-" if r["traces"] is None else str(r["traces"])
-            print(f"{label:24s} {i:3d} {r['seconds']:7.2f} {r['cpu_seconds']:6.2f} {r['load']:5.2f} {traces:>6s} "
-                  f"{r['exit_code']:5d}")
-    plan, one = (min(r["seconds"] for r in runs[label]) for label in PLAN_8B_COMMANDS)
+            print(f"{label:{width}s} {i:3d} {r['seconds']:7.2f} {r['cpu_seconds']:6.2f} {r['load']:5.2f} "
+                  f"{traces:>6s} {r['exit_code']:5d}")
+    print("commands: memcheck " + " | memcheck ".join(" ".join(a) for a in commands.values()))
+    return None if failed else results
+
+
+def plan_8b_speed(commands=PLAN_8B_COMMANDS) -> int:
+    """Time the 8B plan and one estimate of its recommendation, alternately, PLAN_8B_RUNS times."""
+    runs = _in_turn(commands, PLAN_8B_RUNS)
+    if runs is None:
+        return 1
+    plan, one = (min(r["seconds"] for r in runs[label]) for label in commands)
     verdict = "meets" if plan <= PLAN_8B_RATIO_TARGET * one else "MISSES"
     print(f"fastest runs: plan {plan:.2f} s, one estimate {one:.2f} s: {plan / one:.2f} estimates ({verdict} the "
           f"target of {PLAN_8B_RATIO_TARGET:.0f})")
-    print("commands: memcheck " + " | memcheck ".join(" ".join(a) for a in PLAN_8B_COMMANDS.values()))
     return 0
 
 
 def qlora_speed() -> int:
     """Time the README's QLoRA command, run after run with the same job without --qlora."""
-    runs: dict[str, list[dict]] = {label: [] for label in QLORA_COMMANDS}
-    for _ in range(QLORA_RUNS):
-        for label, args in QLORA_COMMANDS.items():
-            runs[label].append(time_command(args))
-    print(f"{os.cpu_count()} CPU core(s); each run a fresh `python -m memcheck` process, in turn")
-    print(f"{'command':22s} {'run':>3s} {'wall s':>7s} {'CPU s':>6s} {'load':>5s} {'exit':>5s}")
-    status = 0
-    for label, results in runs.items():
-        for i, r in enumerate(results, 1):
-            if r["error"]:
-                print(f"{label:22s} {i:3d} error: {r['error']}")
-                status = 1
-                continue
-            print(f"{label:22s} {i:3d} {r['seconds']:7.2f} {r['cpu_seconds']:6.2f} {r['load']:5.2f} {r['exit_code']:5d}")
-    if status:
-        return status
+    runs = _in_turn(QLORA_COMMANDS, QLORA_RUNS)
+    if runs is None:
+        return 1
     best = {label: min(r["seconds"] for r in results) for label, results in runs.items()}
     qlora, plain = best["7B --qlora"], best["7B (full fine-tuning)"]
     print(f"fastest runs: --qlora {qlora:.2f} s, without {plain:.2f} s: ratio {qlora / plain:.2f}")
     verdict = "meets" if qlora < QLORA_TARGET_SECONDS else "MISSES"
     print(f"--qlora: {qlora:.1f} s {verdict} the {QLORA_TARGET_SECONDS:.0f} s target")
-    print("commands: memcheck " + " | memcheck ".join(" ".join(a) for a in QLORA_COMMANDS.values()))
     return 0
 
 
 def main(argv):
     if "--plan-8b" in argv:
         return plan_8b_speed()
+    if "--plan-70b" in argv:
+        return plan_8b_speed(PLAN_70B_COMMANDS)
     if "--plan" in argv:
         return plan_speed()
     if "--qlora" in argv:

@@ -236,7 +236,8 @@ def _load(model: str, job, optimizer: str | None, allow_download: bool, **load):
 
     _phase("loading the model")
     work = load_workload(model, batch_size=job.batch_size or 1, max_len=job.max_len, target_len=job.target_len,
-                         task=job.task, attn=job.attn, allow_download=allow_download, packing=job.packing, **load)
+                         task=job.task, attn=job.attn, allow_download=allow_download, packing=job.packing,
+                         trust_remote_code=job.trust_remote_code, **load)
     _phase("tracing")  # until the command's _reported block ends
     _loaded()
     return work, work.job_for(job, optimizer)
@@ -315,6 +316,9 @@ _WORKLOAD_OPTIONS = [
                  help="fsdp / zero: move the optimizer state or the parameters to CPU memory."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table."),
     click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise)."),
+    click.option("--trust-remote-code", is_flag=True,
+                 help="hf: models: let transformers run the Python files config.json's auto_map names (only code "
+                      "you would run yourself); without it such a config is refused."),
     click.option("--debug", is_flag=True, help="Show the full traceback of errors."),
     click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True, metavar="SECONDS",
                  help="Stop with exit 2 when loading the model, or tracing, takes longer than this (each; 0: no "
@@ -371,7 +375,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
              max_grad_norm,
              reentrant, bucket_view, bucket_cap_mb,
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
-             snapshot_path, plot_path, timeout):
+             snapshot_path, plot_path, timeout, trust_remote_code=False):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
 
     \b
@@ -388,7 +392,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
     from memcheck.report.text import render_json
     from memcheck.units import parse_size
 
-    with _reported(progress, debug):
+    with _reported(progress, debug), _model_stdout():
         _set_timeout(timeout)
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         if top < 0:
@@ -407,7 +411,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
                    bucket_cap_mb=bucket_cap_mb, offload=offload, eval_batch_size=eval_batch_size,
                    eval_accumulate_predictions=eval_accumulate_predictions, task=task, attn=attn, packing=packing,
-                   assume=assume)
+                   assume=assume, trust_remote_code=trust_remote_code)
         if progress is not None:
             progress(f"loading {model}")
         work, job = _load(model, job, optimizer, allow_download)
@@ -453,7 +457,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
 def plan(model, max_len, target_len, task, attn, packing, assume, device, optimizer, steps, gpu, gpu_memory, strategy, gpus,
          reentrant, bucket_view, bucket_cap_mb, offload, as_json, allow_download, debug, global_batch, margin,
          precision, precision_options, checkpointing_options, length_profile, measure, measure_steps, snapshot_path,
-         plot_path, timeout):
+         plot_path, timeout, trust_remote_code=False):
     """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
 
     \b
@@ -472,7 +476,7 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
     from memcheck.report.text import render_json
     from memcheck.units import parse_size
 
-    with _reported(progress, debug):
+    with _reported(progress, debug), _model_stdout():
         _set_timeout(timeout)
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         require_int(measure_steps, "--measure-steps", minimum=2,
@@ -492,7 +496,7 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
                    optimizer=optimizer or "adamw", steps=steps, use_reentrant=reentrant, strategy=strategy,
                    gpus=gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload, margin=margin,
                    global_batch=global_batch, task=task, attn=attn, packing=packing,
-                   assume=assume)
+                   assume=assume, trust_remote_code=trust_remote_code)
         work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)
         _no_train_step(work, "memcheck plan")
         result = run_plan(work.model, work.make, job, precision_options=precision_options or precision or "auto",
@@ -556,7 +560,7 @@ def run(max_len, device, gpu, gpu_memory, steps, as_json, allow_download, debug,
     script is stopped. What the script prints goes to stderr; the report to stdout.
     """
     if not allow_download:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        _offline()
     from memcheck.engine.script import run_script
     from memcheck.job import Job
     from memcheck.report.text import render_json
@@ -584,9 +588,22 @@ def _begin(as_json: bool, allow_download: bool):
     sys.stdin = open(os.devnull)  # memcheck never reads stdin: a model's input() or a prompt gets EOF
     os._exit = _model_os_exit
     if not allow_download:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        _offline()
     _quiet_transformers()
     return _progress_line if not as_json and sys.stderr.isatty() else None
+
+
+def _offline() -> None:
+    """The Hub libraries offline, whatever HF_HUB_OFFLINE says (``hf.force_offline``)."""
+    from memcheck.workloads.hf import force_offline
+
+    force_offline()
+
+
+def _model_stdout():
+    """While memcheck runs the model's code (load and trace), what it prints goes to stderr:
+    stdout is the report's, and a model's print() must not corrupt --json."""
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 def _model_os_exit(status: int = 0):
@@ -637,7 +654,7 @@ def _measure_plan(spec, result, work, steps, allow_download):
     def build():  # inside the measured region, so the weights are measured too
         real = load_workload(spec, batch_size=job.batch_size, max_len=job.max_len, target_len=job.target_len,
                              task=job.task, attn=job.attn, allow_download=allow_download, device="cpu",
-                             packing=job.packing)
+                             packing=job.packing, trust_remote_code=job.trust_remote_code)
         apply_checkpointing(real.model, job.checkpointing, use_reentrant=job.use_reentrant)
         return real.model, real.batch
 
@@ -777,7 +794,7 @@ def _check_jobs(files, as_json, allow_download, debug, timeout=DEFAULT_TIMEOUT) 
     from memcheck.workloads.source import load_workload
 
     results, where = [], [None]  # where[0]: the job being loaded or traced, for error messages
-    with _reported(progress, debug, locate=lambda message: _in_job(where[0], message)):
+    with _reported(progress, debug, locate=lambda message: _in_job(where[0], message)), _model_stdout():
         _set_timeout(timeout)
         jobs, skipped = load_configs(files)
         for path in skipped:
@@ -792,7 +809,8 @@ def _check_jobs(files, as_json, allow_download, debug, timeout=DEFAULT_TIMEOUT) 
             job = config.job
             workloads.append(load_workload(config.model, batch_size=job.batch_size or 1, max_len=job.max_len,
                                            target_len=job.target_len, task=job.task, attn=job.attn,
-                                           allow_download=allow_download, packing=job.packing))
+                                           allow_download=allow_download, packing=job.packing,
+                                           trust_remote_code=job.trust_remote_code))
             config.check_modules(workloads[-1].model)
             _no_train_step(workloads[-1], f"memcheck check ({config.label})")
         _loaded()

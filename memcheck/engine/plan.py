@@ -10,9 +10,10 @@ The planner searches by tracing, never by extrapolating a figure it reports:
    later; amp-fp16 before), AdamW's fused implementation; then, only when nothing of
    those fits, 8-bit optimizer state; then DeepSpeed's ZeRO-Offload on the one GPU. A
    tier whose weights, gradients and optimizer state alone pass the limit is not
-   traced, and once one fits, later tiers are tried only for lighter checkpointing,
-   skipped when the same checkpointing traced in another tier, its persistent state
-   swapped for this tier's, already passes the limit (``Plan.not_traced`` says so).
+   traced, and once one fits, later tiers of the same FLOP rate are tried only for
+   lighter checkpointing, skipped when the same checkpointing traced in another tier,
+   its persistent state swapped for this tier's, already passes the limit by more than
+   ``SWAP_SLACK`` (``Plan.not_traced`` says so). Precisions are tried low first.
 2. **The boundary, in at most 5 traces an option.** At a fixed shape, memory is
    close to affine in the micro-batch. The planner traces micro-batches 1 and 4,
    predicts from the line through them the largest micro-batch whose device total
@@ -261,6 +262,7 @@ def _validate(model, make_batch, job: Job, precision_options, optimizer_options,
         precision_options = ("amp-bf16", "bf16") if arch >= (8, 0) else ("amp-fp16",)
     precisions = _unique(Precision.parse(p, what="precision")
                          for p in _as_list(precision_options, "precision_options"))
+    precisions.sort(key=lambda p: p is Precision.FP32)  # likely winners first, so that later options drop early
     auto_optimizer = optimizer_options == AUTO and cuda and job.optimizer in ADAMW  # the HF Trainer's is fused
     if optimizer_options is None or optimizer_options == AUTO and not auto_optimizer:
         optimizers = [job.optimizer]
@@ -298,7 +300,8 @@ def _choose(search: "_Search", space: _Space) -> tuple[PlanOption | None, tuple[
     Tiers (precision, optimizer, offload) are tried in order; the fallbacks (8-bit optimizer
     state, then ZeRO-Offload) only when no earlier tier fits. A tier whose weights, gradients
     and optimizer state alone exceed the limit (``_Search.floor``) is not traced. Once one
-    fits, later tiers are searched only for lighter checkpointing than the best's, and an
+    fits, later tiers of the same FLOP rate (both fp32, or both low precision) are searched
+    only for lighter checkpointing than the best's, and an
     option there is not traced when the same checkpointing traced in an earlier tier, with
     its persistent state swapped for this tier's, exceeds the limit by more than SWAP_SLACK.
     """
@@ -316,7 +319,7 @@ def _choose(search: "_Search", space: _Space) -> tuple[PlanOption | None, tuple[
         for ck in space.checkpoints:
             if best is not None and _dominated(best[1], ck, tier, space.cap):
                 continue
-            if best is not None and best_tier is not tier:
+            if best is not None and best_tier is not tier and _same_speed(tier, best[1]):
                 if not _heavier(best[1].checkpointing, ck):  # later tiers only for lighter checkpointing
                     continue
                 predicted = search.predicted_from_earlier(tier, ck)
@@ -329,8 +332,6 @@ def _choose(search: "_Search", space: _Space) -> tuple[PlanOption | None, tuple[
             options.append(option)
             if option.fits and (best is None or option.relative_cost < best[0]):
                 best, best_tier = (option.relative_cost, option), tier
-        if best is not None and best[1].checkpointing == NONE:
-            break  # nothing lighter to find
     recommended = _simplest_close(options, best)
     return recommended, tuple(o for o in options if o is not recommended)
 
@@ -343,6 +344,12 @@ def _simplest_close(options: list[PlanOption], best: tuple[float, PlanOption] | 
     close = [o for o in options if o.fits and o.relative_cost <= best[0] * (1 + SIMPLER_WITHIN)]
     return min(close, key=lambda o: (CHECKPOINTING_OPTIONS.index(o.checkpointing), options.index(o),
                                      o.relative_cost))
+
+
+def _same_speed(tier: _Tier, option: PlanOption) -> bool:
+    """Both fp32, or both low precision: the FLOP rate is the same, so a later tier can win only
+    by checkpointing less. Otherwise it is searched in full (its FLOPs bound prunes it)."""
+    return (tier.precision is Precision.FP32) == (option.precision == Precision.FP32.value)
 
 
 def _heavier(checkpointing: str, than: str) -> bool:

@@ -556,6 +556,8 @@ def _toml_lines(plan: Plan, r: PlanOption) -> list[str]:
         lines += [f'strategy = "{plan.strategy}"', f"gpus = {plan.gpus}"]
     if plan.job is not None and plan.job.assume:
         lines.append("assume = [" + ", ".join(f'"{a}"' for a in plan.job.assume) + "]")
+    if plan.job is not None and plan.job.trust_remote_code:
+        lines.append("trust_remote_code = true")
     return lines
 
 
@@ -632,19 +634,22 @@ def render_plan(plan: Plan) -> str:
             "*" if o is r else "", o.precision, _optimizer_cell(o), _checkpointing_cell(plan, o),
             f"{o.micro_batch_size} x {o.accumulation_steps}" if o.fits else "-",
             format_bytes(o.predicted_device_total_bytes),
-            ("not searched" if o.note else str(o.largest_fitting_micro_batch)
+            ("stopped" if o.note else str(o.largest_fitting_micro_batch)
              + ("" if o.boundary_confirmed else " (not pinned)")) if o.fits else "none",
             f"{o.relative_cost / r.relative_cost:.2f}" if (o.fits and r) else "-",
             str(o.traces),
         ])
-    lines.extend(table(["", "precision", "optim", "checkpointing", "batch\nx accum", what.replace(" ", "\n"),
-                        "largest\nfitting", "cost", "traces"], rows))
-    unfit = any(not o.fits for o in plan.alternatives)
-    lines.extend(_prose(
-        "batch x accum: micro-batch x accumulation steps; cost: the proxy's time per optimizer step (per "
-        "sample without a global batch), relative, 1.00 = recommended; see memcheck.engine.plan"
-        + (f"; largest fitting none: the option does not fit even at micro-batch 1, whose {what} is shown"
-           if unfit else "")))
+    if rows:  # none when every option was ruled out before tracing (not_traced, below)
+        lines.extend(table(["", "precision", "optim", "checkpointing", "batch\nx accum", what.replace(" ", "\n"),
+                            "largest\nfitting", "cost", "traces"], rows))
+        unfit = any(not o.fits for o in plan.alternatives)
+        lines.extend(_prose(
+            "batch x accum: micro-batch x accumulation steps; cost: the proxy's time per optimizer step (per "
+            "sample without a global batch), relative, 1.00 = recommended; see memcheck.engine.plan"
+            + (f"; largest fitting none: the option does not fit even at micro-batch 1, whose {what} is shown"
+               if unfit else "")
+            + ("; stopped: searched no further after micro-batch 1, whose FLOPs alone cost more than a better "
+               "option's" if any(o.note for o in plan.alternatives) else "")))
     if plan.length_profile:
         lines.append("")
         lines.append(tabulate(

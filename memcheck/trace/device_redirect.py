@@ -223,6 +223,17 @@ def redirect_cuda(gpu=None, *, devices: tuple[str, ...] = ("cuda",)):
     ``devices`` are the device types sent to meta (``("cuda", "cpu")`` while loading).
     Nesting is allowed: the ``torch.cuda`` stand-ins are installed once, by the outermost.
     """
+    with cuda_stubbed(gpu), _MetaDevices(frozenset(devices)):
+        yield
+
+
+@contextlib.contextmanager
+def cuda_stubbed(gpu=None):
+    """The ``torch.cuda`` stand-ins of :func:`redirect_cuda` alone, tensors left as they are:
+    what memcheck reads configs and imports third-party libraries under, since some ask the
+    GPU at import (bitsandbytes' ``cuda_specs.get_compute_capabilities`` calls
+    ``torch.cuda.get_device_capability`` for every device when PEFT imports it, which
+    initialises CUDA). Nesting is allowed; the outermost installs and restores them."""
     global _depth
     with _LOCK:
         # Once CUDA is up (a pre-flight check inside a training script), nothing can initialise
@@ -231,8 +242,7 @@ def redirect_cuda(gpu=None, *, devices: tuple[str, ...] = ("cuda",)):
             _patch(gpu)
         _depth += 1
     try:
-        with _MetaDevices(frozenset(devices)):
-            yield
+        yield
     finally:
         with _LOCK:
             _depth -= 1

@@ -160,8 +160,10 @@ def quiet_third_party():
 
 
 def _peft():
+    from memcheck.trace.device_redirect import cuda_stubbed
+
     try:
-        with quiet_third_party():
+        with quiet_third_party(), cuda_stubbed():  # bitsandbytes, which PEFT imports, asks the GPU on import
             import peft
     except ImportError:
         raise UsageError("LoRA, DoRA and QLoRA need PEFT: pip install 'memcheck[peft]'") from None

@@ -17,6 +17,7 @@ batch_size separate rows; flash-attention's varlen kernels need no mask either w
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from memcheck.enums import Attention, Task
 from memcheck.errors import ModelLoadError, UsageError
 from memcheck.job import SettingError, escape
+from memcheck.trace.device_redirect import cuda_stubbed
 
 # The Auto classes that build each task's model, tried in order: the first whose mapping holds the
 # config's class (text, then speech or audio models for the same task).
@@ -59,10 +61,49 @@ AUDIO = "audio"  # input_values: max_len samples of raw audio (Wav2Vec2, HuBERT,
 _MAIN_INPUT_KIND = {"input_ids": TEXT, "pixel_values": IMAGE, "input_values": AUDIO}
 
 
-def load_config(spec: str, *, allow_download: bool = False):
-    """Load a config from a directory holding ``config.json`` or a cached hub name (offline by default)."""
+def force_offline() -> None:
+    """The Hub libraries offline for the rest of this process, whatever the environment says
+    (``HF_HUB_OFFLINE=0`` or ``false`` included): the variable set to 1 and, where
+    huggingface_hub is already imported (it reads the variable once, at import), its
+    ``constants.HF_HUB_OFFLINE`` too, which ``huggingface_hub.is_offline_mode()`` and so
+    transformers read on every call. Without it a hub name that is not cached makes
+    huggingface_hub connect even with ``local_files_only=True``."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = True
+
+
+def _custom_code(config_json: dict) -> list[str]:
+    """The Python modules a config.json's ``auto_map`` names (``modeling_x.XModel`` -> ``modeling_x``;
+    ``OWNER/REPO--modeling_x.XModel`` keeps its repository)."""
+    auto_map = config_json.get("auto_map") if isinstance(config_json, dict) else None
+    names = []
+    for value in (auto_map.values() if isinstance(auto_map, dict) else ()):
+        for ref in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(ref, str) and "." in ref:
+                names.append(ref.rsplit(".", 1)[0])
+    return list(dict.fromkeys(names))
+
+
+def remote_code(directory: Path) -> list[str]:
+    """What ``trust_remote_code`` would run for the config in ``directory``: the ``auto_map``
+    modules of its config.json ([] when it names none or cannot be read)."""
+    import json
+
+    try:
+        return _custom_code(json.loads((directory / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return []
+
+
+def load_config(spec: str, *, allow_download: bool = False, trust_remote_code: bool = False):
+    """Load a config from a directory holding ``config.json`` or a cached hub name (offline by
+    default). ``trust_remote_code`` goes to transformers as given, True or False, never None: so
+    transformers never asks on stdin whether to run a config's custom code."""
     from transformers import AutoConfig
 
+    trust_remote_code = bool(trust_remote_code)
     path = Path(spec).expanduser()
     # A hub name is NAME or OWNER/NAME; anything else that is not a directory is a path that is
     # wrong, and saying so beats the hub client's "Repo id must be in the form ..."
@@ -73,16 +114,37 @@ def load_config(spec: str, *, allow_download: bool = False):
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise ModelLoadError(f"hf:{spec}: the directory has no config.json")
-            return AutoConfig.from_pretrained(str(path))
+            if not allow_download:
+                force_offline()
+            with cuda_stubbed():  # a config's code may ask the GPU
+                return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         if not allow_download:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        return AutoConfig.from_pretrained(spec, local_files_only=not allow_download)
+            force_offline()
+        with cuda_stubbed():
+            return AutoConfig.from_pretrained(spec, local_files_only=not allow_download,
+                                              trust_remote_code=trust_remote_code)
     except ModelLoadError:
         raise
     except (OSError, ValueError, KeyError) as exc:
+        if not trust_remote_code and "trust_remote_code" in str(exc):
+            raise _needs_remote_code(spec, path) from None
         hint = "" if allow_download else " (memcheck looks offline only; pass --allow-download to fetch it)"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"hf:{spec}: cannot load its config{hint}: {first}") from exc
+    except Exception as exc:
+        if not trust_remote_code:
+            raise
+        raise ModelLoadError(f"hf:{spec}: its custom code (trust_remote_code) failed: "  # the user's code
+                             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                             ) from exc
+
+
+def _needs_remote_code(spec: str, path: Path) -> SettingError:
+    code = remote_code(path) if path.is_dir() else []
+    named = f" ({', '.join(code)})" if code else ""
+    return SettingError("trust_remote_code", escape(f"hf:{spec}: its config needs custom Python code{named} that "
+                                                    "transformers would run; memcheck runs it only with ")
+                        + "{name}" + escape(" (only if you would run that code yourself)"))
 
 
 def _forward_takes(model: torch.nn.Module | None, *names: str) -> bool:
@@ -149,25 +211,34 @@ def _without_layerdrop(config):
     return config
 
 
-def build_model(config, task: Task | None = None, attn: Attention | None = None, device="meta"):
+def build_model(config, task: Task | None = None, attn: Attention | None = None, device="meta",
+                trust_remote_code: bool = False):
     """Instantiate the architecture (or ``task``'s Auto class) from ``config`` on ``device``, with
-    LayerDrop off (``_without_layerdrop``)."""
+    LayerDrop off (``_without_layerdrop``); ``trust_remote_code`` goes to the Auto class as given."""
     import transformers
 
     config = _without_layerdrop(config)
     kwargs = {"attn_implementation": attn.value} if attn else {}
+    auto_kwargs = {**kwargs, "trust_remote_code": bool(trust_remote_code)}
     archs = getattr(config, "architectures", None) or []
     try:
         with torch.device(device):
             if task is None and archs and hasattr(transformers, archs[0]):
                 return getattr(transformers, archs[0])._from_config(config, **kwargs)
             task = task or infer_task(config)
-            return _auto_class(task, config).from_config(config, **kwargs)
+            return _auto_class(task, config).from_config(config, **auto_kwargs)
     except (UsageError, ModelLoadError):
         raise
     except (ValueError, KeyError, ImportError, TypeError, AssertionError) as exc:
+        if not trust_remote_code and "trust_remote_code" in str(exc):
+            raise _needs_remote_code(type(config).__name__, Path()) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot build {type(config).__name__} for task {task}: {first}") from exc
+    except Exception as exc:
+        if not trust_remote_code:
+            raise
+        raise ModelLoadError(f"cannot build {type(config).__name__}: its custom code (trust_remote_code) failed: "
+                             f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
 
 
 def _training_arguments():
@@ -175,7 +246,8 @@ def _training_arguments():
     are installed, whose notices about this machine are kept quiet (``quiet_third_party``)."""
     from memcheck.training.adapters import quiet_third_party
 
-    with quiet_third_party():
+    # cuda_stubbed: bitsandbytes asks every GPU's compute capability on import, starting CUDA
+    with quiet_third_party(), cuda_stubbed():
         from transformers import TrainingArguments
     return TrainingArguments
 

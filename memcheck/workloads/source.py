@@ -92,6 +92,9 @@ def _import_file(path: Path):
         raise ModelLoadError(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    # No __pycache__/*.pyc beside the model file (nor beside what it imports): memcheck writes
+    # nothing into the user's tree, and a pre-commit run must leave the repository clean.
+    dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
         spec.loader.exec_module(module)
     except MemcheckError:
@@ -103,6 +106,8 @@ def _import_file(path: Path):
         raise ModelLoadError(
             f"{_where(exc, path)}: loading the model file failed: {_one_line(exc)}; fix the file and retry"
         ) from exc
+    finally:
+        sys.dont_write_bytecode = dont_write
     return module
 
 
@@ -168,9 +173,11 @@ def load_workload(
     allow_download: bool = False,
     device: str = "meta",
     packing: bool = False,
+    trust_remote_code: bool = False,
 ) -> Workload:
     """Load ``spec`` and build its model and worst-case batch on ``device`` (meta for estimates);
-    ``packing``: the packed, padding-free batch of a transformers causal LM (``hf.packed_batch``)."""
+    ``packing``: the packed, padding-free batch of a transformers causal LM (``hf.packed_batch``);
+    ``trust_remote_code``: let transformers run the custom code an ``hf:`` config names."""
     _check_sizes(batch_size, max_len, target_len)
     task = Task.parse(task, what="task") if task is not None else None
     attn = Attention.parse(attn, what="attn") if attn is not None else None
@@ -178,9 +185,10 @@ def load_workload(
         name = spec[3:]
         if not name:
             raise UsageError("hf: needs a model name or a directory holding config.json, as in hf:gpt2")
-        config = hf.load_config(name, allow_download=allow_download)
+        config = hf.load_config(name, allow_download=allow_download, trust_remote_code=trust_remote_code)
         model, _ = _built(device, lambda keep_host: hf.build_model(config, task, attn,
-                                                                   device="cpu" if keep_host else device))
+                                                                   device="cpu" if keep_host else device,
+                                                                   trust_remote_code=trust_remote_code))
         task = task or hf.infer_task(config, model)
         if max_len is None and hf.takes_length(model, config, task):
             max_len = hf.default_max_len(model, config, task)

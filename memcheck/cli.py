@@ -139,7 +139,9 @@ def _phase(name: str | None) -> None:
     """Start the time limit of the phase ``name`` ("loading the model", "tracing"), or stop it
     (None). In the main thread, SIGALRM raises ``TimeLimitExceeded`` there when the phase runs
     past --timeout (the model's Python code, sleeps and waits included); a phase stuck in C code
-    that never returns to Python is ended by a watchdog thread ``GRACE`` seconds later (exit 2)."""
+    that never returns to Python (or a model that swallows the exception) is ended by a watchdog
+    thread ``GRACE`` seconds later (exit 2). Not covered: C code that never returns and holds the
+    GIL all along (a pure-C loop such as ``sum(range(10**13))``); torch's kernels release it."""
     import signal
     import threading
 

@@ -30,7 +30,7 @@ from memcheck.training.adapters import Lora
 from memcheck.training.checkpointing import parse_checkpointing
 from memcheck.training.optimizers import OPTIMIZERS, hf_optimizer
 from memcheck.training.strategies import StrategyConfig
-from memcheck.units import parse_size
+from memcheck.units import MAX_BYTES, parse_size
 
 # The fraction of the capacity a plan, a check and the callbacks hold back by default. Derived
 # from the published GPU runs (benchmarks/published/, README "Against published GPU measurements"):
@@ -40,6 +40,31 @@ from memcheck.units import parse_size
 DEFAULT_MARGIN = 0.05
 # The JSON's version: 2 since the settings moved into one "job" object (issue 15).
 SCHEMA_VERSION = 2
+
+# Upper bounds of the counts a user types, checked here so that no overflow or endless loop reaches
+# torch, the tracer or the allocator simulation (issue 20).
+# A micro-batch (or eval batch) of at most 2**24 rows and lengths of at most 2**24 tokens: far above
+# any real job (the longest context windows are ~2**23 tokens), and a batch of 2**24 x 2**24 tokens
+# still has an int64 numel; a tensor too large all the same is named by the trace (TraceError).
+MAX_BATCH = 2**24
+MAX_LEN = 2**24
+# The peak is the steady state reached at step 2 (step 1 has no optimizer state); every further
+# step is one more trace of the whole model (about 0.6 s for GPT-2 small on 2 cores, tens of seconds
+# for a 7B model), so 100 steps bound a run while leaving room to watch a slow drift.
+MAX_STEPS = 100
+# As memcheck.engine.plan.MAX_GPUS: 65,536 GPUs, above the largest training clusters (~2**15 to
+# 2**17 GPUs are spread over data-parallel groups of far fewer); a sharded rank's share of 1 byte
+# per GPU still has a meaning there.
+MAX_GPUS = 65536
+# Samples per optimizer step over all GPUs: 2**24, far above the largest published global batches
+# (LAMB's 65,536 for BERT); the planner factors it (trial division up to its square root).
+MAX_GLOBAL_BATCH = 2**24
+# ddp's bucket_cap_mb: 2**20 MiB (1 TiB), above any GPU's memory, so every bucket fits in DDP's
+# int64 byte count (it multiplies by 2**20).
+MAX_BUCKET_CAP_MB = 2**20
+# Eval batches whose predictions stay on the device: 2**16 (an eval set of 65,536 batches); the trace
+# concatenates N - 1 copies of one batch's predictions, which takes time in proportion to N.
+MAX_EVAL_KEPT = 2**16
 
 
 @dataclass(frozen=True)
@@ -156,12 +181,22 @@ def escape(text: str) -> str:
     return text.replace("{", "{{").replace("}", "}}")
 
 
-def _int(field: str, value, *, minimum: int = 1, optional: bool = True, text: str | None = None):
+def _int(field: str, value, *, minimum: int = 1, optional: bool = True, text: str | None = None,
+         maximum: int | None = None, why: str = ""):
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SettingError(field, (text or "{name} must be a positive integer") + f", got {escape(repr(value))}")
+        raise SettingError(field, (text or "{name} must be a positive integer") + f", got {escape(_short(value))}")
+    if maximum is not None and value > maximum:
+        raise SettingError(field, f"{{name}} must be at most {maximum:,}{escape(why)}, got {escape(_short(value))}")
     return value
+
+
+def _short(value) -> str:
+    """``repr(value)``, a very long one cut in the middle (a 400-digit number stays one readable line)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:18]}…{text[-18:]} ({len(text)} digits)" if isinstance(
+        value, int) else f"{text[:18]}…{text[-18:]} ({len(text)} characters)"
 
 
 def _flag(field: str, value) -> bool:
@@ -380,7 +415,7 @@ def _budget(value):
         raise SettingError("budget_bytes", "{name} must be a size such as '24GiB' or a byte count; "
                                            f"got {escape(repr(value))}")
     if isinstance(value, int):
-        return _int("budget_bytes", value)
+        return _int("budget_bytes", value, maximum=MAX_BYTES, why=" bytes (1 PiB, far above any GPU's or host's memory)")
     return parse_size(value, what="gpu_memory")
 
 
@@ -432,7 +467,10 @@ def _bucket_cap(value):
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise SettingError("bucket_cap_mb", f"{{name}} must be a positive number, got {escape(repr(value))}")
+        raise SettingError("bucket_cap_mb", f"{{name}} must be a positive number, got {escape(_short(value))}")
+    if value > MAX_BUCKET_CAP_MB:
+        raise SettingError("bucket_cap_mb", f"{{name}} must be at most {MAX_BUCKET_CAP_MB:,} (1 TiB, above any GPU's "
+                                            f"memory), got {escape(_short(value))}")
     return value
 
 
@@ -485,16 +523,18 @@ _CHECKS = {
     "device": lambda v: _choice("device", Device, v),
     "gpu": _gpu,
     "budget_bytes": _budget,
-    "batch_size": lambda v: _int("batch_size", v),
-    "max_len": lambda v: _int("max_len", v),
-    "target_len": lambda v: _int("target_len", v),
+    "batch_size": lambda v: _int("batch_size", v, maximum=MAX_BATCH, why=" (2**24 rows)"),
+    "max_len": lambda v: _int("max_len", v, maximum=MAX_LEN, why=" (2**24 tokens)"),
+    "target_len": lambda v: _int("target_len", v, maximum=MAX_LEN, why=" (2**24 tokens)"),
     "padding": lambda v: _choice("padding", Padding, v),
     "packing": lambda v: _flag("packing", v),
     "precision": lambda v: _choice("precision", Precision, v),
     "weights_dtype": lambda v: _choice("weights_dtype", WeightsDtype, v),
     "optimizer": _optimizer,
     "steps": lambda v: _int("steps", v, minimum=2, optional=False,
-                            text="{name} must be an integer of at least 2 (step 1 has no optimizer state)"),
+                            text="{name} must be an integer of at least 2 (step 1 has no optimizer state)",
+                            maximum=MAX_STEPS, why=" (the peak is steady from step 2 on, and every step is one "
+                                                   "more trace of the model)"),
     "accumulate": lambda v: _int("accumulate", v, optional=False),
     "checkpointing": _checkpointing,
     "use_reentrant": lambda v: _flag("use_reentrant", v),
@@ -502,15 +542,18 @@ _CHECKS = {
     "qlora": lambda v: _flag("qlora", v),
     "max_grad_norm": _max_grad_norm,
     "strategy": lambda v: _choice("strategy", Strategy, v),
-    "gpus": lambda v: _int("gpus", v),
+    "gpus": lambda v: _int("gpus", v, maximum=MAX_GPUS, why=" (2**16, above the largest training clusters' "
+                                                         "data-parallel groups)"),
     "bucket_view": lambda v: _flag("bucket_view", v),
     "bucket_cap_mb": _bucket_cap,
     "offload": lambda v: _choice("offload", Offload, "none" if v is None else v),
-    "eval_batch_size": lambda v: _int("eval_batch_size", v),
+    "eval_batch_size": lambda v: _int("eval_batch_size", v, maximum=MAX_BATCH, why=" (2**24 rows)"),
     "eval_accumulate_predictions": lambda v: _int("eval_accumulate_predictions", v, minimum=0, optional=False,
-                                                  text="{name} must be an integer of 0 or more"),
+                                                  text="{name} must be an integer of 0 or more",
+                                                  maximum=MAX_EVAL_KEPT, why=" (2**16 eval batches)"),
     "margin": _margin,
-    "global_batch": lambda v: _int("global_batch", v),
+    "global_batch": lambda v: _int("global_batch", v, maximum=MAX_GLOBAL_BATCH,
+                                   why=" (2**24 samples, far above the largest published global batches)"),
     "task": lambda v: _choice("task", Task, v, optional=True),
     "attn": lambda v: _choice("attn", Attention, v, optional=True),
     "assume": _assume,

@@ -8,6 +8,7 @@ with ``numel()`` and ``element_size()``), so the lowest layers can use them.
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from memcheck.errors import UsageError
 
@@ -21,6 +22,11 @@ _UNITS = {
     "k": KiB, "m": MiB, "g": GiB, "t": 2**40,  # bare letters: binary, as nvidia-smi and torch print
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,  # SI units mean SI
 }
+# The largest size memcheck takes (a capacity, a budget): 1 PiB. The largest GPUs hold under 2**38
+# bytes (288 GB) and the largest hosts (a CPU budget) a few TiB, so nothing real comes near it, and
+# the byte counts the allocator simulation adds up stay far inside int64.
+MAX_BYTES = 2**50
+UNITS = tuple(_UNITS)  # the unit names parse_size takes, lower-cased
 _SIZE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")  # a sign, so "-1GiB" is told it is not > 0
 
 
@@ -39,10 +45,20 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
             raise UsageError(
                 f"{what} {text!r} is not a size; use a number with a unit such as 24GiB, 80GB or 512MiB"
             )
-        value = int(float(match.group(1)) * _UNITS.get(unit, 1))
+        # exact: a float would round, and overflow to infinity for a number of 400 digits
+        value = int(Fraction(match.group(1)) * _UNITS.get(unit, 1))
     if value <= 0:
         raise UsageError(f"{what} {text!r} must be greater than zero")
+    if value > MAX_BYTES:
+        raise UsageError(f"{what} {_short(text)} is too large: at most 1 PiB (2**50 bytes), far above any "
+                         "GPU's or host's memory")
     return value
+
+
+def _short(value) -> str:
+    """``repr(value)``, a very long one cut in the middle (a 400-digit number stays readable in one line)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:18]}…{text[-18:]} ({len(text)} characters)"
 
 
 def format_bytes(n: int) -> str:

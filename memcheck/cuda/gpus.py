@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from memcheck.errors import UsageError, closest
-from memcheck.units import GiB, KiB, MiB, parse_size
+from memcheck import units
+from memcheck.units import MAX_BYTES, GiB, KiB, MiB, parse_size
 
 # --- the CUDA context ------------------------------------------------------------------
 # memcheck's context figure is what a training process holds on the GPU outside the caching
@@ -105,10 +106,12 @@ class GpuSpec:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise UsageError(f"GPU name {self.name!r} must be a non-empty string")
-        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
-            raise UsageError(f"GPU capacity {self.capacity_bytes!r} must be a positive number of bytes")
-        if not isinstance(self.context_bytes, int) or self.context_bytes < 0:
-            raise UsageError(f"GPU context size {self.context_bytes!r} must be a non-negative number of bytes")
+        if not isinstance(self.capacity_bytes, int) or not 0 < self.capacity_bytes <= MAX_BYTES:
+            raise UsageError(f"GPU capacity {self.capacity_bytes!r} must be a positive number of bytes, "
+                             "at most 1 PiB (2**50)")
+        if not isinstance(self.context_bytes, int) or not 0 <= self.context_bytes <= MAX_BYTES:
+            raise UsageError(f"GPU context size {self.context_bytes!r} must be a non-negative number of bytes, "
+                             "at most 1 PiB (2**50)")
         if not isinstance(self.context_source, str) or not self.context_source.strip():
             raise UsageError(f"GPU context source {self.context_source!r} must be a non-empty string")
         arch = tuple(self.arch)
@@ -346,7 +349,7 @@ def resolve_gpu(spec: str | GpuSpec | None) -> GpuSpec | None:
         try:
             return sized_gpu(parse_size(text, what="GPU memory"))
         except UsageError:
-            if float(size.group(1)) <= 0:
+            if float(size.group(1)) <= 0 or size.group(2).lower() in units.UNITS:  # too large, say
                 raise
             # a number with letters that are not a unit ("4090D"): report it as a name
     allowed = list(GPUS)
@@ -381,11 +384,8 @@ def gpu_from_smi(line: str) -> GpuSpec | None:
     if len(parts) not in (2, 3) or not parts[0]:
         return None
     name = parts[0]
-    try:
-        smi_mib = int(float(parts[1]))
-    except ValueError:
-        return None
-    if smi_mib <= 0:
+    smi_mib = _smi_mib(parts[1])
+    if smi_mib is None or smi_mib <= 0:
         return None
     arch = None
     if len(parts) == 3:
@@ -445,10 +445,20 @@ def device_used_bytes(*, timeout: float = 30.0) -> int | None:
     answer = _query_smi("memory.used", timeout)
     if answer is None or answer[0] != 0 or not answer[1]:
         return None
+    used = _smi_mib(answer[1])
+    return None if used is None or used < 0 else used * MiB
+
+
+def _smi_mib(text: str) -> int | None:
+    """A MiB figure nvidia-smi printed, as an int; None for what is not one: not a number, nan,
+    inf or ``1e999``, or more than ``MAX_BYTES`` (a broken or fake nvidia-smi)."""
     try:
-        return int(float(answer[1])) * MiB
+        value = float(text)
     except ValueError:
         return None
+    if not -MAX_BYTES / MiB <= value <= MAX_BYTES / MiB:  # nan fails this too
+        return None
+    return int(value)
 
 
 def _query_smi(fields: str, timeout: float) -> tuple[int, str | None] | None:

@@ -8,7 +8,7 @@ import torch
 
 from memcheck.engine.estimate import estimate
 from memcheck.errors import UsageError, require_int
-from memcheck.job import Job, as_job
+from memcheck.job import Job, as_job, check_setting
 from memcheck.report.results import Comparison
 from memcheck.training.strategies import applicable
 
@@ -24,6 +24,7 @@ def compare(model: torch.nn.Module, batch: Any, job: Job | None = None, *, gpus:
     sees the same batch per GPU; with ``packing`` (one row) the DataParallel rows are left out.
     """
     require_int(gpus, "gpus")
+    check_setting("gpus", gpus)  # at most MAX_GPUS; the DataParallel rows up to MAX_DP_GPUS only (applicable)
     for key in ("strategy", "gpus", "bucket_view", "bucket_cap_mb", "offload"):
         if key in settings:
             raise UsageError(f"compare() sets {key} itself for each row; do not pass it")

@@ -63,7 +63,7 @@ class Lora:
         unknown = [k for k in value if k not in _KEYS]
         if unknown:
             raise UsageError(f"lora has no setting {unknown[0]!r}; its settings are {', '.join(_KEYS)}")
-        return cls(r=_number(value, "r", int, 1), alpha=_number(value, "alpha", float, 0),
+        return cls(r=_number(value, "r", int, 1, maximum=MAX_RANK), alpha=_number(value, "alpha", float, 0),
                    dropout=_number(value, "dropout", float, 0, below=1), targets=_targets(value.get("targets")),
                    dora=_flag(value.get("dora", False)))
 
@@ -100,16 +100,27 @@ def _pairs(text: str) -> dict:
     return out
 
 
-def _number(values: dict, key: str, kind, minimum, below=None):
+# The largest LoRA rank taken: 2**14, the hidden size of the widest published model (Llama 3.1
+# 405B: 16384). A rank above a layer's width adds nothing, and PEFT builds the adapters' weights for
+# real on the CPU (lora/layer.py, update_layer's nn.Linear), so a huge rank would allocate host memory.
+MAX_RANK = 2**14
+
+
+def _number(values: dict, key: str, kind, minimum, below=None, maximum=None):
     if key not in values:
         return None
     try:
         number = kind(values[key])
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise UsageError(f"lora {key} must be a number, got {values[key]!r}") from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise UsageError(f"lora {key} must be a finite number, got {values[key]!r}")
     if isinstance(values[key], bool) or number < minimum or (below is not None and number >= below):
         bound = f"at least {minimum}" + (f" and below {below}" if below is not None else "")
         raise UsageError(f"lora {key} must be {bound}, got {values[key]!r}")
+    if maximum is not None and number > maximum:
+        raise UsageError(f"lora {key} must be at most {maximum} (a rank above the widest model's hidden size, "
+                         f"16384, adds nothing), got {values[key]!r}")
     return number
 
 

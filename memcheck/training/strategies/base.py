@@ -61,6 +61,9 @@ class StrategyConfig:
         if strategy.multi_gpu and gpus < 2 and not (one_gpu_offload and gpus == 1):
             extra = "; zero1-3 run on one GPU with an offload (--offload optimizer)" if strategy in SHARDED else ""
             raise UsageError(f"strategy {strategy.value!r} needs at least 2 GPUs, got gpus={gpus}{extra}")
+        if strategy in DATA_PARALLEL and gpus > MAX_DP_GPUS:
+            raise UsageError(f"strategy {strategy.value!r} (DataParallel) drives the GPUs of one machine from one "
+                             f"process, at most {MAX_DP_GPUS}, got gpus={gpus}; for more use ddp, fsdp or zero1-3")
         if offload is not Offload.NONE and strategy not in SHARDED:
             raise UsageError(f"offload={offload.value!r} applies to fsdp and zero1-3, not {strategy.value!r}")
         if strategy is Strategy.FSDP and offload is Offload.OPTIMIZER:
@@ -88,13 +91,18 @@ class StrategyConfig:
 
 
 SHARDED = (Strategy.FSDP, Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3)
+DATA_PARALLEL = (Strategy.DP, Strategy.DP_BALANCED)
+# DataParallel is one process driving the GPUs of one machine, 16 at most in any server (DGX-2,
+# HGX-2), and memcheck traces every one of them (data_parallel.py): its GPU count stops there.
+MAX_DP_GPUS = 16
 
 
 def applicable(gpus: int) -> list[StrategyConfig]:
-    """The strategies ``--compare`` lists for ``gpus`` GPUs."""
+    """The strategies ``--compare`` lists for ``gpus`` GPUs (DataParallel up to ``MAX_DP_GPUS``)."""
     if gpus <= 1:
         return [StrategyConfig()]
-    return [StrategyConfig()] + [StrategyConfig(s, gpus) for s in Strategy if s.multi_gpu]
+    return [StrategyConfig()] + [StrategyConfig(s, gpus) for s in Strategy
+                                 if s.multi_gpu and (gpus <= MAX_DP_GPUS or s not in DATA_PARALLEL)]
 
 
 @dataclass(frozen=True)

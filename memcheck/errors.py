@@ -138,3 +138,28 @@ def meta_kernel_failure(exc: BaseException) -> str | None:
             return str(op)
         tb = tb.tb_next
     return None
+
+
+# The deepest nesting of modules memcheck takes: 100 levels. It copies and walks a model recursively
+# (copy.deepcopy spends 4 Python frames a level, a nested forward 3, Python stops at 1000 frames), so
+# a model nested ~200 deep fails somewhere with RecursionError; real models nest under 20 (a
+# transformers Llama: 5 levels, a torchvision ResNet: 4).
+MAX_MODULE_DEPTH = 100
+
+
+def check_module_depth(model, name: str) -> None:
+    """Raise ModelLoadError when ``model``'s modules nest deeper than ``MAX_MODULE_DEPTH`` (walked
+    without recursion, so the check itself cannot overflow the stack)."""
+    stack = [(model, 1)]
+    seen = set()
+    while stack:
+        module, depth = stack.pop()
+        if depth > MAX_MODULE_DEPTH:
+            raise ModelLoadError(f"{name} nests modules more than {MAX_MODULE_DEPTH} levels deep, which memcheck "
+                                 "cannot walk or copy (Python's recursion limit); flatten it, e.g. one "
+                                 "nn.Sequential of the layers instead of each inside the next")
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        children = getattr(module, "_modules", None) or {}
+        stack.extend((child, depth + 1) for child in children.values() if child is not None)

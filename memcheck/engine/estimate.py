@@ -24,6 +24,7 @@ from memcheck.errors import (
     TraceError,
     UnsupportedOpError,
     UsageError,
+    check_module_depth,
     exited_message,
     meta_kernel_failure,
     model_frame,
@@ -127,6 +128,10 @@ def _translate(exc: Exception, model_name: str) -> MemcheckError:
             f"{model_name} reads tensor data (.numpy()/.tolist()/...) that meta tensors do not have, "
             f"so memcheck cannot trace it ({type(exc).__name__}: {text})"
         )
+    if "Storage size calculation overflowed" in text or isinstance(exc, OverflowError):
+        return TraceError(  # a job too large for int64 sizes (issue 20): the batch, not the model, is at fault
+            f"{model_name} makes a tensor too large to represent at this batch size and length "
+            f"({type(exc).__name__}: {text[:160]}); lower the batch size or the length")
     op = _missing_meta_kernel(exc)
     if op is not None:
         what = f"op {op}" if op else f"an op ({text[:120]})"
@@ -361,6 +366,8 @@ def _live_by_category(events: list[tuple]) -> tuple[dict, int]:
 def _validate(model, batch, job: Job, eval_batch, top_modules) -> GpuSpec | None:
     """What the job alone cannot check (the call's other arguments); returns the CUDA target."""
     target = target_gpu(job)
+    if isinstance(model, torch.nn.Module):
+        check_module_depth(model, type(model).__name__)
     if job.padding is Padding.LONGEST and job.device is Device.CUDA:
         if job.max_len is None:
             raise SettingError("padding", "{name} longest needs max_len, the length the longest batch is padded to")

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 
 from memcheck.enums import Attention, Task
-from memcheck.errors import MemcheckError, ModelLoadError, TimeLimitExceeded, UsageError, exited_message, require_int
+from memcheck.errors import (MemcheckError, ModelLoadError, TimeLimitExceeded, UsageError, check_module_depth,
+                             exited_message, require_int)
 from memcheck.job import Job, SettingError, check_setting, escape
 from memcheck.trace.device_redirect import on_meta, on_meta_keeping_host, reads_meta_data
 from memcheck.workloads import hf
@@ -221,6 +222,7 @@ def load_workload(
     with _building(device, keep_host):
         if not isinstance(model, torch.nn.Module):
             raise ModelLoadError(f"{path}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
+        check_module_depth(model, str(path))
         if attn is not None and hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(attn.value)
         config = getattr(model, "config", None)

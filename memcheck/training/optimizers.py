@@ -453,7 +453,34 @@ def hf_optimizer(optim: Any, optim_args: str | None = None) -> str:
                          f"{', '.join(HF_OPTIMIZERS)} (or pass the optimizer itself: "
                          "Trainer(optimizers=(optimizer, None)))")
     if name == "sgd" and optim_args:
-        momentum = dict(kv.split("=", 1) for kv in optim_args.replace(" ", "").split(",") if "=" in kv)
-        if float(momentum.get("momentum", 0)) > 0:
+        if _sgd_momentum(optim_args) > 0:
             return "sgd-momentum"
     return HF_OPTIMIZERS[name]
+
+
+def _sgd_momentum(optim_args) -> float:
+    """SGD's momentum in ``TrainingArguments.optim_args`` ("momentum=0.9,nesterov=True", split as the
+    Trainer splits it: trainer.py, ``get_optimizer_cls_and_kwargs``); 0 when it names none.
+
+    Raises:
+        UsageError: naming optim_args when it is not key=value pairs or the momentum not a number of 0 or more.
+    """
+    if not isinstance(optim_args, str):
+        raise UsageError(f"optim_args must be a string of key=value pairs such as 'momentum=0.9', "
+                         f"got {type(optim_args).__name__}")
+    settings = {}
+    for piece in optim_args.replace(" ", "").split(","):
+        if piece:
+            key, eq, value = piece.partition("=")
+            if not eq or not key:
+                raise UsageError(f"optim_args {optim_args[:80]!r}: {piece[:40]!r} is not key=value, "
+                                 "as in 'momentum=0.9'")
+            settings[key] = value
+    text = settings.get("momentum", "0")
+    try:
+        momentum = float(text)
+    except ValueError:
+        raise UsageError(f"optim_args momentum must be a number, got {text[:40]!r}") from None
+    if not 0 <= momentum < float("inf"):  # nan too
+        raise UsageError(f"optim_args momentum must be a finite number of 0 or more, got {text[:40]!r}")
+    return momentum

@@ -39,7 +39,7 @@ from memcheck.enums import Device
 from memcheck.errors import UsageError, closest
 from memcheck.job import SPELLING, SPELLINGS, VALUE_ALIASES, Job, SettingError, check_setting, translate_alias
 from memcheck.training.checkpointing import parse_checkpointing
-from memcheck.workloads.trainer_files import parse_data
+from memcheck.workloads.trainer_files import check_config_size, parse_data, parse_limited
 
 # The keys of a job: the model, then the job's settings as configs spell them (memcheck.job.SPELLINGS).
 _FIELD = {s.config: s.field for s in SPELLINGS if s.config}
@@ -385,6 +385,7 @@ def _read(path: Path):
                          f"{PYPROJECT} with a [tool.memcheck] table")
     if not path.is_file():
         raise UsageError(f"{path}: no such config file")
+    check_config_size(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -398,7 +399,7 @@ def _read(path: Path):
             except ImportError:
                 raise UsageError(f"{path}: reading TOML on Python 3.10 needs tomli: pip install tomli") from None
         try:
-            return tomllib.loads(text)
+            return parse_limited(path, tomllib.loads, text)
         except tomllib.TOMLDecodeError as exc:
             raise UsageError(f"{path}: not valid TOML: {exc}") from None
     return parse_data(path, text)

@@ -114,6 +114,7 @@ def load_config(spec: str, *, allow_download: bool = False, trust_remote_code: b
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise ModelLoadError(f"hf:{spec}: the directory has no config.json")
+            _check_config_json(path / "config.json")
             if not allow_download:
                 force_offline()
             with cuda_stubbed():  # a config's code may ask the GPU
@@ -145,6 +146,23 @@ def _needs_remote_code(spec: str, path: Path) -> SettingError:
     return SettingError("trust_remote_code", escape(f"hf:{spec}: its config needs custom Python code{named} that "
                                                     "transformers would run; memcheck runs it only with ")
                         + "{name}" + escape(" (only if you would run that code yourself)"))
+
+
+def _check_config_json(path: Path) -> None:
+    """A config.json within memcheck's limits for config files (size, nesting: ``trainer_files``),
+    checked before transformers parses it; a file that is not JSON is left to transformers to name."""
+    import json
+
+    from memcheck.workloads.trainer_files import check_config_size, parse_limited
+
+    try:
+        check_config_size(path)
+        text = path.read_text(encoding="utf-8")
+        parse_limited(path, json.loads, text)
+    except UsageError as exc:
+        raise ModelLoadError(str(exc)) from None
+    except (OSError, ValueError):
+        return
 
 
 def _forward_takes(model: torch.nn.Module | None, *names: str) -> bool:

@@ -19,6 +19,50 @@ from memcheck.job import SPELLING, translate_alias
 
 KINDS = ("TrainingArguments", "LightningCLI", "accelerate", "DeepSpeed")
 
+# Limits on a config file memcheck reads (its own configs, trainer configs, an hf: directory's
+# config.json), so that a hostile file ends in one clear line (issue 20). Real ones are far inside
+# them: a config.json is a few KiB (one with ImageNet-21k's 21,843 labels ~1 MiB) and nests 3 or 4
+# levels (a DeepSpeed config 3).
+MAX_CONFIG_BYTES = 16 * 2**20
+MAX_CONFIG_DEPTH = 64
+# Values after YAML aliases are expanded (each reference counted where it is used): a "billion
+# laughs" file of a few lines expands to 10**9 of them.
+MAX_CONFIG_VALUES = 1_000_000
+
+
+def check_config_size(path: Path) -> None:
+    """UsageError naming ``path`` when the file is larger than ``MAX_CONFIG_BYTES``."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return  # reading it says why
+    if size > MAX_CONFIG_BYTES:
+        raise UsageError(f"{path}: {size:,} bytes is too large for a config file (at most {MAX_CONFIG_BYTES:,})")
+
+
+def parse_limited(path: Path, parse, text: str) -> Any:
+    """``parse(text)``, then its data checked against ``MAX_CONFIG_DEPTH`` and ``MAX_CONFIG_VALUES``
+    (walked without recursion, each alias counted where it is used); UsageError naming ``path`` otherwise."""
+    try:
+        data = parse(text)
+    except RecursionError:  # the parsers recurse once a level: json, tomllib, PyYAML's composer
+        raise UsageError(f"{path}: nested too deeply to read (a config nests a few levels; at most "
+                         f"{MAX_CONFIG_DEPTH})") from None
+    stack, count = [(data, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if depth > MAX_CONFIG_DEPTH:
+            raise UsageError(f"{path}: nested more than {MAX_CONFIG_DEPTH} levels deep (a config nests a few)")
+        if count > MAX_CONFIG_VALUES:
+            raise UsageError(f"{path}: holds more than {MAX_CONFIG_VALUES:,} values once YAML aliases are "
+                             "expanded; write the values out, or fewer of them")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for pair in value.items() for v in pair)
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1) for v in value)
+    return data
+
 
 def zero_strategy(config: dict | None, world: int) -> tuple[str, int, dict]:
     """A DeepSpeed config's ZeRO stage and offload as memcheck's (strategy, gpus, settings);
@@ -39,6 +83,7 @@ def read_data(path: Path) -> Any:
     """A JSON or YAML file's data; UsageError naming the file when it cannot be read."""
     if not path.is_file():
         raise UsageError(f"{path}: no such file")
+    check_config_size(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -53,7 +98,7 @@ def parse_data(path: Path, text: str) -> Any:
     Shared with ``memcheck check``'s own configs (``memcheck.config_gate``)."""
     if path.suffix.lower() == ".json":
         try:
-            return json.loads(text)
+            return parse_limited(path, json.loads, text)
         except json.JSONDecodeError as exc:
             raise UsageError(f"{path}: not valid JSON: {exc}") from None
     try:
@@ -61,7 +106,7 @@ def parse_data(path: Path, text: str) -> Any:
     except ImportError:
         raise UsageError(f"{path}: reading YAML needs PyYAML: pip install pyyaml") from None
     try:
-        return yaml.safe_load(text)
+        return parse_limited(path, yaml.safe_load, text)
     except yaml.YAMLError as exc:
         first = str(exc).strip().splitlines()
         raise UsageError(f"{path}: not valid YAML: {' '.join(s.strip() for s in first)}") from None

@@ -25,8 +25,8 @@ import torch
 
 from memcheck.enums import Attention, Task
 from memcheck.errors import ModelLoadError, UsageError
-from memcheck.job import SettingError, escape
-from memcheck.trace.device_redirect import cuda_stubbed
+from memcheck.job import MAX_LEN, SettingError, escape
+from memcheck.trace.device_redirect import cuda_stubbed, reads_meta_data
 
 # The Auto classes that build each task's model, tried in order: the first whose mapping holds the
 # config's class (text, then speech or audio models for the same task).
@@ -104,6 +104,10 @@ def load_config(spec: str, *, allow_download: bool = False, trust_remote_code: b
     from transformers import AutoConfig
 
     trust_remote_code = bool(trust_remote_code)
+    try:  # transformers 5 checks field types (huggingface_hub's strict dataclasses)
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # pragma: no cover - older huggingface_hub
+        StrictDataclassError = ValueError
     path = Path(spec).expanduser()
     # A hub name is NAME or OWNER/NAME; anything else that is not a directory is a path that is
     # wrong, and saying so beats the hub client's "Repo id must be in the form ..."
@@ -126,6 +130,11 @@ def load_config(spec: str, *, allow_download: bool = False, trust_remote_code: b
                                               trust_remote_code=trust_remote_code)
     except ModelLoadError:
         raise
+    except RecursionError:
+        raise ModelLoadError(f"hf:{spec}: its config nests too deeply to read") from None
+    except StrictDataclassError as exc:  # a field of the wrong type: "Validation error for field 'n_layer':\n ..."
+        text = " ".join(line.strip() for line in str(exc).strip().splitlines())
+        raise ModelLoadError(f"hf:{spec}: config.json: {text[:300]}") from None
     except (OSError, ValueError, KeyError) as exc:
         if not trust_remote_code and "trust_remote_code" in str(exc):
             raise _needs_remote_code(spec, path) from None
@@ -146,6 +155,50 @@ def _needs_remote_code(spec: str, path: Path) -> SettingError:
     return SettingError("trust_remote_code", escape(f"hf:{spec}: its config needs custom Python code{named} that "
                                                     "transformers would run; memcheck runs it only with ")
                         + "{name}" + escape(" (only if you would run that code yourself)"))
+
+
+# The sizes of a config checked before anything is built (issue 20), by transformers' standard
+# names (a config's attribute_map gives GPT-2's n_embd, n_head, ...): each must be a positive
+# integer, at most the bound. The bounds are far above any published model (hidden 16,384 and
+# 126 layers for Llama 3.1 405B, vocabularies of 2**18, DeepNet's 1,000 layers) and keep every
+# weight's element count inside int64 and the build (one module a layer) short.
+CONFIG_SIZES = {
+    "hidden_size": 2**20, "intermediate_size": 2**22, "num_attention_heads": 2**14, "num_key_value_heads": 2**14,
+    "num_hidden_layers": 1024, "vocab_size": 2**24, "max_position_embeddings": 2**40, "head_dim": 2**16,
+    "n_inner": 2**22, "num_experts": 2**16, "num_local_experts": 2**16, "image_size": 2**16, "patch_size": 2**16,
+    "num_channels": 2**12, "num_mel_bins": 2**12,
+}
+
+
+_AT_LEAST_ONE = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "max_position_embeddings",
+                 "num_key_value_heads", "image_size", "patch_size", "num_channels")  # 0 of the others means none
+
+
+def check_config(config, prefix: str = "", depth: int = 0) -> None:
+    """ModelLoadError naming the field (as config.json spells it) for a size in ``CONFIG_SIZES``
+    that is not an integer within its bound (most at least 1), or ``architectures`` that is not a list of
+    names; sub-configs (``text_config``, ``vision_config``, ...) too."""
+    archs = getattr(config, "architectures", None)
+    if archs is not None and (not isinstance(archs, (list, tuple))
+                              or not all(isinstance(a, str) and a for a in archs)):
+        raise ModelLoadError(f"config.json: {prefix}architectures must be a list of model class names such as "
+                             f"[\"LlamaForCausalLM\"], got {str(archs)[:80]!r}")
+    names = {v: k for k, v in (getattr(config, "attribute_map", None) or {}).items()}  # n_embd -> hidden_size
+    for written, value in list(vars(config).items()):
+        if depth < 4 and hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
+            check_config(value, f"{prefix}{written}.", depth + 1)
+            continue
+        canonical = names.get(written, written)
+        bound = CONFIG_SIZES.get(canonical)
+        if bound is None or value is None:
+            continue
+        values = list(value.values()) if isinstance(value, dict) else value  # per stage or layer: Swin, LXMERT
+        least = 1 if canonical in _AT_LEAST_ONE else 0
+        for v in values if isinstance(values, (list, tuple)) else [values]:
+            whole = isinstance(v, int) or isinstance(v, float) and v.is_integer()  # nan, inf: not whole
+            if isinstance(v, bool) or not whole or not least <= v <= bound:
+                raise ModelLoadError(f"config.json: {prefix}{written} must be an integer from {least} to {bound:,}, "
+                                     f"got {str(value)[:40]}")
 
 
 def _check_config_json(path: Path) -> None:
@@ -235,10 +288,16 @@ def build_model(config, task: Task | None = None, attn: Attention | None = None,
     LayerDrop off (``_without_layerdrop``); ``trust_remote_code`` goes to the Auto class as given."""
     import transformers
 
+    check_config(config)
     config = _without_layerdrop(config)
     kwargs = {"attn_implementation": attn.value} if attn else {}
     auto_kwargs = {**kwargs, "trust_remote_code": bool(trust_remote_code)}
     archs = getattr(config, "architectures", None) or []
+    if archs and hasattr(transformers, archs[0]) and not (
+            isinstance(getattr(transformers, archs[0]), type)
+            and issubclass(getattr(transformers, archs[0]), transformers.PreTrainedModel)):
+        raise ModelLoadError(f"config.json: architectures names {archs[0]!r}, which is not a transformers model "
+                             "class (such as LlamaForCausalLM)")
     try:
         with torch.device(device):
             if task is None and archs and hasattr(transformers, archs[0]):
@@ -253,10 +312,15 @@ def build_model(config, task: Task | None = None, attn: Attention | None = None,
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot build {type(config).__name__} for task {task}: {first}") from exc
     except Exception as exc:
-        if not trust_remote_code:
-            raise
-        raise ModelLoadError(f"cannot build {type(config).__name__}: its custom code (trust_remote_code) failed: "
-                             f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
+        if trust_remote_code:
+            raise ModelLoadError(f"cannot build {type(config).__name__}: its custom code (trust_remote_code) failed: "
+                                 f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
+        if not isinstance(exc, (RuntimeError, ArithmeticError, AttributeError, IndexError, RecursionError)) \
+                or reads_meta_data(exc):
+            raise  # reads_meta_data: load_workload builds it again keeping host tensors real
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot build {type(config).__name__} from its config.json (a nonsensical value?): "
+                             f"{type(exc).__name__}: {first[:200]}") from exc
 
 
 def _training_arguments():
@@ -419,7 +483,10 @@ def default_max_len(model, config, task: Task | None = None) -> int:
     if input_kind(model, config, task) == AUDIO:
         raise SettingError("max_len", escape(f"{type(model).__name__} takes raw audio: give ") + "{name} "
                            "(the longest clip in samples: 480000 for 30 s at 16 kHz)")
-    limit, _ = position_limit(config)
+    limit, key = position_limit(config)
+    if limit is not None and limit > MAX_LEN:
+        raise SettingError("max_len", escape(f"{type(model).__name__}'s position limit {limit:,} (config.{key}) is "
+                                             f"above memcheck's longest length, {MAX_LEN:,} (2**24): give ") + "{name}")
     return limit or 512
 
 

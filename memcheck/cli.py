@@ -25,6 +25,7 @@ import click
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 _REAL_EXIT = os._exit  # memcheck's own; the model's os._exit raises (``_begin``)
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports a process stopped by it
+MAX_MEASURE_STEPS = 1000  # plan --measure: real steps on this machine (20 by default)
 
 
 class _DefaultGroup(click.Group):
@@ -389,7 +390,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
     from memcheck.engine.compare import compare as run_compare
     from memcheck.engine.estimate import estimate as run_estimate
     from memcheck.errors import UsageError
-    from memcheck.job import Job
+    from memcheck.job import Job, check_setting
     from memcheck.pictures import check_pictures, write_pictures
     from memcheck.report.text import render_json
     from memcheck.units import parse_size
@@ -404,6 +405,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
         if compare and (strategy != "single" or bucket_view or bucket_cap_mb is not None or offload != "none"):
             raise UsageError("--compare lists every strategy with its defaults; drop --strategy and its settings")
         check_pictures(snapshot_path, plot_path)  # before anything is traced
+        if compare and gpus is not None:  # --compare's GPUs, bounded before the model loads (issue 20)
+            check_setting("gpus", gpus)
         # checked before the model file runs, so a bad flag is never hidden behind the model's errors
         job = Job(device=device, gpu=gpu, budget_bytes=budget, batch_size=batch_size, max_len=max_len,
                    target_len=target_len, precision=precision, weights_dtype=weights_dtype,
@@ -483,6 +486,9 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
         budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
         require_int(measure_steps, "--measure-steps", minimum=2,
                     message=f"--measure-steps must be an integer of at least 2, got {measure_steps!r}")
+        if measure_steps > MAX_MEASURE_STEPS:  # real steps: a bound keeps --measure from running for days
+            raise UsageError(f"--measure-steps must be at most {MAX_MEASURE_STEPS} (real training steps; the peak "
+                             f"is reached in the first few), got {measure_steps}")
         if measure:  # what --measure needs is checked before any tracing
             if strategy != "single":
                 raise UsageError("--measure runs one process on one device; it cannot run a multi-GPU strategy")

@@ -307,7 +307,8 @@ def test_plan_cli_exits_1_and_names_the_gpu_count_in_the_table_and_the_json(tmp_
     assert table.exit_code == 1, table.output
     assert "Traceback" not in table.output and "NOTHING FITS" in table.output
     n = fsdp_plan.sharded.gpus  # the same job through the API
-    what = re.search(r"what would: (.+)", table.stdout).group(1)
+    flat = re.sub(r"\n +", " ", table.stdout)  # the table wraps at 80 columns; continuation lines are indented
+    what = re.search(r"what would: (.+)", flat).group(1)
     assert f"fsdp over {n} GPUs of this size holds" in what and f"({n - 1} GPUs: " in what
 
     as_json = CliRunner().invoke(main, [*args, "--json"])

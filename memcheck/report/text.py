@@ -567,20 +567,15 @@ def _optimizer_cell(option: PlanOption) -> str:
     return {"adamw-fused": "fused", "adamw-8bit": "8-bit"}.get(option.optimizer, option.optimizer)
 
 
-def _checkpointing_cell(plan: Plan, option: PlanOption) -> str:
-    """The table's short label: ``half (6/12)``, the blocks checkpointed of the repeated blocks."""
-    if option.checkpointing == "half":
-        return f"half ({len(half_of(plan.blocks))}/{len(plan.blocks)})"
-    if option.checkpointing == "full" and plan.blocks:
-        return f"full ({len(plan.blocks)}/{len(plan.blocks)})"
-    return option.checkpointing
-
-
-def _checkpointing_label(plan: Plan, option: PlanOption) -> str:
-    if option.checkpointing == "half":
-        return f"half ({len(half_of(plan.blocks))} of {len(plan.blocks)} blocks)"
-    if option.checkpointing == "full" and plan.blocks:
-        return f"full ({len(plan.blocks)} blocks)"
+def _checkpointing_label(plan: Plan, option: PlanOption, short: bool = False) -> str:
+    """``half (6 of 12 blocks)``, or for the table (``short``) ``half (6/12)``: the blocks
+    checkpointed of the repeated blocks."""
+    total = len(plan.blocks)
+    done = len(half_of(plan.blocks)) if option.checkpointing == "half" else total
+    if option.checkpointing == "half" or (option.checkpointing == "full" and plan.blocks):
+        if short:
+            return f"{option.checkpointing} ({done}/{total})"
+        return f"half ({done} of {total} blocks)" if option.checkpointing == "half" else f"full ({total} blocks)"
     return option.checkpointing
 
 
@@ -631,7 +626,7 @@ def render_plan(plan: Plan) -> str:
     rows = []
     for o in ((r,) if r else ()) + plan.alternatives:
         rows.append([
-            "*" if o is r else "", o.precision, _optimizer_cell(o), _checkpointing_cell(plan, o),
+            "*" if o is r else "", o.precision, _optimizer_cell(o), _checkpointing_label(plan, o, short=True),
             f"{o.micro_batch_size} x {o.accumulation_steps}" if o.fits else "-",
             format_bytes(o.predicted_device_total_bytes),
             ("stopped" if o.note else str(o.largest_fitting_micro_batch)

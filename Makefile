@@ -1,10 +1,11 @@
-# The torch pin takes the local CPU wheel; an unpinned torch would pull GBs of CUDA packages.
+# The torch pin takes the local CPU wheel; an unpinned torch would pull GBs of CUDA packages. The
+# transformers pin is the version the tests' expectations were recorded with (tests/test_coverage.py).
 PYTHON ?= python3
 
 .PHONY: install test test-fast example speed
 
 install:
-	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q torch==2.13.0 transformers==5.23.0
 	$(PYTHON) -m pip install -q -e '.[test]'
 
 # Two workers (pytest-xdist): CI's machine has 2 cores; each test still runs its real run and its

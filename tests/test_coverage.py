@@ -8,6 +8,8 @@ pass is in ``EXPECTED_FAILURES`` with what was observed; strict where it fails t
 time, so that a fix shows up as an unexpected pass.
 """
 
+from pathlib import Path
+
 import pytest
 
 from hf_coverage import cases, run_case
@@ -127,11 +129,21 @@ EXPECTED_FAILURES: dict[str, str] = {
 FLAKY: set[str] = set()
 
 
+# The model types the expectations above were recorded with (transformers 5.23.0, the version
+# the Makefile installs). A newer transformers brings architectures nobody has examined yet:
+# they are expected to fail (not strictly) until they are.
+RECORDED = {line.strip() for line in (Path(__file__).parent / "hf_coverage_model_types.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
+
+
 def _params():
     out = []
     for case in cases():
         model_type = case[0]
-        if model_type in EXPECTED_FAILURES:
+        if model_type not in RECORDED:
+            mark = pytest.mark.xfail(reason="new since transformers 5.23.0; not examined yet", strict=False)
+            out.append(pytest.param(*case, marks=mark, id=model_type))
+        elif model_type in EXPECTED_FAILURES:
             mark = pytest.mark.xfail(reason=EXPECTED_FAILURES[model_type], strict=model_type not in FLAKY)
             out.append(pytest.param(*case, marks=mark, id=model_type))
         else:

@@ -47,7 +47,7 @@ class _DefaultGroup(click.Group):
         except OSError as exc:  # --help into a full disk
             _print_failed(exc)
         except click.ClickException as exc:
-            click.echo(f"memcheck: error: {exc.format_message()}", err=True)
+            click.echo(f"memcheck: error: {_printable(exc.format_message())}", err=True)
             sys.exit(EXIT_BAD_INPUT)
         except click.Abort as exc:  # click's answer to Ctrl-C (or end of input) outside a command
             if isinstance(exc.__cause__, KeyboardInterrupt):
@@ -72,6 +72,12 @@ class _DefaultGroup(click.Group):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = ["estimate", *args]
         return super().parse_args(ctx, args)
+
+
+def _printable(text: str) -> str:
+    """``text`` on one line: a control character a user typed (``\\r`` in a flag's value) is
+    shown escaped, as Python writes it, instead of breaking the line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _fail(exc: BaseException, debug: bool, code: int, message: str | None = None) -> None:

@@ -205,3 +205,15 @@ def test_unparsable_optim_args_are_one_line(optim_args, words):
     with pytest.raises(UsageError, match=words) as caught:
         _optimizer(SimpleNamespace(optim="sgd", optim_args=optim_args), None)
     assert len(str(caught.value).splitlines()) == 1
+
+
+def test_a_control_character_in_an_extra_argument_stays_on_one_line():
+    # found by the longer CLI fuzz: click's "unexpected extra argument" echoed a typed \r, which
+    # split memcheck's one-line error in two
+    from click.testing import CliRunner
+
+    from memcheck.cli import main
+
+    result = CliRunner().invoke(main, ["examples/gpt2_small.py", "--trust-remote-code", "a\rb\x02"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == ["memcheck: error: Got unexpected extra argument (a\\rb\\x02)"]

@@ -30,7 +30,7 @@ from memcheck.training.adapters import Lora
 from memcheck.training.checkpointing import parse_checkpointing
 from memcheck.training.optimizers import OPTIMIZERS, hf_optimizer
 from memcheck.training.strategies import StrategyConfig
-from memcheck.units import MAX_BYTES, parse_size
+from memcheck.units import MAX_BYTES, parse_size, short_repr
 
 # The fraction of the capacity a plan, a check and the callbacks hold back by default. Derived
 # from the published GPU runs (benchmarks/published/, README "Against published GPU measurements"):
@@ -186,17 +186,10 @@ def _int(field: str, value, *, minimum: int = 1, optional: bool = True, text: st
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SettingError(field, (text or "{name} must be a positive integer") + f", got {escape(_short(value))}")
+        raise SettingError(field, (text or "{name} must be a positive integer") + f", got {escape(short_repr(value))}")
     if maximum is not None and value > maximum:
-        raise SettingError(field, f"{{name}} must be at most {maximum:,}{escape(why)}, got {escape(_short(value))}")
+        raise SettingError(field, f"{{name}} must be at most {maximum:,}{escape(why)}, got {escape(short_repr(value))}")
     return value
-
-
-def _short(value) -> str:
-    """``repr(value)``, a very long one cut in the middle (a 400-digit number stays one readable line)."""
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:18]}…{text[-18:]} ({len(text)} digits)" if isinstance(
-        value, int) else f"{text[:18]}…{text[-18:]} ({len(text)} characters)"
 
 
 def _flag(field: str, value) -> bool:
@@ -467,10 +460,10 @@ def _bucket_cap(value):
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise SettingError("bucket_cap_mb", f"{{name}} must be a positive number, got {escape(_short(value))}")
+        raise SettingError("bucket_cap_mb", f"{{name}} must be a positive number, got {escape(short_repr(value))}")
     if value > MAX_BUCKET_CAP_MB:
         raise SettingError("bucket_cap_mb", f"{{name}} must be at most {MAX_BUCKET_CAP_MB:,} (1 TiB, above any GPU's "
-                                            f"memory), got {escape(_short(value))}")
+                                            f"memory), got {escape(short_repr(value))}")
     return value
 
 

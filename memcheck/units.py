@@ -50,15 +50,17 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
     if value <= 0:
         raise UsageError(f"{what} {text!r} must be greater than zero")
     if value > MAX_BYTES:
-        raise UsageError(f"{what} {_short(text)} is too large: at most 1 PiB (2**50 bytes), far above any "
+        raise UsageError(f"{what} {short_repr(text)} is too large: at most 1 PiB (2**50 bytes), far above any "
                          "GPU's or host's memory")
     return value
 
 
-def _short(value) -> str:
-    """``repr(value)``, a very long one cut in the middle (a 400-digit number stays readable in one line)."""
+def short_repr(value) -> str:
+    """``repr(value)``, a very long one cut in the middle (a 400-digit number stays one readable line)."""
     text = repr(value)
-    return text if len(text) <= 40 else f"{text[:18]}…{text[-18:]} ({len(text)} characters)"
+    if len(text) <= 40:
+        return text
+    return f"{text[:18]}…{text[-18:]} ({len(text)} {'digits' if isinstance(value, int) else 'characters'})"
 
 
 def format_bytes(n: int) -> str:

@@ -323,6 +323,10 @@ _WORKLOAD_OPTIONS = [
     click.option("--bucket-cap-mb", type=float, default=None, help="ddp: bucket_cap_mb (DDP's default: 25)."),
     click.option("--offload", default="none", show_default=True, metavar="none|optimizer|params",
                  help="fsdp / zero: move the optimizer state or the parameters to CPU memory."),
+    click.option("--layout", default=None, metavar="dp=D,tp=T,pp=P,...",
+                 help="Several kinds of parallelism at once: dp, dp_replicate, tp, pp, cp, ep degrees, and "
+                      "schedule= (gpipe, 1f1b, interleaved-1f1b, zero-bubble), virtual=, sp=true. --strategy runs "
+                      "over dp*cp (fsdp by default); one column per pipeline stage."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table."),
     click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise)."),
     click.option("--trust-remote-code", is_flag=True,
@@ -384,7 +388,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
              max_grad_norm,
              reentrant, bucket_view, bucket_cap_mb,
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
-             snapshot_path, plot_path, timeout, trust_remote_code=False):
+             snapshot_path, plot_path, timeout, trust_remote_code=False, layout=None):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
 
     \b
@@ -422,7 +426,9 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
                    bucket_cap_mb=bucket_cap_mb, offload=offload, eval_batch_size=eval_batch_size,
                    eval_accumulate_predictions=eval_accumulate_predictions, task=task, attn=attn, packing=packing,
-                   assume=assume, trust_remote_code=trust_remote_code)
+                   assume=assume, trust_remote_code=trust_remote_code, layout=layout)
+        if compare and job.layout is not None:
+            raise UsageError("--compare lists the strategies of one kind over --gpus; drop --layout")
         if progress is not None:
             progress(f"loading {model}")
         work, job = _load(model, job, optimizer, allow_download)
@@ -468,7 +474,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
 def plan(model, max_len, target_len, task, attn, packing, assume, device, optimizer, steps, gpu, gpu_memory, strategy, gpus,
          reentrant, bucket_view, bucket_cap_mb, offload, as_json, allow_download, debug, global_batch, margin,
          precision, precision_options, checkpointing_options, length_profile, measure, measure_steps, snapshot_path,
-         plot_path, timeout, trust_remote_code=False):
+         plot_path, timeout, trust_remote_code=False, layout=None):
     """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
 
     \b
@@ -510,7 +516,7 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
                    optimizer=optimizer or "adamw", steps=steps, use_reentrant=reentrant, strategy=strategy,
                    gpus=gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload, margin=margin,
                    global_batch=global_batch, task=task, attn=attn, packing=packing,
-                   assume=assume, trust_remote_code=trust_remote_code)
+                   assume=assume, trust_remote_code=trust_remote_code, layout=layout)
         work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)
         _no_train_step(work, "memcheck plan")
         result = run_plan(work.model, work.make, job, precision_options=precision_options or precision or "auto",

@@ -30,6 +30,7 @@ from memcheck.training.adapters import Lora
 from memcheck.training.checkpointing import parse_checkpointing
 from memcheck.training.optimizers import OPTIMIZERS, hf_optimizer
 from memcheck.training.strategies import StrategyConfig
+from memcheck.training.strategies.layout import Layout
 from memcheck.units import MAX_BYTES, parse_size, short_repr
 
 # The fraction of the capacity a plan, a check and the callbacks hold back by default. Derived
@@ -113,6 +114,7 @@ SPELLINGS: tuple[Spelling, ...] = (
              aliases=("gradient_as_bucket_view",)),  # DistributedDataParallel's keyword
     Spelling("bucket_cap_mb", "--bucket-cap-mb", "bucket_cap_mb", "bucket_cap_mb"),
     Spelling("offload", "--offload", "offload", "offload"),
+    Spelling("layout", "--layout", "layout", "layout"),
     Spelling("eval_batch_size", "--eval-batch-size", "eval_batch", "eval_batch_size",
              aliases=("per_device_eval_batch_size",)),  # HF TrainingArguments
     Spelling("eval_accumulate_predictions", "--eval-accumulate-predictions", "eval_accumulate_predictions",
@@ -278,6 +280,11 @@ class Job:
     """ddp: ``bucket_cap_mb`` (None: DDP's default, 25)."""
     offload: Offload = Offload.NONE
     """fsdp / zero: ``optimizer`` or ``params`` moved to CPU memory."""
+    layout: Layout | None = None
+    """Several kinds of parallelism at once (``"dp=8,tp=4,pp=2"``, see
+    ``memcheck.training.strategies.layout``): ``strategy`` then runs over the layout's ``dp * cp``
+    ranks (``fsdp`` when not given), ``gpus`` is the whole world, and under ``pp`` ``accumulate``
+    is the pipeline's micro-batches per step. None: one kind, ``strategy`` over ``gpus``."""
     eval_batch_size: int | None = None
     """Also trace an evaluation pass at this batch size."""
     eval_accumulate_predictions: int = 0
@@ -309,8 +316,9 @@ class Job:
         _check_weights(self.precision, self.weights_dtype)
         _check_packing(self.packing, self.padding, self.task, self.strategy)
         config = self.strategy_config  # strategy, gpus, buckets and offload, checked together
-        if self.global_batch is not None and self.global_batch % config.gpus:
-            gpus, g = config.gpus, self.global_batch
+        replicas = self.replicas
+        if self.global_batch is not None and self.global_batch % replicas:
+            gpus, g = replicas, self.global_batch
             below, above = g // gpus * gpus, (g // gpus + 1) * gpus
             raise SettingError("global_batch", (
                 f"global batch {g} is not divisible by {gpus} GPUs; every GPU takes the same share: "
@@ -319,12 +327,28 @@ class Job:
 
     @property
     def strategy_config(self) -> StrategyConfig:
-        """The strategy with its GPUs (resolved: 2 for a multi-GPU strategy by default) and settings."""
+        """The strategy with its GPUs (resolved: 2 for a multi-GPU strategy by default) and settings;
+        under a ``layout``, the strategy over the layout's ``dp * cp`` ranks."""
+        strategy, gpus = self.strategy, self.gpus
+        if self.layout is not None:
+            strategy, gpus = _layout_strategy(self.layout, strategy, gpus)
         try:
-            return StrategyConfig.parse(self.strategy, self.gpus, bucket_view=self.bucket_view,
+            return StrategyConfig.parse(strategy, gpus, bucket_view=self.bucket_view,
                                         bucket_cap_mb=self.bucket_cap_mb, offload=self.offload)
         except UsageError as exc:
             raise SettingError("strategy", escape(str(exc))) from None
+
+    @property
+    def world(self) -> int:
+        """GPUs in all: the layout's world, or the strategy's GPUs."""
+        return self.layout.world if self.layout is not None else self.strategy_config.gpus
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: the GPUs over which one step's samples are shared."""
+        if self.layout is not None:
+            return self.layout.data_parallel
+        return self.strategy_config.gpus
 
     @property
     def effective_margin(self) -> float:
@@ -380,7 +404,7 @@ class Job:
                 value = value.name
             elif isinstance(value, tuple):
                 value = list(value)
-            elif isinstance(value, Lora):
+            elif isinstance(value, (Lora, Layout)):
                 value = str(value)
             elif hasattr(value, "value"):  # an enum
                 value = value.value
@@ -492,6 +516,35 @@ def _check_weights(precision: Precision, weights: WeightsDtype) -> None:
                                             "gradients (\"Attempting to unscale FP16 gradients\"); use fp32 or bf16")
 
 
+def _layout(value):
+    if value is None:
+        return None
+    try:
+        layout = Layout.parse(value)
+    except UsageError as exc:
+        raise SettingError("layout", "{name}: " + escape(str(exc).removeprefix("layout: "))) from None
+    return None if layout.is_trivial else layout
+
+
+def _layout_strategy(layout: Layout, strategy: Strategy, gpus: int | None) -> tuple[Strategy, int]:
+    """The strategy and GPUs of a layout's ``dp * cp`` group; ``gpus``, when given, is the world."""
+    if gpus is not None and gpus != layout.world:
+        raise SettingError("gpus", f"{{name}}={gpus} differs from layout {escape(layout.label)}, which is "
+                                   f"{layout.world:,} GPUs; give one or make them agree")
+    if strategy in (Strategy.DP, Strategy.DP_BALANCED):
+        raise SettingError("strategy", f"{{name}} {strategy.value} (DataParallel, one process) does not combine "
+                                       "with a layout; use fsdp, ddp or zero1-3")
+    group = layout.sharded_over
+    if group == 1:
+        if strategy is not Strategy.SINGLE:
+            raise SettingError("strategy", f"{{name}} {strategy.value} runs over the layout's dp*cp ranks, and "
+                                           f"layout {escape(layout.label)} has one; give dp=N in the layout")
+        return Strategy.SINGLE, 1
+    if strategy is Strategy.SINGLE:  # torchtitan's default: FSDP2 over dp_shard * cp
+        return Strategy.FSDP, group
+    return strategy, group
+
+
 def _check_packing(packing: bool, padding: Padding, task: Task | None, strategy: Strategy) -> None:
     """Packing has no padding to vary, and packs the token sequences of causal language models
     only: an encoder-decoder's labels, a classifier's one label per sample and image or audio
@@ -540,6 +593,7 @@ _CHECKS = {
     "bucket_view": lambda v: _flag("bucket_view", v),
     "bucket_cap_mb": _bucket_cap,
     "offload": lambda v: _choice("offload", Offload, "none" if v is None else v),
+    "layout": lambda v: _layout(v),
     "eval_batch_size": lambda v: _int("eval_batch_size", v, maximum=MAX_BATCH, why=" (2**24 rows)"),
     "eval_accumulate_predictions": lambda v: _int("eval_accumulate_predictions", v, minimum=0, optional=False,
                                                   text="{name} must be an integer of 0 or more",

@@ -51,6 +51,7 @@ from memcheck.training.checkpointing import apply_checkpointing
 from memcheck.training.loop import LossFn, default_loss, run_eval, to_precision
 from memcheck.training.optimizers import resolve_optimizer
 from memcheck.training.strategies import train
+from memcheck.training.strategies.layout import Role, roles
 from memcheck.units import format_bytes
 
 _STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER, Category.COMMUNICATION)
@@ -231,10 +232,25 @@ def estimate(
     target = _validate(model, batch, job, eval_batch, top_modules)
     _check_train_step(train_step, job)
     name = model_name or type(model).__name__
+    if job.layout is None:
+        return _estimate_rank(model, batch, job, target, name, None, loss_fn=loss_fn, eval_batch=eval_batch,
+                              top_modules=top_modules, progress=progress, timeline=timeline, train_step=train_step)
+    _check_layout(job, train_step, eval_batch)
+    ranks = [_estimate_rank(model, batch, job, target, name, role, loss_fn=loss_fn, eval_batch=eval_batch,
+                            top_modules=top_modules, progress=progress, timeline=timeline, train_step=train_step)
+             for role in roles(job.layout)]
+    return _merge_roles(ranks, job)
+
+
+def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, role: Role | None, *,
+                   loss_fn, eval_batch, top_modules, progress, timeline, train_step) -> Estimate:
+    """``estimate()`` of one rank: every GPU of a strategy, or one pipeline rank of a layout."""
+    if role is not None:
+        train_step = role.train_step(job)
 
     def traced(choices: Choices, forward_only: bool = False) -> tuple[_Run, list[int] | None]:
-        run = _set_up(model, batch, eval_batch, job, target, name, progress, choices)
-        if train_step is not None:
+        run = _set_up(model, batch, eval_batch, job, target, name, progress, choices, role)
+        if train_step is not None and role is None:
             run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
                               "(model, batch, optimizer), traced as it is")
         run.tracer.stop_at_backward = forward_only
@@ -250,10 +266,32 @@ def estimate(
     taken = job if branches is None else job.replace(assume=tuple(sorted(
         set(job.assume) | set(branches.taken), key=ANSWERS.index)))  # shorter traces take the same branch
     shorter = _shorter_traces(model, batch, taken, target, loss_fn or default_loss, name, run.tracer.assume,
-                              train_step)
+                              train_step, role)
     if devices is None or shorter is not None:
         devices = _summarise(run, gpu_map, job, target, name, top_modules, shorter)
     return _result(run, gpu_map, devices, job, target, name, timeline, branches)
+
+
+def _check_layout(job: Job, train_step, eval_batch) -> None:
+    """What a layout cannot be combined with (yet)."""
+    if train_step is not None:
+        raise SettingError("layout", "{name} traces each rank's own step (its pipeline schedule); a train_step "
+                                     "of your own is not combined with a layout yet")
+    if eval_batch is not None and job.layout.pp > 1:
+        raise SettingError("layout", "{name}: an evaluation pass under pipeline parallelism (pp) is not modelled; "
+                                     "leave out the eval batch")
+
+
+def _merge_roles(ranks: list[Estimate], job: Job) -> Estimate:
+    """One Estimate of a layout: a column per pipeline rank (every rank alike without pp)."""
+    layout = job.layout
+    devices = tuple(dataclasses.replace(e.busiest, index=i, role=role.label)
+                    for i, (e, role) in enumerate(zip(ranks, roles(layout))))
+    busiest = max(devices, key=lambda d: (d.total_bytes, -d.index))
+    first = ranks[busiest.index]
+    assumptions = list(dict.fromkeys(a for e in ranks for a in e.assumptions))
+    return dataclasses.replace(first, job=ranks[0].job, devices=devices, busiest_gpu=busiest.index,
+                               assumptions=tuple(assumptions))
 
 
 def _branches(run: _Run, gpu_map: list[int], traced: Callable, job: Job, target: GpuSpec | None,
@@ -489,8 +527,9 @@ def resolve_weights_dtype(model: torch.nn.Module, job: Job) -> tuple[torch.dtype
 
 
 def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: str, progress,
-            choices: Choices | None = None) -> _Run:
-    """The meta twin (checkpointed, cast), the meta batches, the optimizer and the tracer."""
+            choices: Choices | None = None, role: Role | None = None) -> _Run:
+    """The meta twin (checkpointed, cast; cut to one rank's share under a layout), the meta
+    batches, the optimizer and the tracer."""
     device, precision = job.device, job.precision
     opt_label, make_optimizer = resolve_optimizer(job.optimizer, device)
     if not any(p.requires_grad for p in model.parameters()):
@@ -502,6 +541,9 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
     if job.qlora:  # 4-bit linear layers, then a twin of those: bitsandbytes' quantized sizes (twin_memo)
         twin = meta_twin(quantize_4bit(twin))
     twin, adapted = apply_adapters(twin, job.lora, job.qlora)  # LoRA / QLoRA over the cast base
+    if role is not None:  # what one rank of the layout holds: its experts, shards, stage and tokens
+        twin, batch, noted = role.view(twin, meta_batch(batch))
+        adapted = [*adapted, *noted]
     wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
     dtype = precision.weights_dtype  # pure bf16/fp16: float inputs in that dtype too
 
@@ -607,7 +649,8 @@ def _with_step_precision(run: _Run, job: Job) -> Job:
 
 
 def _shorter_traces(model, batch, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: str,
-                    assume: Callable[[str], None], train_step: Callable | None = None) -> list | None:
+                    assume: Callable[[str], None], train_step: Callable | None = None,
+                    role: Role | None = None) -> list | None:
     """For ``padding="longest"`` on the CUDA target: the job traced again at a half and a
     quarter of ``max_len`` (every batch dimension of that size shortened), so the allocator
     can replay steps of any length between; with the traced length first. None otherwise."""
@@ -625,7 +668,7 @@ def _shorter_traces(model, batch, job: Job, target: GpuSpec | None, loss_fn: Los
     for short in lengths[1:]:
         shortened, _ = _at_length(batch, length, short)  # _validate checked it has such a dimension
         sub = job.replace(padding=Padding.MAX_LENGTH, max_len=short, eval_batch_size=None, eval_accumulate_predictions=0)
-        again = _set_up(model, shortened, None, sub, target, name, None)
+        again = _set_up(model, shortened, None, sub, target, name, None, role=role)
         try:
             _trace(again, sub, target, loss_fn, name, train_step)
         except MemcheckError as exc:  # the batch at max_len traced; only the shortened one fails

@@ -123,6 +123,7 @@ class DeviceMemory:
     reserved_peak_step: int | None = None  # 1-based; steps after the traced ones are replays
     steady_step: int | None = None  # after this step every step leaves the allocator as it found it
     released_cached: bool = False  # near capacity, cached segments went back to the driver to fit
+    role: str | None = None  # a layout's rank (memcheck.training.strategies.layout.Role.label): "GPU 0-31\nstage 0"
 
     @property
     def total_bytes(self) -> int:
@@ -138,6 +139,7 @@ class DeviceMemory:
             "peak_phase": self.peak_phase.value,
             "train_peak_bytes": self.train_peak_bytes,
             "eval_peak_bytes": self.eval_peak_bytes,
+            **({"ranks": self.role.replace("\n", ", ")} if self.role is not None else {}),
         }
 
 
@@ -212,7 +214,7 @@ class Estimate:
     @property
     def per_device(self) -> tuple[DeviceMemory, ...]:
         """Every GPU's figures under a multi-GPU strategy; () for one GPU or the CPU."""
-        return self.devices if self.job.strategy.multi_gpu else ()
+        return self.devices if self.job.strategy_config.strategy.multi_gpu or self.job.layout else ()
 
     peak_bytes = property(lambda self: self.busiest.peak_bytes, doc="The steady-state peak (CUDA: allocated).")
     breakdown_at_peak = property(lambda self: self.busiest.breakdown_at_peak, doc="What was live at the peak.")
@@ -255,12 +257,13 @@ class Estimate:
 
     @property
     def strategy(self) -> str:
-        """The strategy as the report names it: ``single``, ``ddp x4, bucket view``, ..."""
-        return self.job.strategy_config.label
+        """The strategy as the report names it: ``single``, ``ddp x4, bucket view``, ``fsdp x8 in dp=8,tp=4``..."""
+        label = self.job.strategy_config.label
+        return label if self.job.layout is None else f"{label} in {self.job.layout.label}"
 
     @property
     def gpus(self) -> int:
-        return self.job.strategy_config.gpus
+        return self.job.world
 
     @property
     def peak_in(self) -> str:

@@ -390,11 +390,12 @@ def _device_groups(devices) -> list[tuple[str, DeviceMemory]]:
             groups[-1].append(d)
         else:
             groups.append([d])
-    return [(f"GPU {g[0].index}" if len(g) == 1 else f"GPU {g[0].index}-{g[-1].index}", g[0]) for g in groups]
+    return [(g[0].role if g[0].role is not None else f"GPU {g[0].index}" if len(g) == 1
+             else f"GPU {g[0].index}-{g[-1].index}", g[0]) for g in groups]
 
 
 def _same(a: DeviceMemory, b: DeviceMemory) -> bool:
-    return (a.peak_bytes, a.reserved_bytes, a.device_total_bytes, a.breakdown_at_peak) == (
+    return a.role is None and b.role is None and (a.peak_bytes, a.reserved_bytes, a.device_total_bytes, a.breakdown_at_peak) == (
         b.peak_bytes, b.reserved_bytes, b.device_total_bytes, b.breakdown_at_peak)
 
 

@@ -1,0 +1,242 @@
+"""A multi-dimensional layout of ranks (``--layout dp=8,tp=4,pp=2``) and the distinct rank roles it has.
+
+The degrees follow torchtitan's ``ParallelDims`` (``torchtitan/distributed/parallel_dims.py``):
+the world is ``dp_replicate * dp * cp * tp * pp`` ranks; ``dp`` is the data-parallel
+degree the ``strategy`` runs over (``fsdp``: parameters sharded over ``dp * cp`` ranks, as
+torchtitan's ``dp_shard_cp`` mesh; ``ddp``: gradients all-reduced over them);
+``dp_replicate`` replicates that group (HSDP when the strategy is ``fsdp``); ``ep`` borrows its
+ranks from ``dp * cp`` (it divides them, it does not multiply the world), as torchtitan's
+expert parallelism does. ``schedule`` is the pipeline schedule of ``pp`` (torch's
+``torch.distributed.pipelining``) and ``virtual`` the stages a rank holds under the
+interleaved schedules; ``sp`` turns on sequence parallelism with ``tp``.
+
+Every rank of a ``dp``/``tp``/``cp``/``ep`` group holds the same shapes, so one rank is traced
+for all of them; pipeline stages differ (the first holds the embedding, the last the head and
+the loss, and the schedules keep different numbers of micro-batches alive per stage): a role
+is one pipeline rank, traced on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from memcheck.enums import _Choice
+from memcheck.errors import UsageError, closest
+
+
+class Schedule(_Choice):
+    """A pipeline schedule of ``torch.distributed.pipelining.schedules``."""
+
+    GPIPE = "gpipe"  # ScheduleGPipe
+    ONE_F_ONE_B = "1f1b"  # Schedule1F1B
+    INTERLEAVED_1F1B = "interleaved-1f1b"  # ScheduleInterleaved1F1B
+    ZERO_BUBBLE = "zero-bubble"  # ScheduleInterleavedZeroBubble
+
+
+# The degrees a layout names, in the order its label writes them (torchtitan's mesh order).
+DEGREES = ("dp_replicate", "dp", "cp", "tp", "pp", "ep")
+_KEYS = (*DEGREES, "schedule", "virtual", "sp")
+MAX_DEGREE = 65536  # as memcheck.job.MAX_GPUS
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The degrees of each kind of parallelism, validated; 1 is "not used"."""
+
+    dp_replicate: int = 1
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual: int = 1  # pipeline stages per rank (interleaved-1f1b, zero-bubble)
+    sp: bool = False  # sequence parallelism with tp
+
+    def __post_init__(self):
+        for name in (*DEGREES, "virtual"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEGREE:
+                raise UsageError(f"layout: {name} must be an integer from 1 to {MAX_DEGREE:,}, got {value!r}")
+        object.__setattr__(self, "schedule", Schedule.parse(self.schedule, what="pipeline schedule"))
+        if not isinstance(self.sp, bool):
+            raise UsageError(f"layout: sp must be true or false, got {self.sp!r}")
+        if self.world > MAX_DEGREE:
+            raise UsageError(f"layout {self.label} is {self.world:,} GPUs; at most {MAX_DEGREE:,}")
+        if (self.dp * self.cp) % self.ep:
+            raise UsageError(f"layout: ep={self.ep} must divide dp*cp={self.dp * self.cp} (expert parallelism "
+                             "borrows its ranks from the data- and context-parallel ones, as torchtitan's does)")
+        if self.sp and self.tp == 1:
+            raise UsageError("layout: sp (sequence parallelism) needs tp > 1")
+        interleaved = self.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
+        if self.pp == 1 and (self.virtual != 1 or self.schedule is not Schedule.ONE_F_ONE_B):
+            raise UsageError("layout: schedule and virtual apply to pipeline parallelism; give pp > 1")
+        if self.virtual != 1 and not interleaved:
+            raise UsageError(f"layout: virtual={self.virtual} stages per rank need an interleaved schedule "
+                             f"(interleaved-1f1b or zero-bubble), not {self.schedule.value}")
+
+    @classmethod
+    def parse(cls, text) -> "Layout":
+        """``"dp=8,tp=4,pp=2"`` (any order; ``schedule=``, ``virtual=``, ``sp=true`` too), a mapping, or a Layout."""
+        if isinstance(text, Layout):
+            return text
+        if isinstance(text, dict):
+            items = list(text.items())
+        elif isinstance(text, str):
+            items = []
+            for part in filter(None, (p.strip() for p in text.split(","))):
+                key, eq, value = part.partition("=")
+                if not eq:
+                    raise UsageError(f"layout: {part!r} is not KEY=VALUE (write e.g. 'dp=8,tp=4,pp=2')")
+                items.append((key.strip().lower(), value.strip()))
+            if not items:
+                raise UsageError("layout is empty; write e.g. 'dp=8,tp=4,pp=2'")
+        else:
+            raise UsageError(f"layout must be a string such as 'dp=8,tp=4,pp=2' or a table, got {text!r}")
+        values: dict = {}
+        for key, value in items:
+            key = str(key).lower().replace("-", "_")
+            if key not in _KEYS:
+                raise UsageError(f"layout: unknown key {key!r}{closest(key, _KEYS)}; allowed: {', '.join(_KEYS)}")
+            if key in values:
+                raise UsageError(f"layout: {key} is given twice")
+            values[key] = _value(key, value)
+        return cls(**values)
+
+    @property
+    def world(self) -> int:
+        """GPUs in all."""
+        return self.dp_replicate * self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel replicas of the model: how many micro-batches one step of all GPUs takes in."""
+        return self.dp_replicate * self.dp
+
+    @property
+    def sharded_over(self) -> int:
+        """The ranks the strategy (fsdp, ddp, zero) runs over: ``dp * cp``."""
+        return self.dp * self.cp
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all (``pp * virtual``)."""
+        return self.pp * self.virtual
+
+    @property
+    def is_trivial(self) -> bool:
+        return self.world == 1 and self.ep == 1
+
+    @property
+    def label(self) -> str:
+        parts = [f"{name}={getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1] or ["dp=1"]
+        if self.pp > 1:
+            parts.append(f"schedule={self.schedule.value}")
+        if self.virtual > 1:
+            parts.append(f"virtual={self.virtual}")
+        if self.sp:
+            parts.append("sp=true")
+        return ",".join(parts)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["schedule"] = self.schedule.value
+        return out
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def _value(key: str, value):
+    if key == "schedule":
+        return value
+    if key == "sp":
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise UsageError(f"layout: sp must be true or false, got {value!r}")
+    if isinstance(value, str):
+        text = value.replace("_", "")
+        if not text.isdigit():
+            raise UsageError(f"layout: {key} must be a positive integer, got {value!r}")
+        return int(text)
+    return value
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (trial division up to its square root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass(frozen=True)
+class Role:
+    """One distinct kind of rank in a layout: a pipeline rank (every rank, without ``pp``).
+
+    ``view`` cuts a meta model and batch to what this rank holds and computes, in this order:
+    its experts (``ep``), its tensor-parallel shards (``tp``), its pipeline stage (``pp``)
+    and its share of the sequence (``cp``); ``train_step`` is its pipeline schedule.
+    """
+
+    layout: Layout
+    stage: int = 0  # the pipeline rank
+
+    @property
+    def ranks(self) -> tuple[int, int]:
+        """The first and last global rank of this role (pp is the outermost mesh dimension, as in torchtitan)."""
+        per_stage = self.layout.world // self.layout.pp
+        return self.stage * per_stage, (self.stage + 1) * per_stage - 1
+
+    @property
+    def label(self) -> str:
+        first, last = self.ranks
+        gpus = f"GPU {first}" if first == last else f"GPU {first}-{last}"
+        if self.layout.pp == 1:
+            return gpus
+        return f"{gpus}\nstage {self.stage}"
+
+    def view(self, model, batch) -> tuple[object, object, list[str]]:
+        """``model`` (on meta, changed in place) and ``batch`` as this rank holds them, with notes for the report."""
+        layout, notes = self.layout, []
+        if layout.ep > 1:
+            from memcheck.training.strategies import ep
+
+            notes += _notes(ep.shard_experts(model, layout.ep))
+        if layout.tp > 1:
+            from memcheck.training.strategies import tp
+
+            notes += _notes(tp.shard(model, layout.tp, sequence_parallel=layout.sp))
+        if layout.pp > 1:
+            from memcheck.training.strategies import pp
+
+            notes += _notes(pp.make_stage(model, self.stage, layout.pp, virtual=layout.virtual))
+        if layout.cp > 1:
+            from memcheck.training.strategies import cp
+
+            batch, more = cp.shard_sequence(model, batch, layout.cp)
+            notes += _notes(more)
+        return model, batch, notes
+
+    def train_step(self, job):
+        """The pipeline schedule's step for this rank; None without ``pp`` (memcheck's own loop)."""
+        if self.layout.pp == 1:
+            return None
+        from memcheck.training.strategies import pp
+
+        return pp.train_step(self.layout.schedule.value, self.stage, self.layout.pp, job.accumulate,
+                             virtual=self.layout.virtual, precision=job.precision)
+
+
+def roles(layout: Layout) -> list[Role]:
+    """Every distinct rank of ``layout``: one per pipeline rank."""
+    return [Role(layout, stage) for stage in range(layout.pp)]
+
+
+def _notes(summary) -> list[str]:
+    """A strategy's summary as report notes: its ``notes`` (or nothing)."""
+    return list(getattr(summary, "notes", ()) or ())

@@ -607,3 +607,74 @@ class Verdict:
             "eval_fix": None if self.eval_fix is None else asdict(self.eval_fix),
             "estimate": self.estimate.to_dict(),
         }
+
+
+@dataclass(frozen=True)
+class LayoutCandidate:
+    """One layout the layout planner ranked (``memcheck.engine.plan_layout``), and what became of it."""
+
+    layout: str  # "dp=8,tp=8", as --layout takes it
+    micro_batch_size: int
+    microbatches: int  # micro-batches per optimizer step and data-parallel replica (pipeline / accumulation)
+    checkpointing: str
+    relative_cost: float  # the cost proxy, relative seconds per optimizer step
+    fits: bool
+    device_total_bytes: int | None  # traced: the busiest rank's device total (the peak on the CPU target)
+    predicted_bytes: int | None  # from one-block probes, when that is why it was not traced
+    status: str  # "fits", "traced: does not fit", "not traced: ..."
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """What layout of ``gpus`` GPUs to run so every rank fits: ``memcheck plan --gpus N``'s result."""
+
+    model: str
+    gpu: GpuSpec | None
+    capacity_bytes: int
+    margin: float
+    limit_bytes: int
+    gpus: int
+    gpus_per_node: int
+    global_batch: int
+    max_len: int
+    recommended: LayoutCandidate | None
+    considered: tuple[LayoutCandidate, ...]  # in cost order, up to and including the recommendation
+    traces: int
+    estimate: Estimate | None  # the recommendation's own trace: one column per pipeline rank
+    job: Job | None  # the recommended job, exactly as traced
+    seconds: float
+    candidates: int  # layouts ranked in all
+
+    @property
+    def fits(self) -> bool:
+        return self.recommended is not None
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model,
+            "gpu": None if self.gpu is None else self.gpu.name,
+            "capacity_bytes": self.capacity_bytes,
+            "margin": self.margin,
+            "limit_bytes": self.limit_bytes,
+            "gpus": self.gpus,
+            "gpus_per_node": self.gpus_per_node,
+            "global_batch": self.global_batch,
+            "max_len": self.max_len,
+            "fits": self.fits,
+            "recommended": None if self.recommended is None else self.recommended.to_dict(),
+            "job": None if self.job is None else self.job.to_dict(),
+            "per_rank": [d.to_dict() for d in self.estimate.devices] if self.estimate is not None else [],
+            "considered": [c.to_dict() for c in self.considered],
+            "candidates": self.candidates,
+            "traces": self.traces,
+            "seconds": self.seconds,
+        }
+
+    def __str__(self) -> str:
+        from memcheck.report.text import render_layout_plan
+
+        return render_layout_plan(self)

@@ -862,3 +862,40 @@ def _sharded_sentence(fit: "ShardedFit", how: str, global_batch: int | None) -> 
     if global_batch is not None and hi > global_batch:
         text += f"; that is more GPUs than the global batch of {global_batch} has samples"
     return text
+
+
+def render_layout_plan(plan: "LayoutPlan") -> str:
+    """The table printed by ``memcheck plan --gpus N`` (a layout search)."""
+    where = plan.gpu.name if plan.gpu is not None else "the budget"
+    lines = _prose(
+        f"memcheck plan: {plan.model} on {plan.gpus} x {where} ({plan.gpus_per_node} a node), global batch "
+        f"{plan.global_batch}, every sequence padded to {plan.max_len}",
+        f"limit: every rank's device total at most {format_bytes(plan.limit_bytes)} = capacity "
+        f"{format_bytes(plan.capacity_bytes)} minus a {plan.margin:.0%} margin",
+    )
+    lines.append("")
+    r, job = plan.recommended, plan.job
+    if r is not None and job is not None and plan.estimate is not None:
+        lines.extend(_prose(
+            f"RECOMMENDED: --layout {r.layout} ({job.strategy_config.label} inside), micro-batch "
+            f"{r.micro_batch_size} x {r.microbatches} micro-batches a step, checkpointing {r.checkpointing}, "
+            f"{job.precision.value}, {job.optimizer if isinstance(job.optimizer, str) else 'custom optimizer'}"))
+        lines.extend(continued("  memcheck flags:", [
+            f"--layout {r.layout}", f"--batch-size {r.micro_batch_size}", f"--accumulate {r.microbatches}",
+            f"--checkpointing {r.checkpointing}", f"--precision {job.precision.value}",
+            f"--max-len {plan.max_len}"], shell=True))
+        lines.append("")
+        lines.append(render_devices(plan.estimate.devices))
+    else:
+        lines.extend(_prose("NOTHING FITS: no layout searched keeps every rank under the limit"))
+    lines.append("")
+    rows = [[c.layout, f"{c.micro_batch_size} x {c.microbatches}", c.checkpointing, f"{c.relative_cost:.3g}",
+             format_bytes(c.device_total_bytes) if c.device_total_bytes is not None else "-", c.status]
+            for c in plan.considered[-12:]]
+    lines.append(tabulate(rows, headers=["layout", "micro x M", "ckpt", "cost", "traced", "verdict"],
+                          tablefmt="simple", maxcolwidths=[None, None, None, None, None, 30]))
+    lines.extend(_prose(
+        f"{plan.candidates} layouts ranked by the cost proxy (relative seconds a step: FLOPs, pipeline bubble, "
+        f"tensor- and context-parallel traffic over estimated link rates), {len(plan.considered)} looked at in "
+        f"that order, {plan.traces} traces, {plan.seconds:.1f} s"))
+    return "\n".join(lines)

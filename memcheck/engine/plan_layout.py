@@ -1,0 +1,368 @@
+"""``plan_layout()``: the layout of N GPUs (data, tensor, pipeline and context parallel degrees),
+micro-batch and checkpointing that fits every rank and runs fastest.
+
+The search, for ``gpus`` GPUs in nodes of ``gpus_per_node``:
+
+1. **Candidates.** Every ``tp`` dividing ``gpus_per_node`` (tensor parallelism stays inside a
+   node, on NVLink) that the model's tensor-parallel plan takes, every ``pp`` up to the number
+   of repeated blocks, ``cp`` of 1, 2, 4 and 8 where the length allows it, and ``dp`` the rest;
+   FSDP2 over ``dp * cp`` (torchtitan's composition); each micro-batch ``m`` dividing the
+   data-parallel share of the global batch, the pipeline taking ``M = G / (dp * m)``
+   micro-batches a step (at least ``pp`` of them); checkpointing ``none`` or ``full``;
+   schedule 1F1B.
+2. **Ranked by a cost proxy** (relative seconds per optimizer step on one rank, every rank in
+   lock-step): the step's FLOPs over all GPUs' tensor-core rate (checkpointing recomputes one
+   forward: x4/3), times the pipeline bubble ``(M + pp - 1) / M``, plus the tensor-parallel
+   all-reduces (4 a block and micro-batch, 6 with recomputation, of ``m * S/cp * hidden``
+   activations, ring: ``2 (tp - 1) / tp`` of them over NVLink), plus the context-parallel
+   key/value all-gathers, plus FSDP's all-gathers and reduce-scatter where they exceed the
+   compute they overlap. The link rates are estimates (``NVLINK_BYTES_PER_SECOND``,
+   ``NETWORK_BYTES_PER_SECOND``); the proxy ranks layouts, it does not predict seconds.
+3. **Pruned without tracing** when the rank's weights, gradients and optimizer state alone
+   (parameters counted exactly per stage and shard) pass the limit, or when a prediction from
+   two one-block probe traces (the first and last stage of a one-block pipeline at the
+   candidate's ``tp``, ``cp``, micro-batch and checkpointing, each block's own saved
+   activations and state scaled to the stage's blocks and live micro-batches) passes it by
+   more than ``PREDICTION_SLACK``.
+4. **Traced in cost order**: the first candidate whose every pipeline rank, traced
+   (``estimate`` with the layout), stays under ``capacity * (1 - margin)`` is recommended;
+   every figure reported comes from that trace.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from memcheck.engine.estimate import _estimate_rank, estimate, target_gpu
+from memcheck.enums import Device, Precision
+from memcheck.errors import MemcheckError, UsageError, require_int
+from memcheck.job import Job, as_job
+from memcheck.report.results import LayoutCandidate, LayoutPlan
+from memcheck.cuda.gpus import rates_for
+from memcheck.trace.device_redirect import tracing_globals
+from memcheck.training.checkpointing import FULL, NONE, repeated_blocks
+from memcheck.training.strategies.layout import Layout, Role, Schedule, divisors
+
+NVLINK_BYTES_PER_SECOND = 450e9  # NVLink 4 (H100 SXM), one direction per GPU; an estimate for others
+NETWORK_BYTES_PER_SECOND = 50e9  # 400 Gb/s InfiniBand per GPU; estimate
+PREDICTION_SLACK = 0.10  # a candidate predicted above limit * 1.10 is not traced
+MAX_FULL_TRACES = 8  # candidates traced in full before the search gives up
+CP_DEGREES = (1, 2, 4, 8)
+MIN_CP_TOKENS = 4096  # context parallelism is searched only where each rank keeps at least this many tokens
+PROBE_STAGES = 2
+
+
+@tracing_globals()
+def plan_layout(
+    model: torch.nn.Module,
+    make_batch: Callable[[int], Any],
+    job: Job | None = None,
+    *,
+    gpus_per_node: int | None = None,
+    checkpointing_options=(NONE, FULL),
+    loss_fn=None,
+    model_name: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    **settings,
+) -> LayoutPlan:
+    """The layout of ``job.gpus`` GPUs that fits every rank and has the lowest cost proxy.
+
+    ``job`` needs ``gpus`` (the world), ``global_batch``, ``max_len`` and the GPU; its
+    precision and optimizer are used as they are (``plan()`` picks them for one GPU).
+    ``make_batch(m)`` is one micro-batch of ``m`` rows padded to ``max_len``.
+    """
+    job = as_job(job, settings, caller="plan_layout()")
+    start = time.perf_counter()
+    world = job.gpus
+    if world is None or world < 2:
+        raise UsageError("a layout plan needs the GPUs to spread over: give gpus (--gpus N, at least 2)")
+    node = gpus_per_node if gpus_per_node is not None else min(world, 8)
+    require_int(node, "gpus_per_node")
+    if world % node and node < world:
+        raise UsageError(f"gpus={world} is not a whole number of nodes of gpus_per_node={node}")
+    if job.global_batch is None:
+        raise UsageError("a layout plan needs the global batch (--global-batch): the samples every optimizer "
+                         "step takes in over all GPUs")
+    if job.max_len is None:
+        raise UsageError("a layout plan needs the sequence length (--max-len)")
+    target = target_gpu(job)
+    capacity = job.budget_bytes if job.budget_bytes is not None else (target.capacity_bytes if target else None)
+    if capacity is None:
+        raise UsageError("a layout plan needs a capacity: name the GPU (--gpu H100-80GB) or give --gpu-memory")
+    limit = int(capacity * (1 - job.effective_margin))
+    name = model_name or type(model).__name__
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise UsageError(f"{name} has no repeated blocks, so it has no pipeline stages or tensor-parallel blocks "
+                         "to lay out; plan it with a strategy (--strategy fsdp --gpus N)")
+    shape = _Shape.of(model, blocks, job)
+    base = job.replace(gpus=None, strategy="single", layout=None, global_batch=None, margin=job.margin)
+    search = _Search(model, make_batch, base, shape, target, limit, name, loss_fn, progress, world, node)
+    candidates = search.candidates(checkpointing_options)
+    recommended, considered, est = search.run(candidates)
+    return LayoutPlan(
+        model=name, gpu=target, capacity_bytes=capacity, margin=job.effective_margin, limit_bytes=limit,
+        gpus=world, gpus_per_node=node, global_batch=job.global_batch, max_len=job.max_len,
+        recommended=recommended, considered=tuple(considered), traces=search.traces, estimate=est,
+        job=None if recommended is None else search.job_for(recommended),
+        seconds=round(time.perf_counter() - start, 2), candidates=len(candidates),
+    )
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the cost proxy and the state bound read of the model."""
+
+    blocks: int
+    block_params: int  # one repeated block's parameters
+    other_params: int  # the rest (embeddings, final norm, head)
+    hidden: int
+    kv_hidden: int  # key/value width (grouped-query attention)
+    layers_flops_per_token: float  # 6 x parameters in blocks and head (forward and backward), per token
+    attention_flops_per_token: float  # causal attention's score and value matmuls, forward and backward
+    tokens: int  # the global batch's tokens per step
+    length: int
+
+    @classmethod
+    def of(cls, model, blocks: list[str], job: Job) -> "_Shape":
+        modules = dict(model.named_modules())
+        block = modules[blocks[0]]
+        block_params = sum(p.numel() for p in block.parameters())
+        total = sum(p.numel() for p in model.parameters())
+        config = getattr(model, "config", None)
+        hidden = getattr(config, "hidden_size", None) or _widest_linear(block)
+        heads = getattr(config, "num_attention_heads", None) or 1
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        length = job.max_len
+        embed = getattr(model, "get_input_embeddings", lambda: None)()
+        embed_params = embed.weight.numel() if embed is not None and hasattr(embed, "weight") else 0
+        dense = total - embed_params  # lookups are not matmuls
+        attention = 6 * len(blocks) * heads * head_dim * length  # QK^T and AV, fwd+bwd (x3), causal half of 2*2*S
+        return cls(len(blocks), block_params, total - block_params * len(blocks), hidden, kv_heads * head_dim,
+                   6.0 * dense, float(attention), job.global_batch * length, length)
+
+
+def _widest_linear(module) -> int:
+    return max((m.in_features for m in module.modules() if isinstance(m, torch.nn.Linear)), default=1)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    layout: Layout
+    micro: int
+    microbatches: int  # per optimizer step and data-parallel replica
+    checkpointing: str
+    cost: float
+
+
+class _Search:
+    def __init__(self, model, make_batch, base: Job, shape: _Shape, target, limit: int, name: str, loss_fn,
+                 progress, world: int, node: int):
+        self.model, self.make_batch, self.base, self.shape = model, make_batch, base, shape
+        self.target, self.limit, self.name, self.loss_fn, self.progress = target, limit, name, loss_fn, progress
+        self.world, self.node = world, node
+        self.rates = rates_for(target)
+        self.traces = 0
+        self._tp_ok: dict[int, str | None] = {}
+        self._probes: dict[tuple, tuple[int, int, int, int] | None] = {}
+        self._batches: dict[int, Any] = {}
+
+    # ---- candidates and their cost -------------------------------------------------------------
+    def candidates(self, checkpointing_options) -> list[_Candidate]:
+        s, world, node = self.shape, self.world, self.node
+        out = []
+        for tp in divisors(min(node, world)):
+            if world % tp or self._tp_refused(tp):
+                continue
+            for pp in divisors(world // tp):
+                if pp > s.blocks:
+                    continue
+                for cp in CP_DEGREES:
+                    rest = world // tp // pp
+                    if rest % cp or s.length % (2 * cp) or (cp > 1 and s.length // cp < MIN_CP_TOKENS):
+                        continue
+                    dp = rest // cp
+                    if self.base_global % dp:
+                        continue
+                    share = self.base_global // dp
+                    for micro in divisors(share):
+                        m_count = share // micro
+                        if pp > 1 and m_count < pp:
+                            continue
+                        layout = Layout(dp=dp, cp=cp, tp=tp, pp=pp)
+                        for ckpt in checkpointing_options:
+                            out.append(_Candidate(layout, micro, m_count, ckpt,
+                                                  self.cost(layout, micro, m_count, ckpt)))
+        out.sort(key=lambda c: (c.cost, c.layout.tp, c.layout.pp, c.layout.cp, -c.micro))
+        return out
+
+    @property
+    def base_global(self) -> int:
+        return self.shape.tokens // self.shape.length
+
+    def cost(self, layout: Layout, micro: int, microbatches: int, ckpt: str) -> float:
+        """The cost proxy of one optimizer step (module docstring), relative seconds."""
+        s, r = self.shape, self.rates
+        recompute = 4 / 3 if ckpt == FULL else 1.0
+        flops = s.tokens * (s.layers_flops_per_token + s.attention_flops_per_token) * recompute
+        compute = flops / (self.world * r.tensor_flops)
+        if layout.pp > 1:
+            compute *= (microbatches + layout.pp - 1) / microbatches
+        tokens = micro * s.length // layout.cp  # a micro-batch's tokens on one rank
+        blocks = -(-s.blocks // layout.pp)
+        comm = 0.0
+        if layout.tp > 1:
+            per = 2 * (layout.tp - 1) / layout.tp * tokens * s.hidden * 2  # ring all-reduce of bf16 activations
+            comm += blocks * microbatches * (6 if ckpt == FULL else 4) * per / NVLINK_BYTES_PER_SECOND
+        if layout.cp > 1:
+            link = NVLINK_BYTES_PER_SECOND if layout.tp * layout.cp <= self.node else NETWORK_BYTES_PER_SECOND
+            per = (layout.cp - 1) * tokens * s.kv_hidden * 2 * 2  # keys and values gathered, bf16
+            comm += blocks * microbatches * (3 if ckpt == FULL else 2) * per / link
+        if layout.pp > 1:
+            link = NETWORK_BYTES_PER_SECOND if self.world // layout.pp >= self.node else NVLINK_BYTES_PER_SECOND
+            comm += 2 * microbatches * tokens * s.hidden * 2 / link
+        group = layout.sharded_over
+        if group > 1:
+            params = (s.block_params * blocks + s.other_params) / layout.tp
+            link = NETWORK_BYTES_PER_SECOND if self.world > self.node else NVLINK_BYTES_PER_SECOND
+            fsdp = 3 * params * 4 * (group - 1) / group / link  # all-gather twice, reduce-scatter once, fp32
+            comm += max(0.0, fsdp - compute)  # overlapped with compute where it can be
+        return compute + comm
+
+    def _tp_refused(self, tp: int) -> str | None:
+        if tp == 1:
+            return None
+        if tp not in self._tp_ok:
+            from memcheck.engine.estimate import meta_twin
+            from memcheck.training.strategies import tp as tensor_parallel
+
+            try:
+                tensor_parallel.shard(meta_twin(self.model), tp)
+                self._tp_ok[tp] = None
+            except UsageError as exc:
+                self._tp_ok[tp] = str(exc)
+        return self._tp_ok[tp]
+
+    # ---- tracing -----------------------------------------------------------------------------
+    def job_for(self, c: _Candidate) -> Job:
+        return self.base.replace(layout=c.layout, batch_size=c.micro, accumulate=c.microbatches,
+                                 checkpointing=c.checkpointing, gpus=c.layout.world,
+                                 global_batch=c.micro * c.microbatches * c.layout.data_parallel)
+
+    def batch(self, micro: int):
+        if micro not in self._batches:
+            self._batches[micro] = self.make_batch(micro)
+        return self._batches[micro]
+
+    def run(self, candidates: list[_Candidate]):
+        considered: list[LayoutCandidate] = []
+        full = 0
+        for c in candidates:
+            bound = self.state_bound(c)
+            if bound > self.limit:
+                considered.append(self._row(c, "not traced: weights, gradients and optimizer state alone "
+                                               f"take {_gib(bound)} a rank"))
+                continue
+            predicted = self.predict(c)
+            if predicted is not None and predicted > self.limit * (1 + PREDICTION_SLACK):
+                considered.append(self._row(c, f"not traced: predicted {_gib(predicted)} a rank from one-block "
+                                               "probes", predicted=predicted))
+                continue
+            if full >= MAX_FULL_TRACES:
+                considered.append(self._row(c, "not traced: the search's trace budget was spent"))
+                break
+            full += 1
+            job = self.job_for(c)
+            self._say(f"tracing {c.layout.label}, micro-batch {c.micro} x {c.microbatches}, "
+                      f"checkpointing {c.checkpointing}")
+            est = estimate(self.model, self.batch(c.micro), job, loss_fn=self.loss_fn, model_name=self.name,
+                           top_modules=4)
+            self.traces += len(est.devices)
+            busiest = est.busiest.total_bytes
+            fits = busiest <= self.limit
+            row = self._row(c, "fits" if fits else "traced: does not fit", traced=busiest, fits=fits)
+            considered.append(row)
+            if fits:
+                return row, considered, est
+        return None, considered, None
+
+    def state_bound(self, c: _Candidate) -> int:
+        """Weights, gradients and AdamW state of the busiest rank's parameters, sharded over dp*cp
+        (a lower bound: no gathered copies, no activations)."""
+        s, layout = self.shape, c.layout
+        blocks = -(-s.blocks // layout.pp)
+        params = blocks * s.block_params / layout.tp + (s.other_params if layout.pp == 1 else s.other_params / 2)
+        per_param = _state_bytes_per_param(self.base)
+        return int(params * per_param / layout.sharded_over)
+
+    def predict(self, c: _Candidate) -> int | None:
+        """The busiest rank's device total predicted from one-block probes (module docstring, 3)."""
+        probe = self._probe(c.layout.tp, c.layout.cp, c.micro, c.checkpointing, c.layout.sharded_over)
+        if probe is None:
+            return None
+        first, last, saved, state = probe
+        blocks = -(-self.shape.blocks // c.layout.pp)
+        live = min(c.layout.pp, c.microbatches)  # 1F1B: the first stage holds pp micro-batches, the last one
+        return max(first + (blocks * live - 1) * saved, last + (blocks - 1) * saved) + (blocks - 1) * state
+
+    def _probe(self, tp: int, cp: int, micro: int, ckpt: str, shard: int):
+        key = (tp, cp, micro, ckpt, shard)
+        if key not in self._probes:
+            self._probes[key] = self._run_probe(tp, cp, micro, ckpt, shard)
+        return self._probes[key]
+
+    def _run_probe(self, tp: int, cp: int, micro: int, ckpt: str, shard: int):
+        """The first and last stage of a one-block-a-stage pipeline (GPipe, one micro-batch): the larger
+        device total, one block's saved activations and its state."""
+        s = self.shape
+        if s.blocks < PROBE_STAGES:
+            return None
+        layout = Layout(dp=shard // cp if shard % cp == 0 else 1, cp=cp, tp=tp, pp=s.blocks,
+                        schedule=Schedule.GPIPE)
+        job = self.base.replace(layout=layout, batch_size=micro, accumulate=1, checkpointing=ckpt,
+                                gpus=layout.world)
+        self._say(f"probing one block at tp={tp}, cp={cp}, micro-batch {micro}, checkpointing {ckpt}")
+        target = target_gpu(job)
+        results = []
+        for stage in (0, s.blocks - 1):
+            est = _estimate_rank(self.model, self.batch(micro), job, target, self.name, Role(layout, stage),
+                                 loss_fn=self.loss_fn, eval_batch=None, top_modules=64, progress=None,
+                                 timeline=False, train_step=None)
+            self.traces += 1
+            results.append(est)
+        block = [m for m in results[0].modules if _is_block(m.name)]
+        saved = max((m.saved_bytes for m in block), default=0)
+        state = max((m.state_bytes for m in block), default=0)
+        return results[0].busiest.total_bytes, results[1].busiest.total_bytes, saved, state
+
+    def _row(self, c: _Candidate, status: str, *, traced: int | None = None, predicted: int | None = None,
+             fits: bool = False) -> LayoutCandidate:
+        return LayoutCandidate(layout=c.layout.label, micro_batch_size=c.micro, microbatches=c.microbatches,
+                               checkpointing=c.checkpointing, relative_cost=c.cost, fits=fits,
+                               device_total_bytes=traced, predicted_bytes=predicted, status=status)
+
+    def _say(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress(line)
+
+
+def _is_block(name: str) -> bool:
+    return any(part.isdigit() for part in name.split("."))
+
+
+def _state_bytes_per_param(job: Job) -> int:
+    """Weights, gradient and AdamW state bytes a parameter: fp32 master weights under amp and fp32,
+    half under pure bf16/fp16; 8-bit state 2 bytes, else 8."""
+    weights = 2 if job.precision in (Precision.BF16, Precision.FP16) else 4
+    state = 2 if "8bit" in str(job.optimizer) else 8
+    return 2 * weights + state
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"

@@ -1,11 +1,11 @@
-"""Measure what DDP and FSDP2 really allocate per process, on CPU with the gloo backend.
+"""Measure what DDP, FSDP2 and tensor parallelism really allocate per process, on CPU with the gloo backend.
 
 Each rank is a fresh process (``torch.multiprocessing``, start method ``spawn``)
 that joins a gloo process group over a file store, wraps the model, trains
 ``steps`` steps with ``memcheck.training.loop.run_steps``, and measures the
 allocator the way ``memcheck.measure.local.measure_cpu`` does: the profiler's
 allocation events (``profile_memory=True``), the steady-state peak taken from the
-start of step 2. The results are the oracle for the ``ddp`` and ``fsdp``
+start of step 2. The results are the oracle for the ``ddp``, ``fsdp`` and ``tp``
 strategies' estimates; nothing here uses the tracer.
 
 One difference from ``measure_cpu``, because gloo runs collectives on worker
@@ -148,6 +148,54 @@ def measure_fsdp_cpu(
     return _run_ranks("fsdp", build, make_optimizer, loss_fn, world_size, steps, {"wrap": wrap}, timeout_s)
 
 
+def measure_tp_cpu(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    loss_fn: LossFn | None = None,
+    world_size: int = 2,
+    steps: int = 2,
+    plan: dict[str, str] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Measured]:
+    """Train under tensor parallelism (DTensor ``parallelize_module``) on ``world_size`` CPU ranks and measure each.
+
+    Every rank calls ``build()`` (the whole model, and the same batch on every
+    rank: tensor-parallel ranks see the same tokens), then
+    ``parallelize_module(model, init_device_mesh("cpu", (world_size,)), styles)``
+    with ``styles`` the plan translated to torch's ``ColwiseParallel()`` and
+    ``RowwiseParallel()`` (their defaults: ``use_local_output=True``, the
+    row-wise output all-reduced to ``Replicate``), then
+    ``make_optimizer(model.parameters())``, all inside the profiled region.
+    ``plan`` is ``{glob: "colwise" | "rowwise"}``; by default the one
+    ``memcheck.training.strategies.tp.resolve_plan`` reads from the model (a
+    transformers config's ``base_model_tp_plan``), the plan ``tp.shard``
+    emulates.
+
+    ``build``, ``make_optimizer`` and ``loss_fn`` must be picklable module-level
+    functions, as for ``measure_ddp_cpu``.
+
+    Returns:
+        One ``Measured`` per rank, in rank order.
+
+    Raises:
+        UsageError: a bad argument or plan, or a callable that cannot be pickled.
+        DistributedMeasureError: this torch has no DTensor tensor parallelism, or
+            a rank could not start, raised, died or timed out.
+
+    Known limitations:
+        The whole model is built on every rank before it is sharded (as in
+        torch's tutorials), so the first step's peak holds the full weights
+        for a moment; the steady peak, from step 2, does not. gloo's scratch
+        (``malloc``, at most 2 MiB per all-reduce in flight) is not counted.
+    """
+    if plan is not None:
+        from memcheck.training.strategies.tp import check_plan
+
+        check_plan(plan)
+    return _run_ranks("tp", build, make_optimizer, loss_fn, world_size, steps, {"plan": plan}, timeout_s)
+
+
 def _run_ranks(strategy, build, make_optimizer, loss_fn, world_size, steps, options, timeout_s) -> list[Measured]:
     """Validate, spawn one process per rank, and collect their ``Measured`` in rank order."""
     if not isinstance(world_size, int) or world_size < 1:
@@ -260,6 +308,8 @@ def _rank_main(rank, world_size, init_method, results, strategy, build, make_opt
         )
         if strategy == "ddp":
             setup = _ddp_setup(build, **options)
+        elif strategy == "tp":
+            setup = _tp_setup(build, world_size, **options)
         else:
             setup = _fsdp_setup(build, world_size, **options)
         report = (rank, True, _measure_rank(setup, make_optimizer, loss_fn or default_loss, steps))
@@ -298,6 +348,25 @@ def _fsdp_setup(build, world_size, *, wrap):
         for block in blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        return model, batch
+
+    return setup
+
+
+def _tp_setup(build, world_size, *, plan):
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    except ImportError as e:
+        raise DistributedMeasureError(f"this torch ({torch.__version__}) has no DTensor tensor parallelism") from e
+    from memcheck.training.strategies.tp import COLWISE, resolve_plan
+
+    def setup():
+        model, batch = build()
+        mesh = init_device_mesh("cpu", (world_size,))
+        resolved = resolve_plan(model, plan)
+        styles = {key: ColwiseParallel() if style == COLWISE else RowwiseParallel() for key, style in resolved.items()}
+        parallelize_module(model, mesh, styles)
         return model, batch
 
     return setup

@@ -1,0 +1,313 @@
+"""Tensor parallelism (degree T): what ONE rank of torch's ``parallelize_module`` holds and computes.
+
+``shard(model, T)`` turns a model whose parameters are on the meta device, in
+place, into one tensor-parallel rank of the same model sharded by torch's
+``ColwiseParallel()`` and ``RowwiseParallel()`` styles (their defaults:
+``use_local_output=True``, a row-wise output redistributed to ``Replicate``).
+The caller traces the result as a plain one-GPU model (``memcheck.estimate``);
+the two collectives that allocate appear as ops of two autograd functions.
+
+What a rank holds and does, from torch 2.13's source:
+
+- column-wise ``nn.Linear``: weight ``[out/T, in]`` and bias ``[out/T]``
+  (``Shard(0)``; torch/distributed/tensor/parallel/style.py:121-134,
+  ``ColwiseParallel._partition_linear_fn``). Its input is annotated
+  ``Replicate`` with ``DTensor.from_local`` (style.py:99-119), a view: nothing
+  is allocated in the forward. Its output is ``Shard(-1)``, returned with
+  ``to_local()``, a view (torch/distributed/tensor/_api.py:97-112,
+  ``_ToTorchTensor.forward``). In the backward, the input's gradient is
+  ``Partial`` (the matmul with a ``Shard(0)`` weight sums over the rank's
+  columns) and ``_FromTorchTensor.backward`` (_api.py:239-284) redistributes it
+  to ``Replicate``: ``Partial._reduce_value`` (placement_types.py:1529-1536) is
+  ``funcol.all_reduce`` (torch/distributed/_functional_collectives.py:161-182),
+  whose C++ op ``_c10d_functional::all_reduce`` clones its input and reduces
+  the clone in place (torch/csrc/distributed/c10d/Functional.cpp,
+  ``c10d::all_reduce``: ``input.clone(at::MemoryFormat::Contiguous)`` then
+  ``all_reduce_``). So each column-wise module's input gradient is copied once
+  in the backward (``_GradAllReduce``); q/k/v that read the same input make
+  three copies, as torch does.
+- row-wise ``nn.Linear``: weight ``[out, in/T]`` (``Shard(1)``), bias whole on
+  every rank (``Replicate``; style.py:250-279, ``RowwiseParallel._partition_linear_fn``).
+  Its input is the column-wise output, annotated ``Shard(-1)`` (a view); its
+  output is ``Partial`` and redistributed to ``Replicate`` (style.py:292-300),
+  the same cloning ``all_reduce`` (``_AllReduce``'s forward). In the backward,
+  ``Redistribute.backward`` keeps the ``Replicate`` gradient as it is
+  (torch/distributed/tensor/_redistribute.py:1817-1824, "skip the replicate to
+  partial transformation when we are in backward pass"): no copy.
+- everything the plan does not name (embeddings, norms, the LM head) stays
+  whole on every rank and computes on the whole activations, as under
+  ``parallelize_module``; their gradients need no communication.
+- gradients and optimizer state follow the local shards (a DTensor's
+  ``.grad`` and AdamW's ``exp_avg``/``exp_avg_sq`` hold the local shard).
+
+The plan is ``{glob: "colwise" | "rowwise"}`` with ``parallelize_module``'s
+matching (torch/distributed/tensor/parallel/api.py, ``parallelize_module``:
+the key split on ``.``, each part matched with ``fnmatch`` against the child
+module names). By default it is the transformers config's
+``base_model_tp_plan`` (e.g. LlamaConfig's: q/k/v/gate/up column-wise, o/down
+row-wise), each key prefixed with the base model's attribute
+(``base_model_prefix``, ``model`` for LlamaForCausalLM).
+
+Not modelled (``UsageError``): sequence parallelism; styles other than
+``colwise``/``rowwise`` (transformers' ``colwise_gather_output``,
+``packed_colwise``, ``moe_tp_experts`` ...); sharding any module but
+``nn.Linear``. See docs/tp.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatch
+
+import torch
+from torch import nn
+
+from memcheck.errors import UsageError
+
+COLWISE = "colwise"
+ROWWISE = "rowwise"
+STYLES = (COLWISE, ROWWISE)
+
+
+@dataclass(frozen=True)
+class TensorParallelRank:
+    """What ``shard`` did: the plan it applied and one rank's parameter bytes before and after."""
+
+    degree: int
+    sequence_parallel: bool
+    plan: tuple[tuple[str, str], ...]  # the resolved plan, (glob, style) in order
+    colwise: tuple[str, ...]  # the modules sharded column-wise
+    rowwise: tuple[str, ...]  # the modules sharded row-wise
+    full_parameter_bytes: int  # the whole model's parameters
+    parameter_bytes: int  # one rank's parameters after sharding
+    replicated_parameter_bytes: int  # of those, the ones every rank holds whole
+
+
+def check_plan(plan) -> dict[str, str]:
+    """A user's plan validated: a non-empty dict of string globs to ``"colwise"`` or ``"rowwise"``."""
+    if not isinstance(plan, dict) or not plan:
+        raise UsageError(f"a tensor-parallel plan must be a non-empty dict {{module glob: 'colwise' | 'rowwise'}}, "
+                         f"got {plan!r}")
+    for key, style in plan.items():
+        if not isinstance(key, str) or not key:
+            raise UsageError(f"tensor-parallel plan key {key!r} must be a module name or glob "
+                             "such as 'layers.*.mlp.up_proj'")
+        if style not in STYLES:
+            raise UsageError(f"tensor-parallel plan style {style!r} for {key!r} is not modelled; "
+                             "use 'colwise' or 'rowwise'")
+    return dict(plan)
+
+
+def default_plan(model: nn.Module) -> dict[str, str] | None:
+    """The transformers config's ``base_model_tp_plan`` with each key prefixed by the base model's
+    attribute (``model.`` for LlamaForCausalLM, nothing for LlamaModel); ``None`` if there is none."""
+    config = getattr(model, "config", None)
+    base_plan = getattr(config, "base_model_tp_plan", None)
+    if not base_plan:
+        return None
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else None
+    head = f"{prefix}." if isinstance(base, nn.Module) and base is not model else ""
+    return {head + key: style for key, style in base_plan.items()}
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[str, str]:
+    """The plan to apply: the user's (validated) or ``default_plan(model)``; a model with neither is an error."""
+    if plan is not None:
+        return check_plan(plan)
+    found = default_plan(model)
+    if found is None:
+        raise UsageError(
+            f"{type(model).__name__} has no tensor-parallel plan (its config carries no base_model_tp_plan); "
+            "pass one, e.g. plan={'layers.*.attn.q_proj': 'colwise', 'layers.*.attn.o_proj': 'rowwise'}"
+        )
+    for key, style in found.items():
+        if style not in STYLES:
+            raise UsageError(
+                f"{type(model).__name__}'s base_model_tp_plan shards {key!r} as {style!r}, which memcheck does not "
+                "model; pass your own plan with 'colwise' and 'rowwise' entries only"
+            )
+    return found
+
+
+def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``{module name: style}`` for every module the plan names, matched as ``parallelize_module`` does.
+
+    A key that matches no module, or a module two keys match, is an error (torch warns and skips
+    the first, and would shard the second twice)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    matched: dict[str, str] = {}
+    for key, style in plan.items():
+        found = _match(model, key.split("."))
+        if not found:
+            raise UsageError(f"tensor-parallel plan key {key!r} matches no module of {type(model).__name__}")
+        for module in found:
+            name = names[id(module)]
+            if name in matched:
+                raise UsageError(f"module {name!r} is matched by two tensor-parallel plan keys; "
+                                 f"the second is {key!r}")
+            matched[name] = style
+    return matched
+
+
+def _match(module: nn.Module, parts: list[str]) -> list[nn.Module]:
+    # parallelize_module (torch/distributed/tensor/parallel/api.py): fnmatch the first part
+    # against named_children(), then recurse with the rest of the path.
+    if not parts:
+        return [module]
+    found = []
+    for name, child in module.named_children():
+        if fnmatch(name, parts[0]):
+            found.extend(_match(child, parts[1:]))
+    return found
+
+
+def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
+          sequence_parallel: bool = False) -> TensorParallelRank:
+    """Turn ``model`` (parameters on the meta device) IN PLACE into one tensor-parallel rank of degree ``degree``.
+
+    Column-wise ``nn.Linear`` keep ``out/T`` output features, row-wise ones ``in/T`` input
+    features (bias whole); hooks add the collectives' copies (see the module docstring).
+    ``plan`` is ``{glob: "colwise" | "rowwise"}``; by default the transformers config's
+    ``base_model_tp_plan``. Pass a meta copy (``memcheck.engine.estimate.meta_twin(model)``)
+    and hand the result to ``memcheck.estimate`` as a one-GPU model.
+
+    Raises:
+        UsageError: a bad degree or plan, a model not on meta, no plan for the model, a
+            sharded module that is not ``nn.Linear``, a dimension (attention heads, key/value
+            heads, features) the degree does not divide, or ``sequence_parallel=True``.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = LlamaForCausalLM(LlamaConfig(...))
+        >>> rank = shard(model, 4)
+        >>> memcheck.estimate(model, batch, memcheck.Job(device="cpu")).peak_bytes
+    """
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise UsageError(f"tensor-parallel degree must be an integer >= 1, got {degree!r}")
+    if sequence_parallel:
+        raise UsageError("sequence parallel is not modelled yet")
+    on_device = next((name for name, t in [*model.named_parameters(), *model.named_buffers()]
+                      if t.device.type != "meta"), None)
+    if on_device is not None:
+        raise UsageError(f"shard() changes the model in place and needs it on the meta device, but {on_device!r} "
+                         "is not; pass a meta copy (memcheck.engine.estimate.meta_twin(model))")
+    resolved = resolve_plan(model, plan)
+    matched = match_plan(model, resolved)
+    modules = dict(model.named_modules())
+    for name, style in matched.items():
+        if type(modules[name]) is not nn.Linear:
+            raise UsageError(f"tensor-parallel plan shards {name!r} ({type(modules[name]).__name__}) as {style!r}; "
+                             "memcheck models column- and row-wise sharding of nn.Linear only")
+    _check_divisible(model, modules, matched, degree)
+    full = _parameter_bytes(model)
+    for name, style in matched.items():
+        linear = modules[name]
+        if style == COLWISE:
+            _colwise(linear, degree)
+        else:
+            _rowwise(linear, degree)
+    sharded = {id(p) for name in matched for p in modules[name].parameters()
+               if not (matched[name] == ROWWISE and p is modules[name].bias)}
+    seen: set[int] = set()
+    replicated = sum(p.numel() * p.element_size() for p in model.parameters()
+                     if id(p) not in sharded and not (id(p) in seen or seen.add(id(p))))
+    return TensorParallelRank(
+        degree=degree,
+        sequence_parallel=False,
+        plan=tuple(resolved.items()),
+        colwise=tuple(n for n, s in matched.items() if s == COLWISE),
+        rowwise=tuple(n for n, s in matched.items() if s == ROWWISE),
+        full_parameter_bytes=full,
+        parameter_bytes=_parameter_bytes(model),
+        replicated_parameter_bytes=replicated,
+    )
+
+
+def _parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() skips tied duplicates
+
+
+def _check_divisible(model: nn.Module, modules: dict, matched: dict[str, str], degree: int) -> None:
+    """Every sharded dimension divisible by ``degree``: attention heads and key/value heads (a
+    column-wise output that is a whole number of heads), then each Linear's sharded features."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and heads and getattr(config, "hidden_size", None):
+        head_dim = config.hidden_size // heads
+    named = [("num_attention_heads", heads), ("num_key_value_heads", kv_heads)]
+    for name, style in matched.items():
+        linear = modules[name]
+        if style == COLWISE and head_dim:
+            for attr, count in named:
+                if isinstance(count, int) and linear.out_features == count * head_dim and count % degree:
+                    raise UsageError(f"tensor-parallel degree {degree} does not divide {attr}={count} "
+                                     f"(the heads of {name!r})")
+    for name, style in matched.items():
+        linear = modules[name]
+        attr, size = ("out_features", linear.out_features) if style == COLWISE else ("in_features", linear.in_features)
+        if size % degree:
+            named_size = next((f" (intermediate_size={size})" for key in ("intermediate_size",)
+                               if getattr(config, key, None) == size), "")
+            raise UsageError(f"tensor-parallel degree {degree} does not divide {name}.{attr}={size}{named_size}")
+
+
+def _meta_parameter(param: nn.Parameter, shape: tuple[int, ...]) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
+
+
+def _colwise(linear: nn.Linear, degree: int) -> None:
+    # ColwiseParallel._partition_linear_fn (style.py:121-134): weight and bias Shard(0).
+    out = linear.out_features // degree
+    linear.weight = _meta_parameter(linear.weight, (out, linear.in_features))
+    if linear.bias is not None:
+        linear.bias = _meta_parameter(linear.bias, (out,))
+    linear.out_features = out
+    linear.register_forward_pre_hook(_colwise_input)
+
+
+def _rowwise(linear: nn.Linear, degree: int) -> None:
+    # RowwiseParallel._partition_linear_fn (style.py:250-279): weight Shard(1), bias Replicate.
+    inp = linear.in_features // degree
+    linear.weight = _meta_parameter(linear.weight, (linear.out_features, inp))
+    linear.in_features = inp
+    linear.register_forward_hook(_rowwise_output)
+
+
+def _colwise_input(module, args):
+    # ColwiseParallel._prepare_input_fn (style.py:99-119): DTensor.from_local(x, Replicate), a view.
+    return (_GradAllReduce.apply(args[0]), *args[1:])
+
+
+def _rowwise_output(module, args, output):
+    # RowwiseParallel._prepare_output_fn (style.py:292-300): Partial -> Replicate, then to_local().
+    return _AllReduce.apply(output)
+
+
+class _AllReduce(torch.autograd.Function):
+    """Forward: ``funcol.all_reduce``'s copy of the row-wise output (Functional.cpp ``c10d::all_reduce``
+    clones, then reduces the clone in place). Backward: the Replicate gradient passes as it is
+    (_redistribute.py:1817-1824)."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        return partial.clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _GradAllReduce(torch.autograd.Function):
+    """Forward: ``DTensor.from_local``, a view of the column-wise input. Backward: the Partial input
+    gradient all-reduced to Replicate (_api.py:239-284, ``_FromTorchTensor.backward``), a copy."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone(memory_format=torch.contiguous_format)

@@ -1,0 +1,461 @@
+"""``pp``: one pipeline-parallel rank of ``torch.distributed.pipelining``, emulated on meta tensors.
+
+A pipeline of P ranks cuts a model's repeated blocks into P contiguous stages (``virtual``
+chunks per rank for interleaved schedules). Each rank holds its stage's parameters, runs
+forwards and backwards of M micro-batches in its schedule's order, and keeps a micro-batch's
+activations from its forward to its backward: the schedule decides how many are alive at
+once. This module gives, following torch 2.13 (``torch/distributed/pipelining/schedules.py``
+and ``stage.py``, cited by line):
+
+- ``actions(schedule, rank, stages, microbatches, virtual=1)``: the ordered forwards and
+  backwards (and, for zero bubble, input-gradient and weight-gradient halves) one rank runs
+  in one step; ``live_microbatches(...)``: the most micro-batch activations it holds at once;
+- ``make_stage(model, rank, stages)``: turns (in place) a meta model into what one rank
+  holds: its slice of the blocks, the embedding only on the first stage (the others receive
+  an activation instead), final norm, head and loss only on the last (the others end at
+  their last block and send its output);
+- ``train_step(schedule, rank, stages, microbatches)``: a ``train_step(model, batch,
+  optimizer)`` for ``memcheck.estimate`` that runs the rank's step on such a stage model
+  the way the schedule's ``_step_microbatches`` does, including what torch's stage and
+  schedule keep referenced: the per-micro-batch receive buffers, the forward cache, the
+  input gradients waiting to be sent, and the sends a gloo ``Work`` still holds.
+
+Schedules: ``gpipe`` (``ScheduleGPipe``), ``1f1b`` (``Schedule1F1B``), ``interleaved-1f1b``
+(``ScheduleInterleaved1F1B``) and ``zero-bubble`` (``ScheduleInterleavedZeroBubble``: it
+shares the interleaved schedule's placement, rank r holding stages r, r + P, ...; torch's
+``ScheduleZBVZeroBubble`` places them in a V and is not modelled). ``train_step`` runs
+``gpipe`` and ``1f1b`` (one stage per rank), the two measured against real gloo ranks
+(``memcheck.measure.distributed.measure_pp_cpu``, tests/test_pp_cpu.py).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, NamedTuple
+
+import torch
+
+from memcheck.errors import UsageError, closest
+from memcheck.training.checkpointing import repeated_blocks
+
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
+RUNNABLE = (GPIPE, ONE_F_ONE_B)  # what train_step runs (one stage per rank)
+
+FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
+
+
+class Action(NamedTuple):
+    """One computation of one rank: ``kind`` (F forward, B full backward, I input-gradient half,
+    W weight-gradient half of a backward) of micro-batch ``microbatch`` on local chunk ``chunk``
+    (0 for one stage per rank; chunk c of rank r is global stage ``c * stages + r``)."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+
+def _check(schedule: str, rank: int, stages: int, microbatches: int, virtual: int) -> None:
+    if schedule not in SCHEDULES:
+        raise UsageError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}"
+                         f"{closest(str(schedule), SCHEDULES)}")
+    for name, value in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UsageError(f"pipeline {name} must be a whole number of at least 1, got {value!r}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < stages:
+        raise UsageError(f"pipeline rank must be a whole number from 0 to {stages - 1}, got {rank!r}")
+    if schedule in (GPIPE, ONE_F_ONE_B) and virtual != 1:
+        raise UsageError(f"schedule {schedule!r} runs one stage per rank (virtual=1), got virtual={virtual}; "
+                         f"use {INTERLEAVED!r} or {ZERO_BUBBLE!r}")
+    if schedule == ONE_F_ONE_B and microbatches < stages:
+        # schedules.py:1018-1022 (Schedule1F1B.__init__)
+        raise UsageError(f"schedule '1f1b' needs at least as many micro-batches as stages: "
+                         f"microbatches={microbatches} < stages={stages}")
+    if schedule in (INTERLEAVED, ZERO_BUBBLE):
+        rounds = max(1, microbatches // stages)  # schedules.py:2935-2942 (and 3045-3052 for zero bubble)
+        if microbatches % rounds:
+            raise UsageError(f"schedule {schedule!r} needs microbatches to be a multiple of the number of rounds "
+                             f"max(1, microbatches // stages) = {rounds}, got microbatches={microbatches}")
+
+
+def actions(schedule: str, rank: int, stages: int, microbatches: int, virtual: int = 1) -> list[Action]:
+    """The computations ``rank`` runs in one step, in order (idle slots left out).
+
+    - ``gpipe``: every forward, then every backward (``ScheduleGPipe._step_microbatches``,
+      schedules.py:902-952);
+    - ``1f1b``: ``min(M, P - rank)`` warm-up forwards, then one backward and one forward
+      until the forwards run out, then the remaining backwards
+      (``Schedule1F1B._step_microbatches``, schedules.py:1048-1175);
+    - ``interleaved-1f1b`` and ``zero-bubble``: torch's own per-rank order,
+      ``ScheduleInterleaved1F1B._calculate_single_rank_operations`` (schedules.py:2954) and
+      ``ScheduleInterleavedZeroBubble._calculate_single_rank_operations`` (schedules.py:3072),
+      called on a stand-in that carries only the numbers they read (no process group).
+    """
+    _check(schedule, rank, stages, microbatches, virtual)
+    m = microbatches
+    if schedule == GPIPE:
+        return [Action(FORWARD, i) for i in range(m)] + [Action(BACKWARD, i) for i in range(m)]
+    if schedule == ONE_F_ONE_B:
+        warmup = min(m, stages - rank)  # schedules.py:1050-1055
+        order = [Action(FORWARD, i) for i in range(warmup)]
+        fwd, bwd = warmup, 0
+        while True:  # 1B1F: the backward first (schedules.py:1092-1136)
+            order.append(Action(BACKWARD, bwd))
+            bwd += 1
+            if fwd == m:
+                break
+            order.append(Action(FORWARD, fwd))
+            fwd += 1
+        order += [Action(BACKWARD, i) for i in range(bwd, m)]  # cooldown (schedules.py:1141-1160)
+        return order
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    kind = (torch_schedules.ScheduleInterleaved1F1B if schedule == INTERLEAVED
+            else torch_schedules.ScheduleInterleavedZeroBubble)
+    rounds = max(1, m // stages)
+    stand_in = types.SimpleNamespace(pp_group_size=stages, n_local_stages=virtual, _n_microbatches=m,
+                                     number_of_rounds=rounds, microbatches_per_round=m // rounds)
+    names = {"FORWARD": FORWARD, "FULL_BACKWARD": BACKWARD, "BACKWARD_INPUT": BACKWARD_INPUT,
+             "BACKWARD_WEIGHT": BACKWARD_WEIGHT}
+    order = []
+    for action in kind._calculate_single_rank_operations(stand_in, rank):
+        if action is None:
+            continue
+        order.append(Action(names[action.computation_type.name], action.microbatch_index,
+                            action.stage_index // stages))
+    return order
+
+
+def live_microbatches(schedule: str, rank: int, stages: int, microbatches: int, virtual: int = 1) -> int:
+    """The most (micro-batch, chunk) activations ``rank`` holds at once in one step.
+
+    A forward's activations live until its full backward; under zero bubble, until the
+    weight-gradient half (the input-gradient half keeps the graph for it: ``_backward.py``
+    ``stage_backward_input`` retains it). GPipe holds all M; 1F1B ``min(M, P - rank)``.
+    """
+    live = most = 0
+    for action in actions(schedule, rank, stages, microbatches, virtual):
+        if action.kind == FORWARD:
+            live += 1
+            most = max(most, live)
+        elif action.kind in (BACKWARD, BACKWARD_WEIGHT):
+            live -= 1
+    return most
+
+
+def stage_span(blocks: int, stages: int, index: int) -> tuple[int, int]:
+    """``(first block, number of blocks)`` of global stage ``index``: contiguous slices, the first
+    ``blocks % stages`` stages one block more (an even split when ``stages`` divides ``blocks``)."""
+    base, extra = divmod(blocks, stages)
+    return index * base + min(index, extra), base + (1 if index < extra else 0)
+
+
+class PassThrough(torch.nn.Module):
+    """A parameter-free stand-in for a module another stage holds: returns its first input."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class Receive(torch.nn.Module):
+    """Replaces the input embedding on a non-first stage: returns the activation this rank
+    received for the current micro-batch (``PipelineStage`` allocates one receive buffer per
+    micro-batch once, stage.py:2243-2274, and sets ``requires_grad`` on it at every forward,
+    stage.py:685)."""
+
+    def __init__(self, state: "StageState"):
+        super().__init__()
+        self.state = state
+
+    def forward(self, *args, **kwargs):
+        return self.state.recv[self.state.current].requires_grad_(True)
+
+
+class StageState:
+    """What one rank's pipeline stage keeps between calls: its place, and the receive buffers
+    (allocated on the first step, kept for the run as ``PipelineStage`` keeps them)."""
+
+    def __init__(self, rank: int, stages: int, hidden: int, dtype: torch.dtype, blocks: tuple[str, ...]):
+        self.rank, self.stages, self.hidden, self.dtype, self.blocks = rank, stages, hidden, dtype, blocks
+        self.first, self.last = rank == 0, rank == stages - 1
+        self.recv: list[torch.Tensor] = []  # activations received, one per micro-batch (non-first stages)
+        self.grad_recv: list[torch.Tensor] = []  # gradients received, one per micro-batch (non-last stages)
+        self.current = 0
+        self.output: torch.Tensor | None = None  # the last block's output of the forward just run
+
+    def capture(self, module, args, output):
+        self.output = output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _owns_parameters(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _around(model: torch.nn.Module, container: str) -> tuple[list[str], list[str]]:
+    """The modules with parameters registered before and after the blocks' container, at every
+    level from the container up to the root (an HF causal LM: ``model.embed_tokens`` before;
+    ``model.norm`` and ``lm_head`` after)."""
+    before, after = [], []
+    path = container.split(".")
+    for depth in range(len(path)):
+        parent = ".".join(path[:depth])
+        module = model.get_submodule(parent) if parent else model
+        names = [n for n, _ in module.named_children()]
+        here = names.index(path[depth])
+        for i, name in enumerate(names):
+            if i == here or not _owns_parameters(getattr(module, name)):
+                continue
+            (before if i < here else after).append(f"{parent}.{name}" if parent else name)
+    return before, after
+
+
+def make_stage(model: torch.nn.Module, rank: int, stages: int, virtual: int = 1) -> torch.nn.Module:
+    """Turn ``model`` (parameters on the meta device; pass a copy) in place into pipeline rank
+    ``rank`` of ``stages``, and return it.
+
+    Rank r keeps blocks ``stage_span(len(blocks), stages, r)`` of the model's repeated blocks
+    (``memcheck.training.checkpointing.repeated_blocks``); the others become ``PassThrough``.
+    A non-first stage's input embedding becomes ``Receive`` (the activation it receives); a
+    non-last stage's modules after the blocks (final norm, head) become ``PassThrough`` and its
+    output is its last block's output (``train_step`` sends it and receives its gradient). A
+    transformers model's KV cache is turned off (training; torchtitan's models have none).
+
+    Raises:
+        UsageError: no repeated blocks, more stages than blocks, ``virtual`` other than 1,
+            or a non-first stage of a model with several parameterised modules before its blocks.
+    """
+    _check(GPIPE, rank, stages, 1, 1)
+    if virtual != 1:
+        raise UsageError(f"make_stage cuts one stage per rank for now (virtual=1), got virtual={virtual}")
+    blocks = repeated_blocks(model)
+    name = type(model).__name__
+    if not blocks:
+        raise UsageError(f"pipeline parallelism cuts a model's repeated blocks, and {name} has none "
+                         "(no ModuleList or Sequential of two or more blocks of one class)")
+    if stages > len(blocks):
+        raise UsageError(f"{stages} pipeline stages for the {len(blocks)} repeated blocks of {name}: "
+                         "at most one stage per block")
+    container = blocks[0].rpartition(".")[0]
+    before, after = _around(model, container)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if rank > 0 and before and (len(before) > 1 or model.get_submodule(before[0]) is not embedding):
+        raise UsageError(f"a non-first pipeline stage of {name} replaces its input embedding with the received "
+                         f"activation; {name} has {', '.join(before)} before its blocks, which is not modelled")
+    first, count = stage_span(len(blocks), stages, rank)
+    kept = tuple(blocks[first:first + count])
+    if embedding is not None and getattr(embedding, "weight", None) is not None:
+        hidden, dtype = embedding.weight.shape[-1], embedding.weight.dtype
+    else:
+        probe = next(model.get_submodule(kept[0]).parameters())
+        hidden, dtype = probe.shape[-1], probe.dtype
+    state = StageState(rank, stages, hidden, dtype, kept)
+    for block in blocks:
+        if block not in kept:
+            _set(model, block, PassThrough())
+    if rank > 0:
+        for mod_name in before:
+            _set(model, mod_name, Receive(state))
+    if rank < stages - 1:
+        for mod_name in after:
+            _set(model, mod_name, PassThrough())
+        model.get_submodule(kept[-1]).register_forward_hook(state.capture)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+    model.memcheck_pp_stage = state
+    return model
+
+
+class _Stage:
+    """The part of ``PipelineStage`` (stage.py) one step uses, on the stage model: a forward
+    cache from each forward to its backward (stage.py:913, 966) and a backward cache of input
+    gradients until they are sent (stage.py:1044, 552)."""
+
+    def __init__(self, model: torch.nn.Module, batch: Any, microbatches: int):
+        state = getattr(model, "memcheck_pp_stage", None)
+        if not isinstance(state, StageState):
+            raise UsageError("pp.train_step runs on a model cut by pp.make_stage(model, rank, stages)")
+        self.model, self.state, self.microbatches = model, state, microbatches
+        self.fwd_cache: dict[int, tuple] = {}
+        self.bwd_cache: dict[int, torch.Tensor | None] = {}
+        self.losses: list[torch.Tensor] = []  # the schedule's _internal_losses (schedules.py:305-308)
+        if isinstance(batch, dict) and not state.last:
+            batch = {k: v for k, v in batch.items() if k != "labels"}  # only the last stage has the target
+        self.batch = batch
+        if not state.recv and not state.grad_recv:
+            self._allocate(batch)
+
+    def _allocate(self, batch) -> None:
+        """The receive buffers, one per micro-batch, made when the stage is first initialised
+        (``_setup_forward_recv_info`` stage.py:2243-2274; ``_create_grad_recv_info`` stage.py:2286-2320)."""
+        state = self.state
+        ids = batch["input_ids"] if isinstance(batch, dict) else (batch[0] if isinstance(batch, (tuple, list))
+                                                                   else batch)
+        shape = (*ids.shape[:2], state.hidden)
+        if not state.first:
+            state.recv = [torch.empty(shape, dtype=state.dtype, device=ids.device) for _ in range(self.microbatches)]
+        if not state.last:
+            state.grad_recv = [torch.empty(shape, dtype=state.dtype, device=ids.device)
+                               for _ in range(self.microbatches)]
+
+    def forward(self, m: int):
+        """``forward_one_chunk`` (stage.py:857-935) and, on the last stage, the schedule's loss."""
+        state = self.state
+        state.current = m
+        inputs = state.recv[m] if not state.first else None
+        if state.last:
+            out = self.model(**self.batch) if isinstance(self.batch, dict) else self.model(self.batch)
+            loss = _loss_of(out)
+            self.losses.append(loss)
+            output = _outputs(out)
+            del out
+        else:
+            if isinstance(self.batch, dict):
+                self.model(**self.batch)
+            else:
+                self.model(self.batch)
+            output = (state.output,)
+            state.output = None
+        self.fwd_cache[m] = (output, inputs)
+        return output
+
+    def fwd_send(self, m: int) -> list[torch.Tensor]:
+        """``get_fwd_send_ops`` (stage.py:483-510): the outputs to send; none on the last stage."""
+        return [] if self.state.last else list(self.fwd_cache[m][0])
+
+    def backward(self, m: int) -> None:
+        """``backward_one_chunk`` (stage.py:937-1062) with ``stage_backward`` (_backward.py:346-452)."""
+        output, inputs = self.fwd_cache.pop(m)
+        if self.state.last:
+            self.losses[m].backward()
+        else:
+            output[0].backward(self.state.grad_recv[m])
+        if inputs is not None:
+            self.bwd_cache[m] = inputs.grad  # _backward.py:443-450: the input's gradient, then .grad = None
+            inputs.grad = None
+        else:
+            self.bwd_cache[m] = None
+
+    def bwd_send(self, m: int) -> list[torch.Tensor]:
+        """``get_bwd_send_ops`` (stage.py:529-602): the input gradient leaves the backward cache; none
+        on the first stage."""
+        if self.state.first:
+            return []
+        grad = self.bwd_cache.pop(m)
+        return [grad] if grad is not None else []
+
+    def finish(self) -> None:
+        """``_update_losses`` (schedules.py:310-333) and ``perform_reduce_grad``'s ``scale_grads``
+        (stage.py:1164-1196, 765-779: the gradients divided by M in place)."""
+        self.losses.clear()
+        if self.microbatches != 1:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(self.microbatches)
+
+
+def _loss_of(out) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if loss is None:
+        raise UsageError(f"the last pipeline stage's output has no .loss ({type(out).__name__}); "
+                         "give the batch labels")
+    return loss
+
+
+def _outputs(out) -> tuple:
+    """The model output's tensors other than the loss: what the stage's forward cache holds."""
+    from memcheck.training.loop import outputs_of
+
+    return tuple(outputs_of(out))
+
+
+def _gpipe(stage: _Stage, m: int) -> None:
+    """``ScheduleGPipe._step_microbatches`` (schedules.py:878-960): a gloo send ``Work`` holds its
+    tensor, and the schedule keeps every forward and backward send's ``Work`` until the step ends
+    (``fwd_sends_to_wait``, ``bwd_sends_to_wait``)."""
+    fwd_sends_to_wait, bwd_sends_to_wait = [], []
+    output = None
+    for i in range(m):
+        output = stage.forward(i)  # schedules.py:910 (the last one stays referenced by `output`)
+        fwd_sends_to_wait.extend(stage.fwd_send(i))
+    for i in range(m):
+        stage.backward(i)
+        bwd_sends_to_wait.extend(stage.bwd_send(i))
+    stage.finish()
+    del output, fwd_sends_to_wait, bwd_sends_to_wait
+
+
+def _one_f_one_b(stage: _Stage, m: int, stages: int, rank: int) -> None:
+    """``Schedule1F1B._step_microbatches`` (schedules.py:1025-1177), with the references it keeps:
+    ``output`` (the latest forward's output), ``fwd_sends`` (the latest forward send), ``send_work``
+    (the second-to-last warm-up send, until the 1B1F loop ends), ``bwd_sends`` (the latest backward
+    send, through the next backward)."""
+    warmup = min(m, stages - rank)
+    fwd = bwd = 0
+    send_work: list = []
+    fwd_sends: list = []
+    output = None
+    for _ in range(warmup):
+        output = stage.forward(fwd)
+        fwd_sends = stage.fwd_send(fwd)
+        if fwd != warmup - 1:
+            send_work = fwd_sends  # schedules.py:1084-1088
+        fwd += 1
+    bwd_sends: list = []
+    while True:
+        stage.backward(bwd)
+        bwd_sends = stage.bwd_send(bwd)  # schedules.py:1111
+        bwd += 1
+        if fwd == m:
+            break
+        output = stage.forward(fwd)
+        fwd_sends = stage.fwd_send(fwd)  # schedules.py:1134
+        fwd += 1
+    send_work = bwd_sends  # schedules.py:1138
+    while bwd < m:  # cooldown
+        stage.backward(bwd)
+        bwd_sends = stage.bwd_send(bwd)
+        send_work = bwd_sends  # schedules.py:1157-1158
+        bwd += 1
+    stage.finish()
+    del output, fwd_sends, send_work, bwd_sends
+
+
+class PipelineTrainStep:
+    """``train_step(model, batch, optimizer)`` for one pipeline rank: the schedule's step on the
+    stage model (``make_stage``), then ``optimizer.step()`` and ``zero_grad(set_to_none=True)``.
+    ``batch`` is one micro-batch; every micro-batch of the step is that batch."""
+
+    def __init__(self, schedule: str, rank: int, stages: int, microbatches: int):
+        _check(schedule, rank, stages, microbatches, 1)
+        if schedule not in RUNNABLE:
+            raise UsageError(f"pp.train_step runs {' and '.join(RUNNABLE)} for now, not {schedule!r}")
+        self.schedule, self.rank, self.stages, self.microbatches = schedule, rank, stages, microbatches
+        self.__name__ = f"pp_{schedule.replace('-', '_')}_step"
+
+    def __call__(self, model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> None:
+        state = getattr(model, "memcheck_pp_stage", None)
+        if isinstance(state, StageState) and (state.rank, state.stages) != (self.rank, self.stages):
+            raise UsageError(f"the stage model is rank {state.rank} of {state.stages}, the train_step is for rank "
+                             f"{self.rank} of {self.stages}")
+        stage = _Stage(model, batch, self.microbatches)
+        if self.schedule == GPIPE:
+            _gpipe(stage, self.microbatches)
+        else:
+            _one_f_one_b(stage, self.microbatches, self.stages, self.rank)
+        del stage
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def train_step(schedule: str, rank: int, stages: int, microbatches: int) -> PipelineTrainStep:
+    """The ``train_step(model, batch, optimizer)`` of pipeline rank ``rank`` of ``stages`` under
+    ``schedule`` with ``microbatches`` micro-batches per optimizer step (``gpipe`` or ``1f1b``)."""
+    return PipelineTrainStep(schedule, rank, stages, microbatches)

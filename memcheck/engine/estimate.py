@@ -580,7 +580,7 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
         if precision is Precision.AMP_FP16:
             run.scaler = MetaGradScaler()
             tracer.assume("amp-fp16: a GradScaler scales the loss; no overflow, so every step is taken")
-    if job.accumulate > 2:
+    if job.accumulate > 2 and (role is None or role.layout.pp == 1):
         tracer.assume(f"accumulate={job.accumulate}: 2 micro-steps per step traced; "
                       f"micro-steps 3 to {job.accumulate} repeat the second")
     return run

@@ -210,11 +210,15 @@ class Role:
         if layout.tp > 1:
             from memcheck.training.strategies import tp
 
-            notes += _notes(tp.shard(model, layout.tp, sequence_parallel=layout.sp))
+            rank = tp.shard(model, layout.tp, sequence_parallel=layout.sp)
+            notes.append(f"tp={layout.tp}: {len(rank.colwise)} linear layers column-wise, {len(rank.rowwise)} "
+                         "row-wise (DTensor's ColwiseParallel/RowwiseParallel); the rest replicated")
         if layout.pp > 1:
             from memcheck.training.strategies import pp
 
             notes += _notes(pp.make_stage(model, self.stage, layout.pp, virtual=layout.virtual))
+            notes.append(f"pp={layout.pp}: stage {self.stage} of {layout.pp}, schedule {layout.schedule.value}; "
+                         "accumulate is the pipeline's micro-batches per step")
         if layout.cp > 1:
             from memcheck.training.strategies import cp
 
@@ -223,13 +227,30 @@ class Role:
         return model, batch, notes
 
     def train_step(self, job):
-        """The pipeline schedule's step for this rank; None without ``pp`` (memcheck's own loop)."""
+        """The pipeline schedule's step for this rank; None without ``pp`` (memcheck's own loop).
+
+        Under 1F1B the step is traced with ``min(M, pp + 1)`` micro-batches: rank r holds at most
+        ``pp - r`` at once (its warm-up), and the one after those is the first forward run with
+        the gradients already allocated, so every later micro-batch repeats a traced one; the
+        receive buffers are still one per micro-batch of the real step (``M``). GPipe holds all
+        ``M`` and is traced with all of them."""
         if self.layout.pp == 1:
             return None
         from memcheck.training.strategies import pp
 
-        return pp.train_step(self.layout.schedule.value, self.stage, self.layout.pp, job.accumulate,
-                             virtual=self.layout.virtual, precision=job.precision)
+        m = job.accumulate
+        traced = m if self.layout.schedule is Schedule.GPIPE else min(m, self.layout.pp + 1)
+        dtype = job.precision.autocast_dtype
+        autocast = None
+        if dtype is not None:
+            import torch
+
+            device = job.device.value
+
+            def autocast():
+                return torch.autocast(device, dtype=dtype)
+        return pp.train_step(self.layout.schedule.value, self.stage, self.layout.pp, traced, buffers=m,
+                             autocast=autocast)
 
 
 def roles(layout: Layout) -> list[Role]:

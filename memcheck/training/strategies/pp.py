@@ -276,11 +276,12 @@ class _Stage:
     cache from each forward to its backward (stage.py:913, 966) and a backward cache of input
     gradients until they are sent (stage.py:1044, 552)."""
 
-    def __init__(self, model: torch.nn.Module, batch: Any, microbatches: int):
+    def __init__(self, model: torch.nn.Module, batch: Any, microbatches: int, buffers: int | None = None):
         state = getattr(model, "memcheck_pp_stage", None)
         if not isinstance(state, StageState):
             raise UsageError("pp.train_step runs on a model cut by pp.make_stage(model, rank, stages)")
         self.model, self.state, self.microbatches = model, state, microbatches
+        self.buffers = buffers or microbatches  # receive buffers: one per micro-batch of the real step
         self.fwd_cache: dict[int, tuple] = {}
         self.bwd_cache: dict[int, torch.Tensor | None] = {}
         self.losses: list[torch.Tensor] = []  # the schedule's _internal_losses (schedules.py:305-308)
@@ -298,16 +299,24 @@ class _Stage:
                                                                    else batch)
         shape = (*ids.shape[:2], state.hidden)
         if not state.first:
-            state.recv = [torch.empty(shape, dtype=state.dtype, device=ids.device) for _ in range(self.microbatches)]
+            state.recv = [torch.empty(shape, dtype=state.dtype, device=ids.device) for _ in range(self.buffers)]
         if not state.last:
             state.grad_recv = [torch.empty(shape, dtype=state.dtype, device=ids.device)
-                               for _ in range(self.microbatches)]
+                               for _ in range(self.buffers)]
 
     def forward(self, m: int):
         """``forward_one_chunk`` (stage.py:857-935) and, on the last stage, the schedule's loss."""
         state = self.state
         state.current = m
         inputs = state.recv[m] if not state.first else None
+        if self.autocast is not None:
+            with self.autocast():
+                return self._forward(m, state, inputs)
+        return self._forward(m, state, inputs)
+
+    autocast = None
+
+    def _forward(self, m: int, state: "StageState", inputs):
         if state.last:
             out = self.model(**self.batch) if isinstance(self.batch, dict) else self.model(self.batch)
             loss = _loss_of(out)
@@ -433,8 +442,11 @@ class PipelineTrainStep:
     stage model (``make_stage``), then ``optimizer.step()`` and ``zero_grad(set_to_none=True)``.
     ``batch`` is one micro-batch; every micro-batch of the step is that batch."""
 
-    def __init__(self, schedule: str, rank: int, stages: int, microbatches: int):
+    def __init__(self, schedule: str, rank: int, stages: int, microbatches: int, *, buffers: int | None = None,
+                 autocast=None):
         _check(schedule, rank, stages, microbatches, 1)
+        self.buffers = buffers  # the real step's micro-batches, when fewer are traced (receive buffers)
+        self.autocast = autocast  # a context manager factory for each forward (torch.autocast), or None
         if schedule not in RUNNABLE:
             raise UsageError(f"pp.train_step runs {' and '.join(RUNNABLE)} for now, not {schedule!r}")
         self.schedule, self.rank, self.stages, self.microbatches = schedule, rank, stages, microbatches
@@ -445,7 +457,8 @@ class PipelineTrainStep:
         if isinstance(state, StageState) and (state.rank, state.stages) != (self.rank, self.stages):
             raise UsageError(f"the stage model is rank {state.rank} of {state.stages}, the train_step is for rank "
                              f"{self.rank} of {self.stages}")
-        stage = _Stage(model, batch, self.microbatches)
+        stage = _Stage(model, batch, self.microbatches, self.buffers)
+        stage.autocast = self.autocast
         if self.schedule == GPIPE:
             _gpipe(stage, self.microbatches)
         else:
@@ -455,7 +468,10 @@ class PipelineTrainStep:
         optimizer.zero_grad(set_to_none=True)
 
 
-def train_step(schedule: str, rank: int, stages: int, microbatches: int) -> PipelineTrainStep:
+def train_step(schedule: str, rank: int, stages: int, microbatches: int, *, buffers: int | None = None,
+               autocast=None) -> PipelineTrainStep:
     """The ``train_step(model, batch, optimizer)`` of pipeline rank ``rank`` of ``stages`` under
-    ``schedule`` with ``microbatches`` micro-batches per optimizer step (``gpipe`` or ``1f1b``)."""
-    return PipelineTrainStep(schedule, rank, stages, microbatches)
+    ``schedule`` with ``microbatches`` micro-batches per optimizer step (``gpipe`` or ``1f1b``);
+    ``buffers``: the real step's micro-batches when fewer are traced (one receive buffer each);
+    ``autocast``: a factory of the context each forward runs in (``torch.autocast``)."""
+    return PipelineTrainStep(schedule, rank, stages, microbatches, buffers=buffers, autocast=autocast)

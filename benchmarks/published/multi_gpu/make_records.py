@@ -177,7 +177,10 @@ def torchtitan_2412():
                         "degree, 8) gives 32/8 = 4 samples per micro-batch",
                         "split points not stated: generate_split_points' default (126 layers over 8 or 16 stages, "
                         "embedding and output counted as layers) is assumed",
-                        "seq_len 8192 from llama3_405b.toml; 'global batch size 256' = 32 x FSDP 8"],
+                        "seq_len 8192 from llama3_405b.toml; 'global batch size 256' = 32 x FSDP 8",
+                        "issue #773 (2025-01-03) prints the same runs' log lines with two decimals: 1F1B 'memory: "
+                        "82.46GiB(86.80%)', Interleaved1F1B 'memory: 72.69GiB(76.52%)' -- confirming that the table's "
+                        "'Memory' is the log line's max_reserved figure"],
             extra_diffs=["torch.distributed.pipelining Schedule1F1B / ScheduleInterleaved1F1B of the 2024-12 nightly; "
                          "FSDP2 with reshard_after_forward=False under PP"],
             can_check="only which schedule holds less (interleaved 1F1B 72.7 vs 1F1B 82.5 GiB on the busiest rank); not exact"))
@@ -301,8 +304,9 @@ def lightning():
         "stack_differences": diffs,
         "reproducibility": "B",
         "can_check": "FSDP2 x TP(SP) 2D on 4 ranks of a Llama-2-7B shape with tiny activations (8 x 128 tokens): almost all "
-                     "of the figure is the 1/4 shard of fp32 params, grads and AdamW state (6.74e9 x 16 B / 4 = 26.96e9 B) plus "
-                     "the bf16 all-gather buffers and the allocator's caching: a check of the static per-rank accounting of TP x FSDP",
+                     "of the figure is the 1/4 shard of fp32 params, grads and AdamW state (6,738,415,616 parameters x 16 B / 4 = "
+                     "26,953,662,464 B of the published 36.73e9 B) plus the bf16 all-gather buffers, the checkpoint save and "
+                     "the allocator's caching: a check of the static per-rank accounting of TP x FSDP",
     })
     recs.append({
         "id": "lightning-fabric-tp2-fsdp2-llama2-7b-bs8-seq128-no-optimizer-state",
@@ -323,7 +327,7 @@ def lightning():
         "unit_conversion": "/ 1e9 printed as 'GB' (decimal): value_bytes = 17.95e9",
         "gaps": common_gaps + ["8 iterations (128 samples / 2 DP ranks / batch 8)",
                                "that the run printing 17.95 GB used this buggy order is inferred from the README's commit "
-                               "(0c8a193d3c) and the 26.96e9 B that AdamW state would need alone; it was not rerun"],
+                               "(0c8a193d3c) and the 26.95e9 B that params, grads and AdamW state would need (13.48e9 B for AdamW state alone); it was not rerun"],
         "stack_differences": diffs,
         "reproducibility": "C",
         "can_check": "a forward/backward-only protocol (gradients kept, no optimizer state) under TP x FSDP2; "
@@ -439,8 +443,105 @@ def megatron():
     return recs
 
 
+TT773_URL = "https://github.com/pytorch/torchtitan/issues/773"
+TT773_COMMIT = "90567fc9827ffdf17bdd0349cd5276c662d0769a"  # torchtitan main just before the 2025-01-10 runs (settings read here)
+
+
+def tt773():
+    """torchtitan issue #773: per-rank logs of pure pipeline parallelism (eager), and the 405B zero-bubble run."""
+    recs = []
+    pp8_gaps = [
+        "the comment gives batch_size 16, seq_len 512, pipeline_parallel_degree 8 and the schedule; the rest is the "
+        "llama3_8b.toml and torchtitan defaults of that week (read at " + TT773_COMMIT[:8] + ")",
+        "GPU count and data-parallel degree NOT known. On 8 GPUs (PP 8 and nothing else) dp_shard would be 1, torchtitan "
+        "would apply no FSDP and so no mixed precision (parallelize_llama.py @ 90567fc9 calls fully_shard only when "
+        "dp_shard or cp is enabled): float32 parameters, gradients and AdamW state. That reading is contradicted by "
+        "the figures: rank 0 (embedding 525,336,576 + 4 layers x 218,112,000 parameters = 1,397,784,576) and rank 7 "
+        "(4 layers + output 525,336,576 + norm = 1,397,788,672) would hold 1.398e9 x 16 B = 20.83 GiB of static state "
+        "alone, above the published 15.86-22.74 GiB. The run therefore had fewer bytes per parameter (e.g. FSDP over "
+        "more GPUs, or bf16 weights); which, is not published",
+        "micro-batches: the default n_microbatches = total stages = 16 (2 stages per rank for looped schedules), so "
+        "16 micro-batches of 1 x 512 tokens; split points generated: 2 layers per stage; rank r holds stages r and r+8 "
+        "(rank 0: embedding + layers 0-1 and layers 16-17; rank 7: layers 14-15 and layers 30-31 + norm + output)",
+        "GPU: 80 GB H100 inferred from the percentages (22.74 GiB = 28.73 % -> 79.15 GiB capacity)",
+        "reading at step 4 (the log interval's peak reserved since the previous log)",
+        "torch nightly of January 2025 (not named)",
+        "two decimals of GiB: +-0.005 GiB",
+    ]
+    pp8_diffs = [
+        "torchtitan's own Llama 3 8B code (RoPE via complex float32, logits cast to float32 in loss_fn)",
+        "torch.distributed.pipelining ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble of January 2025 (the "
+        "latter splits backward into input- and weight-gradient steps, holding the weight-gradient inputs longer)",
+        "loss computed on the last stage only (rank 0 prints loss -1.0)",
+    ]
+    rows = [
+        ("interleaved-1f1b", "Interleaved1F1B", "none (see gaps)", 0, 22.74, "[rank0]: ... step:  4  loss: -1.0000  memory: 22.74GiB(28.73%)  tps: 304"),
+        ("interleaved-1f1b", "Interleaved1F1B", "none (see gaps)", 7, 17.97, "[rank7]: ... step:  4  loss: 12.1754  memory: 17.97GiB(22.71%)  tps: 304"),
+        ("interleaved-zb", "InterleavedZeroBubble", "none (see gaps)", 0, 20.57, "PP8, interleaved zero bubble [rank0]: ... step:  4  loss: -1.0000  memory: 20.57GiB(25.99%)  tps: 339"),
+        ("interleaved-zb", "InterleavedZeroBubble", "none (see gaps)", 7, 22.23, "PP8, interleaved zero bubble [rank7]: ... step:  4  loss: 12.1761  memory: 22.23GiB(28.09%)  tps: 339"),
+        ("interleaved-1f1b-fullac", "Interleaved1F1B", "full (every block)", 0, 15.86, "**With full AC** PP8, interleaved 1f1b [rank0]: ... step:  4  loss: -1.0000  memory: 15.86GiB(20.04%)  tps: 243"),
+    ]
+    for tag, sched, ac, rank, gib, quote in rows:
+        recs.append({
+            "id": f"tt773-llama3-8b-pp8-{tag}-bs16-seq512-rank{rank}",
+            "source": {"url": TT773_URL, "repo": TT_REPO, "commit": None,
+                       "quote": "H-Huang, 2025-01-13: 'Llama3 8B / batch_size = 16 / seq_len = 512 / pipeline_parallel_degree = 8' ... " + quote},
+            "model": dict(LLAMA31_8B, name="llama3_8b", code="torchtitan Llama 3 (torchtitan/models/llama/model.py, January 2025)"),
+            "gpus": {"count": "unknown (>= 8)", "type": "H100 80 GB (inferred from the percentage)"},
+            "layout": {"dp_shard": "unknown (1 on 8 GPUs)", "dp_replicate": 1, "tp": 1, "pp": 8, "pp_schedule": sched, "stages_per_rank": 2,
+                       "microbatches": 16, "microbatch_size": 1, "cp": 1, "ep": 1},
+            "local_batch": 16, "global_batch": "16 x DP degree", "seq_len": 512,
+            "precision": "unknown (fp32 if no FSDP, which the figures contradict; see gaps)",
+            "optimizer": "torch AdamW foreach (betas 0.9/0.95, wd 0.1)",
+            "activation_checkpointing": ac,
+            "compile": False, "float8": False, "async_tp": False,
+            "framework": {"name": "torchtitan", "commit": "main of 2025-01-10 (not named; " + TT773_COMMIT[:8] + " read)"},
+            "torch_version": "nightly, January 2025",
+            "metric": "max_memory_reserved", "metric_definition": TT_METRIC[1].split(";")[0],
+            "rank": f"rank {rank}", "value_published": f"{gib} GiB", "value_bytes": round(gib * GIB),
+            "unit_conversion": "GiB (/ 2**30) with 2 decimals: value_bytes = round(x * 2**30)",
+            "gaps": pp8_gaps + (["the first block of logs is not labelled; the comment's sentence ('without AC the TPS "
+                                  "is fine') suggests activation checkpointing off, while the 8B toml's default was "
+                                  "selective op"] if ac.startswith("none") else []),
+            "stack_differences": pp8_diffs,
+            "reproducibility": "C",
+            "can_check": "per-rank PP memory of two schedules and two ranks (first stage vs last stage with the "
+                         "128256-wide output), eager, on torch.distributed.pipelining: the differences between "
+                         "ranks and schedules (e.g. zero bubble +4.26 GiB on rank 7, -2.17 GiB on rank 0 against "
+                         "interleaved 1F1B) are usable once the data-parallel layout is pinned; the absolute figures are not",
+        })
+    recs.append({
+        "id": "tt773-llama3.1-405b-fsdp8-tp8-pp8-interleaved-zb-eager",
+        "source": {"url": TT773_URL, "repo": TT_REPO, "commit": None,
+                   "quote": "tianyu-l, 2025-01-03: 'Here are benchmark results on on 512-GPU experiments ... \"Interleaved Zero Bubble\" : "
+                            "memory: 89.73GiB(94.45%)  tps: 13 ... Note that for Zero Bubble, no torch.compile / async TP / Float8 is "
+                            "used since not compatible.' (the same post gives 1F1B 82.46GiB and Interleaved1F1B 72.69GiB, Table 5's 82.5 and 72.7)"},
+        "model": dict(LLAMA31_405B, name="llama3_405b", code="torchtitan Llama 3 @ 9dec370"),
+        "gpus": {"count": 512, "type": TT_GPU},
+        "layout": {"dp_shard": 8, "dp_replicate": 1, "tp": 8, "sequence_parallel": True, "pp": 8,
+                   "pp_schedule": "InterleavedZeroBubble", "stages_per_rank": 2, "microbatches": "8 (9dec370's default) or 16",
+                   "cp": 1, "ep": 1},
+        "local_batch": 32, "global_batch": 256, "seq_len": 8192,
+        "precision": "bf16 FSDP2 mixed precision, fp32 reduce", "optimizer": "torch AdamW foreach (betas 0.9/0.95, wd 0.1)",
+        "activation_checkpointing": "full (Table 5's setting, assumed)",
+        "compile": False, "float8": False, "async_tp": False,
+        "framework": {"name": "torchtitan", "commit": TT_RUN_COMMIT + " (assumed: same study as Table 5)"},
+        "torch_version": TT_TORCH + " (assumed)",
+        "metric": "max_memory_reserved", "metric_definition": TT_METRIC[1],
+        "rank": "max over all ranks (assumed, as Table 5)", "value_published": "89.73 GiB", "value_bytes": round(89.73 * GIB),
+        "unit_conversion": "GiB (/ 2**30) with 2 decimals",
+        "gaps": ["only Table 5's settings are implied ('512-GPU experiments'); micro-batch count, split points and AC are "
+                 "not restated for this run", "94.45 % of the card: near the limit, allocator retries likely shape the figure"],
+        "stack_differences": TT_MODEL_CODE_NOTES + ["eager TP (no async TP), bf16 (no float8): closer to memcheck's stack "
+                                                    "than Table 5's two rows, but the 1F1B/Interleaved rows it sits beside are compiled"],
+        "reproducibility": "C",
+        "can_check": "a 4D-scale FSDP x TP x PP zero-bubble figure in eager mode; only with its unstated settings pinned",
+    })
+    return recs
+
+
 def main() -> None:
-    records = torchtitan_2412() + tt165() + lightning() + megatron()
+    records = torchtitan_2412() + tt165() + tt773() + lightning() + megatron()
     ids = [r["id"] for r in records]
     assert len(ids) == len(set(ids)), "duplicate ids"
     OUT.mkdir(exist_ok=True)

@@ -367,19 +367,21 @@ def megatron():
     ]
     for test, tp, pp, vpp, mb, vals in (
         ("gpt3_7b_tp4_pp1_memory_speed", 4, 1, None, 2,
-         {"h100": (20663519232, 57143791616), "a100": (20634103808, 58188115968)}),
+         {"h100": (20663519232, 57143791616, 50289487872, 1), "a100": (20634103808, 58188115968, 51333926912, 5)}),
         ("gpt3_7b_tp1_pp4_memory_speed", 1, 4, 8, 1,
-         {"h100": (24808996864, 60720852992), "a100": (24510808064, 60489064448)}),
+         {"h100": (24808996864, 60720852992, 52931256320, 1), "a100": (24510808064, 60489064448, 52700401664, 5)}),
     ):
         path = f"tests/functional_tests/test_cases/gpt/{test}"
-        for plat, (cur, peak) in vals.items():
+        for plat, (cur, peak, peak1, every) in vals.items():
             for metric, v, key in (("max_memory_allocated", peak, "mem-max-allocated-bytes"),
                                    ("memory_allocated_after_step", cur, "mem-allocated-bytes")):
                 recs.append({
                     "id": f"mcore-gpt7b-tp{tp}-pp{pp}" + (f"-vpp{vpp}" if vpp else "") + f"-{plat}-{'peak' if metric.startswith('max') else 'after-step'}",
                     "source": {"url": f"https://github.com/{MG_REPO}/tree/{MG_COMMIT}/{path}", "repo": MG_REPO,
                                "path": f"{path}/golden_values_dev_dgx_{plat}.json and model_config.yaml", "commit": MG_COMMIT,
-                               "quote": f"\"{key}\": {{\"values\": {{... \"25\": {float(v)}}}}} (constant from step 2 to 25)"},
+                               "quote": f"\"{key}\": {{\"start_step\": 1, \"end_step\": 25, \"step_interval\": {every}, \"values\": {{... \"25\": {float(v)}}}}} "
+                                        + (f"(the same at every logged step after the first; step 1: {float(peak1)})" if metric.startswith("max")
+                                           else "(the same at every logged step)")},
                     "model": gpt7b_model,
                     "gpus": {"count": 8, "type": "DGX H100 (80 GB)" if plat == "h100" else "DGX A100 (80 GB)"},
                     "layout": {"dp": 8 // (tp * pp), "tp": tp, "sequence_parallel": False, "pp": pp,
@@ -414,7 +416,10 @@ def megatron():
             "id": f"mcore-mixtral-8x7b-tp2-pp4-ep8-vpp8-h100-{'peak' if metric.startswith('max') else 'after-step'}",
             "source": {"url": f"https://github.com/{MG_REPO}/tree/{MG_COMMIT}/{mx}", "repo": MG_REPO,
                        "path": f"{mx}/golden_values_dev_dgx_h100.json and model_config.yaml", "commit": MG_COMMIT,
-                       "quote": f"\"{key}\": ... \"200\": {float(v)} (constant over the 200 logged steps)"},
+                       "quote": f"\"{key}\": {{\"start_step\": 1, \"end_step\": 200, \"step_interval\": 5, \"values\": {{... \"200\": {float(v)}}}}} "
+                                + ("(the largest logged value; step 1: 29394774016.0, step 5: 35408363520.0, step 10: "
+                                   "35420778496.0: the peak creeps up with the routing)" if metric.startswith("max")
+                                   else "(the same at all 41 logged steps)")},
             "model": {"config_class": "MixtralConfig", "kwargs": {
                 "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,

@@ -145,10 +145,11 @@ def torchtitan_2412():
         r.append(tt_record(
             f"tt2412-t2-llama3.1-8b-fsdp{fs}-cp{cp}-seq{seq}-compile-fp8", t2, f"FSDP {fs}, CP {cp} | {seq}", v, LLAMA31_8B,
             "llama3_8b", 8, {"dp_shard": fs, "dp_replicate": 1, "tp": 1, "pp": 1, "cp": cp, "ep": 1,
+                             "fsdp_shard_group": "dp_shard x cp = 8 (the dp_shard_cp mesh)",
                              "cp_rotate_method": "allgather (torchtitan default @ 9dec370)"}, 1, seq,
             "full (every block, non-reentrant checkpoint_wrapper)", True, True, False,
-            extra_gaps=["FSDP shards over dp_shard x cp ranks (torchtitan applies fully_shard on the dp_shard_cp mesh) -- "
-                        "from the code, not the table",
+            extra_gaps=["FSDP shards over dp_shard x cp ranks (parallelize_llama.py @ 9dec370 applies fully_shard on the "
+                        "dp_shard_cp mesh) -- from the code, not the table",
                         "max_position/rope length for 262144 tokens: torchtitan's max_seq_len is set from seq_len"],
             extra_diffs=["torch's experimental context_parallel (ring SDPA over sequence shards, the buffers sharded in "
                          "place by context_parallel()) as of the 2024-12 nightly"],
@@ -189,9 +190,11 @@ def torchtitan_2412():
         r.append(tt_record(
             f"tt2412-t6-llama3.1-405b-fsdp{fs}-cp{cp}-tp8-pp8-seq{seq}", t6, f"FSDP {fs}, CP {cp} | {seq}", v, LLAMA31_405B,
             "llama3_405b", 512, {"dp_shard": fs, "dp_replicate": 1, "tp": 8, "sequence_parallel": True, "pp": 8,
-                                 "pp_schedule": "1F1B", "microbatches": 8, "cp": cp, "ep": 1}, 8, seq,
+                                 "pp_schedule": "1F1B", "microbatches": 8, "cp": cp, "ep": 1,
+                                 "fsdp_shard_group": "dp_shard x cp = 8 (the dp_shard_cp mesh)"}, 8, seq,
             "full (every block)", True, True, True,
             extra_gaps=["microbatches and micro-batch size not stated (default 8 micro-batches of 1 sample assumed)",
+                        "FSDP shards over dp_shard x cp = 8 ranks in every row (dp_shard_cp mesh, from the code)",
                         "global batch not stated (8 x FSDP degree)"],
             can_check="qualitative only (CP x PP x TP with compile and float8)"))
     return r

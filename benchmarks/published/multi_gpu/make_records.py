@@ -99,7 +99,6 @@ def tt_record(rid, table, row, value_gib, model, model_name, gpus, layout, local
         "model": dict(model, name=model_name, code="torchtitan Llama 3 (torchtitan/models/llama/model.py @ 9dec370)"),
         "gpus": {"count": gpus, "type": TT_GPU},
         "layout": layout,
-        "pipeline": layout.get("pp_schedule"),
         "local_batch": local_batch, "global_batch": global_batch, "seq_len": seq_len,
         "precision": "bf16 params in compute (FSDP2 mixed precision), fp32 master/optimizer, fp32 reduce" + (" + float8 linears" if float8 else ""),
         "optimizer": "torch AdamW foreach (betas 0.9/0.95, wd 0.1)",

@@ -463,6 +463,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
 @click.option("--length-profile", is_flag=True,
               help="Also trace the recommendation at 25-75% of --max-len and search the longest length that fits "
                    "(up to 7 more traces).")
+@click.option("--gpus-per-node", "gpus_per_node", type=int, default=None,
+              help="With --gpus N and no --strategy: GPUs a node (default 8), where tensor parallelism stays.")
 @click.option("--measure", is_flag=True,
               help="Then run the recommendation for real (20 steps at the worst-case batch) on this machine's "
                    "GPU (or the CPU for --device cpu) and report measured vs predicted.")
@@ -474,7 +476,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
 def plan(model, max_len, target_len, task, attn, packing, assume, device, optimizer, steps, gpu, gpu_memory, strategy, gpus,
          reentrant, bucket_view, bucket_cap_mb, offload, as_json, allow_download, debug, global_batch, margin,
          precision, precision_options, checkpointing_options, length_profile, measure, measure_steps, snapshot_path,
-         plot_path, timeout, trust_remote_code=False, layout=None):
+         plot_path, timeout, trust_remote_code=False, layout=None, gpus_per_node=None):
     """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
 
     \b
@@ -485,11 +487,9 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
     memory, 2 bad input, 3 internal error.
     """
     progress = _begin(as_json, allow_download)
-    from memcheck.engine.estimate import estimate as run_estimate
-    from memcheck.engine.plan import plan as run_plan
     from memcheck.errors import UsageError, require_int
-    from memcheck.job import Job
-    from memcheck.pictures import check_pictures, write_pictures
+    from memcheck.job import Job, check_setting
+    from memcheck.pictures import check_pictures
     from memcheck.report.text import render_json
     from memcheck.units import parse_size
 
@@ -510,6 +510,14 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
                 if not torch.cuda.is_available():
                     raise UsageError("--measure on the cuda target needs a CUDA GPU, and torch sees none here")
         check_pictures(snapshot_path, plot_path)  # before anything is traced
+        # --gpus N (N > 1) without a strategy or layout: the layouts of N GPUs are searched
+        spread = gpus if (gpus is not None and gpus > 1 and strategy == "single" and layout is None
+                          and not measure) else None
+        if spread is not None:
+            check_setting("gpus", gpus)
+            gpus = None
+        if gpus_per_node is not None and spread is None:
+            raise UsageError("--gpus-per-node applies to the layout search of memcheck plan --gpus N (no --strategy)")
         # checked before the model file runs, so a bad flag is never hidden behind the model's errors
         job = Job(device=device, gpu=gpu, budget_bytes=budget, max_len=max_len, target_len=target_len,
                    precision=precision if precision and not precision_options else "fp32",  # plan checks options
@@ -519,34 +527,58 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
                    assume=assume, trust_remote_code=trust_remote_code, layout=layout)
         work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)
         _no_train_step(work, "memcheck plan")
-        result = run_plan(work.model, work.make, job, precision_options=precision_options or precision or "auto",
-                          optimizer_options="auto" if optimizer is None else None,
-                          checkpointing_options=checkpointing_options, max_len_limit=work.max_len_limit,
-                          loss_fn=work.loss_fn, model_name=work.name, progress=progress, length_profile=length_profile)
-        _clear(progress)
-        if measure and result.recommended is not None:
-            from dataclasses import replace
+        if spread is not None:  # --gpus N with no strategy: search the layouts of N GPUs
+            from memcheck.engine.plan_layout import plan_layout
 
-            _phase(None)  # a real run, not a trace: --measure-steps bounds it
-            result = replace(result, verification=_measure_plan(model, result, work, measure_steps, allow_download))
-        if (snapshot_path or plot_path) and result.job is not None:
-            # A plan keeps no timeline: its recommended job is traced once more, with one, and must agree.
-            _phase("tracing")
-            rows = result.recommended.micro_batch_size * (result.gpus if result.strategy in ("dp", "dp-balanced")
-                                                          else 1)
-            traced = run_estimate(work.model, work.batch_at(rows), result.job, loss_fn=work.loss_fn,
-                                  model_name=work.name, top_modules=0, progress=progress, timeline=True)
+            job = job.replace(precision=_auto_precision(job, precision, precision_options),
+                              optimizer=optimizer or ("adamw-fused" if job.device.value == "cuda" else "adamw"))
+            result = plan_layout(work.model, work.batch_at, job, gpus=spread, gpus_per_node=gpus_per_node,
+                                 checkpointing_options=tuple(c.strip() for c in checkpointing_options.split(",")
+                                                             if c.strip() in ("none", "full")) or ("full",),
+                                 loss_fn=work.loss_fn, model_name=work.name, progress=progress)
             _clear(progress)
-            if (traced.peak_bytes, traced.total_bytes) != (result.estimate.peak_bytes, result.estimate.total_bytes):
-                raise RuntimeError("the recommendation traced again for --snapshot/--plot differs from the plan's")
-            write_pictures(traced, snapshot_path, plot_path, margin=result.margin)
-        elif snapshot_path or plot_path:
-            click.echo("memcheck: note: nothing fits, so --snapshot/--plot have no recommendation to draw; "
-                       "nothing written", err=True)
+        else:
+            result = _plan_one(work, job, model, progress, as_json, allow_download, precision, precision_options,
+                               optimizer, checkpointing_options, length_profile, measure, measure_steps,
+                               snapshot_path, plot_path)
     _print(render_json(result) if as_json else str(result))
-    failed = result.verification is not None and (
+    failed = getattr(result, "verification", None) is not None and (
         result.verification.out_of_memory or result.verification.measured_bytes > result.capacity_bytes)
     sys.exit(EXIT_DOES_NOT_FIT if not result.fits or failed else EXIT_FITS)
+
+
+def _plan_one(work, job, model, progress, as_json, allow_download, precision, precision_options, optimizer,
+              checkpointing_options, length_profile, measure, measure_steps, snapshot_path, plot_path):
+    """``memcheck plan`` for one strategy: micro-batch, accumulation, checkpointing, precision, optimizer."""
+    from memcheck.engine.estimate import estimate as run_estimate
+    from memcheck.engine.plan import plan as run_plan
+    from memcheck.pictures import write_pictures
+
+    result = run_plan(work.model, work.make, job, precision_options=precision_options or precision or "auto",
+                      optimizer_options="auto" if optimizer is None else None,
+                      checkpointing_options=checkpointing_options, max_len_limit=work.max_len_limit,
+                      loss_fn=work.loss_fn, model_name=work.name, progress=progress, length_profile=length_profile)
+    _clear(progress)
+    if measure and result.recommended is not None:
+        from dataclasses import replace
+
+        _phase(None)  # a real run, not a trace: --measure-steps bounds it
+        result = replace(result, verification=_measure_plan(model, result, work, measure_steps, allow_download))
+    if (snapshot_path or plot_path) and result.job is not None:
+        # A plan keeps no timeline: its recommended job is traced once more, with one, and must agree.
+        _phase("tracing")
+        rows = result.recommended.micro_batch_size * (result.gpus if result.strategy in ("dp", "dp-balanced")
+                                                      else 1)
+        traced = run_estimate(work.model, work.batch_at(rows), result.job, loss_fn=work.loss_fn,
+                              model_name=work.name, top_modules=0, progress=progress, timeline=True)
+        _clear(progress)
+        if (traced.peak_bytes, traced.total_bytes) != (result.estimate.peak_bytes, result.estimate.total_bytes):
+            raise RuntimeError("the recommendation traced again for --snapshot/--plot differs from the plan's")
+        write_pictures(traced, snapshot_path, plot_path, margin=result.margin)
+    elif snapshot_path or plot_path:
+        click.echo("memcheck: note: nothing fits, so --snapshot/--plot have no recommendation to draw; "
+                   "nothing written", err=True)
+    return result
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -864,3 +896,17 @@ def gpus(as_json):
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+
+
+def _auto_precision(job, precision, precision_options) -> str:
+    """The precision a layout search traces: the one given, else the GPU's best (as plan's auto)."""
+    if precision_options:
+        return precision_options.split(",")[0].strip()
+    if precision and precision != "auto":
+        return precision
+    if job.device.value != "cuda":
+        return "fp32"
+    from memcheck.engine.estimate import target_gpu
+
+    target = target_gpu(job)
+    return "amp-bf16" if target is None or target.arch >= (8, 0) else "amp-fp16"

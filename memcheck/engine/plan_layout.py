@@ -63,6 +63,7 @@ def plan_layout(
     make_batch: Callable[[int], Any],
     job: Job | None = None,
     *,
+    gpus: int | None = None,
     gpus_per_node: int | None = None,
     checkpointing_options=(NONE, FULL),
     loss_fn=None,
@@ -70,16 +71,16 @@ def plan_layout(
     progress: Callable[[str], None] | None = None,
     **settings,
 ) -> LayoutPlan:
-    """The layout of ``job.gpus`` GPUs that fits every rank and has the lowest cost proxy.
+    """The layout of ``gpus`` GPUs that fits every rank and has the lowest cost proxy.
 
-    ``job`` needs ``gpus`` (the world), ``global_batch``, ``max_len`` and the GPU; its
-    precision and optimizer are used as they are (``plan()`` picks them for one GPU).
+    ``job`` needs ``global_batch``, ``max_len`` and the GPU; its precision and optimizer are
+    used as they are; its strategy is FSDP2 over each layout's ``dp * cp`` ranks.
     ``make_batch(m)`` is one micro-batch of ``m`` rows padded to ``max_len``.
     """
     job = as_job(job, settings, caller="plan_layout()")
     start = time.perf_counter()
-    world = job.gpus
-    if world is None or world < 2:
+    world = gpus
+    if not isinstance(world, int) or isinstance(world, bool) or world < 2:
         raise UsageError("a layout plan needs the GPUs to spread over: give gpus (--gpus N, at least 2)")
     node = gpus_per_node if gpus_per_node is not None else min(world, 8)
     require_int(node, "gpus_per_node")
@@ -104,12 +105,13 @@ def plan_layout(
     base = job.replace(gpus=None, strategy="single", layout=None, global_batch=None, margin=job.margin)
     search = _Search(model, make_batch, base, shape, target, limit, name, loss_fn, progress, world, node)
     candidates = search.candidates(checkpointing_options)
-    recommended, considered, est = search.run(candidates)
+    chosen, considered, est = search.run(candidates)
+    recommended = considered[-1] if chosen is not None else None
     return LayoutPlan(
         model=name, gpu=target, capacity_bytes=capacity, margin=job.effective_margin, limit_bytes=limit,
         gpus=world, gpus_per_node=node, global_batch=job.global_batch, max_len=job.max_len,
         recommended=recommended, considered=tuple(considered), traces=search.traces, estimate=est,
-        job=None if recommended is None else search.job_for(recommended),
+        job=None if chosen is None else search.job_for(chosen),
         seconds=round(time.perf_counter() - start, 2), candidates=len(candidates),
     )
 
@@ -127,6 +129,7 @@ class _Shape:
     attention_flops_per_token: float  # causal attention's score and value matmuls, forward and backward
     tokens: int  # the global batch's tokens per step
     length: int
+    first_block: str  # the first repeated block's qualified name
 
     @classmethod
     def of(cls, model, blocks: list[str], job: Job) -> "_Shape":
@@ -145,7 +148,7 @@ class _Shape:
         dense = total - embed_params  # lookups are not matmuls
         attention = 6 * len(blocks) * heads * head_dim * length  # QK^T and AV, fwd+bwd (x3), causal half of 2*2*S
         return cls(len(blocks), block_params, total - block_params * len(blocks), hidden, kv_heads * head_dim,
-                   6.0 * dense, float(attention), job.global_batch * length, length)
+                   6.0 * dense, float(attention), job.global_batch * length, length, blocks[0])
 
 
 def _widest_linear(module) -> int:
@@ -289,7 +292,7 @@ class _Search:
             row = self._row(c, "fits" if fits else "traced: does not fit", traced=busiest, fits=fits)
             considered.append(row)
             if fits:
-                return row, considered, est
+                return c, considered, est
         return None, considered, None
 
     def state_bound(self, c: _Candidate) -> int:
@@ -332,13 +335,14 @@ class _Search:
         results = []
         for stage in (0, s.blocks - 1):
             est = _estimate_rank(self.model, self.batch(micro), job, target, self.name, Role(layout, stage),
-                                 loss_fn=self.loss_fn, eval_batch=None, top_modules=64, progress=None,
+                                 loss_fn=self.loss_fn, eval_batch=None, top_modules=10**6, progress=None,
                                  timeline=False, train_step=None)
             self.traces += 1
             results.append(est)
-        block = [m for m in results[0].modules if _is_block(m.name)]
-        saved = max((m.saved_bytes for m in block), default=0)
-        state = max((m.state_bytes for m in block), default=0)
+        first = self.shape.first_block  # stage 0 of the probe holds the first block, and its children
+        block = [m for m in results[0].modules if m.name == first or m.name.startswith(first + ".")]
+        saved = sum(m.saved_bytes for m in block)
+        state = sum(m.state_bytes for m in block)
         return results[0].busiest.total_bytes, results[1].busiest.total_bytes, saved, state
 
     def _row(self, c: _Candidate, status: str, *, traced: int | None = None, predicted: int | None = None,
@@ -350,10 +354,6 @@ class _Search:
     def _say(self, line: str) -> None:
         if self.progress is not None:
             self.progress(line)
-
-
-def _is_block(name: str) -> bool:
-    return any(part.isdigit() for part in name.split("."))
 
 
 def _state_bytes_per_param(job: Job) -> int:

@@ -32,8 +32,9 @@ model once it is loaded (``JobConfig.check_modules``), still before anything is 
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from memcheck.enums import Device
 from memcheck.errors import UsageError, closest
@@ -116,6 +117,8 @@ class JobConfig:
     job: Job
     optimizer: str | None = None  # as the config names it; None: the model file's make_optimizer, else adamw
     name: str | None = None  # the job's name under jobs; None for a file's single job
+    notes: tuple[str, ...] = ()  # a DeepSpeed config's keys read and not modelled (memcheck.workloads.deepspeed)
+    deepspeed: Any = None  # a DeepSpeed config's DeepSpeedSettings: its "auto" bucket sizes, filled from the model
 
     @classmethod
     def parse(cls, *, file: str, where: str, model: str, name: str | None = None, **settings) -> "JobConfig":
@@ -144,6 +147,51 @@ class JobConfig:
         if job.eval_accumulate_predictions and job.eval_batch_size is None:
             raise UsageError(f"{label}: eval_accumulate_predictions needs eval_batch (the evaluation batch size)")
         return cls(file=file, where=where, model=model, job=job, optimizer=checked.get("optimizer"), name=name)
+
+    @classmethod
+    def from_deepspeed(cls, path, model: str, **settings) -> "JobConfig":
+        """The job of a DeepSpeed JSON config (``memcheck check ds_config.json --model MODEL``): its
+        keys mapped by ``memcheck.workloads.deepspeed.read_deepspeed``, with ``model`` and the
+        ``settings`` a DeepSpeed config lacks (``gpu``, ``gpu_memory``, ``max_len``, ``gpus``,
+        ``checkpointing``: config keys, None for not given) from the command line.
+
+        Raises:
+            UsageError: naming the file and the key.
+        """
+        from memcheck.workloads.deepspeed import read_deepspeed, read_file
+
+        file = str(path)
+        data = read_file(Path(path))
+        gpus = settings.pop("gpus", None)
+        try:
+            if gpus is not None:
+                gpus = check_key("gpus", gpus)
+            read = read_deepspeed(data, gpus=gpus)
+        except UsageError as exc:
+            raise UsageError(f"{file}: {exc}") from None
+        given = {k: v for k, v in settings.items() if v is not None}
+        if given.get("gpu") is None and given.get("gpu_memory") is None:
+            raise UsageError(f"{file}: no capacity to judge the job against; give --gpu (a GPU name such as A100-80GB, "
+                             "or a size such as 24GiB) or --gpu-memory 24GiB")
+        config = cls.parse(file=file, where="", model=model, **{**read.settings, **given})
+        return replace(config, notes=read.notes, deepspeed=read)
+
+    def fill_auto(self, model) -> "JobConfig":
+        """This job with a DeepSpeed config's "auto" bucket sizes filled from ``model``'s hidden size,
+        as the HF Trainer fills them (UsageError naming the keys when the model has none)."""
+        if self.deepspeed is None or not self.deepspeed.auto:
+            return self
+        from memcheck.workloads.deepspeed import fill_auto, hidden_size
+
+        try:
+            keys = fill_auto(self.deepspeed, hidden_size(model), type(model).__name__)
+        except UsageError as exc:
+            raise UsageError(f"{self.label}: {exc}") from None
+        filled = {_FIELD[k]: v for k, v in keys.items() if k not in self.deepspeed.settings}
+        try:
+            return replace(self, job=self.job.replace(**filled))
+        except SettingError as exc:
+            raise UsageError(f"{self.label}: {exc.worded('config')}") from None
 
     @property
     def label(self) -> str:
@@ -215,6 +263,11 @@ def load_config(path) -> list[JobConfig] | None:
     if not isinstance(data, dict):
         raise UsageError(f"{_label(file, prefix)}: a config is a table of settings (and [jobs.NAME] tables), "
                          f"not a {type(data).__name__}")
+    from memcheck.workloads.deepspeed import looks_like_deepspeed
+
+    if not prefix and looks_like_deepspeed(data):
+        raise UsageError(f"{file}: a DeepSpeed config, which names no model or GPU; name them beside it: "
+                         f"memcheck check {file} --model MODEL --gpu GPU [--max-len N] [--gpus N]")
     if not data:
         raise UsageError(f"{_label(file, prefix)}: no jobs; give a job's settings (model, gpu, micro_batch, ...) "
                          "at the top level, or one table per job under jobs")

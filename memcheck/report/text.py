@@ -797,14 +797,15 @@ def render_gpus(gpus, as_json: bool = False) -> str:
 
 def render_config_check(results, skipped=(), as_json: bool = False) -> str:
     """``memcheck check``'s output for ``(JobConfig, Verdict)`` pairs: one line per job that
-    fits; for one that does not, its verdict and its fix in config keys. ``--json``: one
-    object, ``{"fits", "results": [...], "skipped": [...]}``."""
+    fits; for one that does not, its verdict and its fix in config keys; then the job's notes
+    (a DeepSpeed config's keys read and not modelled). ``--json``: one object, ``{"fits",
+    "results": [...], "skipped": [...]}``, each result with its ``notes``."""
     if as_json:
         return json.dumps({
             "fits": all(v.fits for _, v in results),
             "results": [{"file": job.file, "job": job.name, "table": job.where or None,
                          "verdict_line": verdict_line(v), "fix_line": None if v.fits else fix_line(v, "config"),
-                         **v.to_dict()} for job, v in results],
+                         "notes": list(getattr(job, "notes", ())), **v.to_dict()} for job, v in results],
             "skipped": list(skipped),
         }, indent=2)
     lines = []
@@ -816,6 +817,8 @@ def render_config_check(results, skipped=(), as_json: bool = False) -> str:
         else:  # the verdict's word stays on the first line with the file's name
             lines.extend(wrap(f"FAIL{_GLUE * 2}{job.label}: {verdict_line(v)}", indent=" " * 8))
             lines.extend(wrap(f"      {fix_line(v, 'config')}", indent=" " * 8))
+        for note in getattr(job, "notes", ()):
+            lines.extend(wrap(f"      note: {note}", indent=" " * 8))
     return "\n".join(lines)
 
 

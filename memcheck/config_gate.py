@@ -181,10 +181,10 @@ class JobConfig:
         as the HF Trainer fills them (UsageError naming the keys when the model has none)."""
         if self.deepspeed is None or not self.deepspeed.auto:
             return self
-        from memcheck.workloads.deepspeed import fill_auto, hidden_size
+        from memcheck.workloads.deepspeed import fill_auto, model_hidden_size
 
         try:
-            keys = fill_auto(self.deepspeed, hidden_size(model), type(model).__name__)
+            keys = fill_auto(self.deepspeed, model_hidden_size(model), type(model).__name__)
         except UsageError as exc:
             raise UsageError(f"{self.label}: {exc}") from None
         filled = {_FIELD[k]: v for k, v in keys.items() if k not in self.deepspeed.settings}

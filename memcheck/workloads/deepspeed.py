@@ -239,7 +239,7 @@ def fill_auto(read: DeepSpeedSettings, hidden_size: int | None, model_name: str 
     return out
 
 
-def hidden_size(model) -> int | None:
+def model_hidden_size(model) -> int | None:
     """The model config's hidden size as the HF Trainer takes it (``hidden_size``, else the largest of
     ``hidden_sizes``, also in ``text_config``); None without one."""
     config = getattr(model, "config", None)
@@ -255,7 +255,7 @@ def hidden_size(model) -> int | None:
     return None
 
 
-def deepspeed_job(config, *, gpus: int | None = None, model=None, hidden_size_: int | None = None, **settings):
+def deepspeed_job(config, *, gpus: int | None = None, model=None, hidden_size: int | None = None, **settings):
     """The ``Job`` a DeepSpeed config describes, and its notes: the Python form of
     ``memcheck check ds_config.json --model MODEL``.
 
@@ -269,7 +269,7 @@ def deepspeed_job(config, *, gpus: int | None = None, model=None, hidden_size_: 
         gpus: the world size; None: derived from ``train_batch_size`` when the three batch keys are
             numbers, else 2 (noted).
         model: the model, for the "auto" bucket sizes (its ``config.hidden_size``).
-        hidden_size_: the hidden size instead of ``model``.
+        hidden_size: the hidden size instead of ``model``.
         settings: the job's other settings as ``memcheck.Job`` keywords (``gpu``, ``max_len``,
             ``checkpointing``, ...); one the DeepSpeed config sets too is refused.
 
@@ -287,9 +287,9 @@ def deepspeed_job(config, *, gpus: int | None = None, model=None, hidden_size_: 
         config = read_file(Path(config))
     try:
         read = read_deepspeed(config, gpus=gpus)
-        h = hidden_size_ if hidden_size_ is not None else (hidden_size(model) if model is not None else None)
+        h = hidden_size if hidden_size is not None else (model_hidden_size(model) if model is not None else None)
         keys = fill_auto(read, h, type(model).__name__ if model is not None else "no model (give model= or "
-                                                                                   "hidden_size_=)")
+                                                                                   "hidden_size=)")
         fields = {s.config: s.field for s in SPELLINGS if s.config}
         python = {fields[k]: v for k, v in keys.items()}
         for name in python:

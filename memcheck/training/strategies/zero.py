@@ -72,8 +72,11 @@ def train(run: Run) -> list[int]:
 
 
 def _e(n: int) -> str:
-    """``5e8`` for 500000000: DeepSpeed's config values as its docs write them."""
-    return f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
+    """``5e8`` for 500000000: DeepSpeed's config values as its docs write them (``589,824`` when not round)."""
+    text = f"{n:.0e}"
+    if n < 1000 or float(text) != n:
+        return f"{n:,}"
+    return text.replace("e+0", "e").replace("e+", "e")
 
 
 def _trainable_by_dtype(params: list) -> dict[torch.dtype, list]:

@@ -223,3 +223,35 @@ def test_a_deepspeed_config_without_model_or_gpu_says_what_to_add(tmp_path):
                                 catch_exceptions=False)
     assert result.exit_code == 2 and "no such model file" in result.stderr, result.stderr
     assert json.loads((tmp_path / "ds_config.json").read_text())  # left as it was
+
+
+_MLP = """import torch
+from torch import nn
+
+
+def build_model():
+    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+
+
+def make_batch(batch_size, max_len=None):
+    return torch.randn(batch_size, 256)
+"""
+
+
+def test_a_deepspeed_job_that_does_not_fit_gets_its_fix_in_deepspeeds_keys(tmp_path):
+    import re
+
+    (tmp_path / "model.py").write_text(_MLP)
+    # no --gpus: 2 GPUs (noted); 32768 = 16384 x 1 x 2
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "train_batch_size": 32768, "train_micro_batch_size_per_gpu": 16384,
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1e5}, "optimizer": {"type": "AdamW"}}))
+    result = CliRunner().invoke(main, ["check", str(tmp_path / "ds.json"), "--model", str(tmp_path / "model.py"),
+                                       "--gpu-memory", "600MiB"], catch_exceptions=False)
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.stdout.split())
+    assert "zero2 x2 " in text and "x2 x2" not in text, text  # the strategy's label names its GPUs once
+    fix = re.search(r'"train_micro_batch_size_per_gpu": (\d+), "gradient_accumulation_steps": (\d+), '
+                    r"--checkpointing none \(global batch 32768 kept", text)
+    assert fix and int(fix[1]) < 16384 and int(fix[1]) * int(fix[2]) * 2 == 32768, text
+    assert "note: world size: not given" in text

@@ -194,7 +194,7 @@ def read_deepspeed(data: Mapping[str, Any], *, gpus: int | None = None) -> DeepS
     settings.update(_batch(data, world))
     auto = _zero_settings(zero, stage, settings, notes)
     settings.update(_strategy(stage, world, notes))
-    precision = _precision(data, stage)
+    precision = deepspeed_precision(data, stage)
     if precision is not None:
         settings["precision"] = precision
     clip = data.get("gradient_clipping")
@@ -524,7 +524,7 @@ def _json(value) -> str:
         return repr(value)
 
 
-def _precision(data: Mapping, stage: int) -> str | None:
+def deepspeed_precision(data: Mapping, stage: int) -> str | None:
     """bf16/fp16 (DeepSpeed's modes: low-precision weights, an fp32 master in the optimizer) or
     torch_autocast (fp32 weights under torch.autocast) as memcheck's precision; None: fp32."""
     if "bfloat16" in data and "bf16" not in data:  # DeepSpeed's older name of the section

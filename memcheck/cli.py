@@ -882,6 +882,10 @@ def _configs(files, model, deepspeed: dict):
             raise UsageError(f"{given[0]} applies to DeepSpeed configs, with --model; a memcheck config names its "
                              "own settings")
         return load_configs(files)
+    checkpointing = deepspeed.get("checkpointing")
+    if checkpointing is not None and checkpointing.strip().lower() not in ("none", "full", "half", "selective-op") \
+            and not checkpointing.strip().lower().startswith("every:"):  # module names, as estimate's flag
+        deepspeed = {**deepspeed, "checkpointing": [n.strip() for n in checkpointing.split(",") if n.strip()]}
     spec = model if model.startswith("hf:") else str(Path(model).expanduser().resolve())
     if not model.startswith("hf:") and not Path(spec).is_file():
         raise UsageError(f"--model {model!r}: no such model file (a Python file or hf:NAME_OR_DIR)")

@@ -2,7 +2,8 @@
 
 ``read_deepspeed`` maps the keys of a DeepSpeed 0.19.8 config (``deepspeed.runtime.config.
 DeepSpeedConfig``) to memcheck config keys (``memcheck.job.SPELLINGS``), and lists what it
-read but does not model as notes; ``deepspeed_job`` is the Python API's form, a ``Job``.
+read but does not model as notes. It reads no file: ``memcheck.config_gate`` does
+(``JobConfig.from_deepspeed`` for the CLI, ``deepspeed_job`` for the Python API, a ``Job``).
 
 =========================================  ============================================
 DeepSpeed                                  memcheck
@@ -49,7 +50,6 @@ does memcheck, listing each in a note.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
 from memcheck.errors import UsageError, closest
@@ -155,18 +155,6 @@ class DeepSpeedSettings:
     world_given: bool = False
 
 
-def read_file(path: Path) -> dict:
-    """A DeepSpeed config file's data (JSON; UsageError naming the file otherwise)."""
-    from memcheck.workloads.trainer_files import read_data
-
-    if Path(path).suffix.lower() != ".json":
-        raise UsageError(f"{path}: a DeepSpeed config is a .json file")
-    data = read_data(Path(path))
-    if not isinstance(data, dict):
-        raise UsageError(f"{path}: a DeepSpeed config is a JSON object, not a {type(data).__name__}")
-    return data
-
-
 def looks_like_deepspeed(data: Any) -> bool:
     """Whether ``data`` is a DeepSpeed config rather than memcheck's own: keys only DeepSpeed uses."""
     return isinstance(data, dict) and (
@@ -253,53 +241,6 @@ def model_hidden_size(model) -> int | None:
         if isinstance(hs, (list, tuple)) and hs and all(isinstance(x, int) and x > 0 for x in hs):
             return max(hs)
     return None
-
-
-def deepspeed_job(config, *, gpus: int | None = None, model=None, hidden_size: int | None = None, **settings):
-    """The ``Job`` a DeepSpeed config describes, and its notes: the Python form of
-    ``memcheck check ds_config.json --model MODEL``.
-
-    Example:
-        >>> job, notes = memcheck.deepspeed_job("ds_config.json", gpus=8, model=model, gpu="H100-80GB",
-        ...                                     max_len=2048)
-        >>> memcheck.check(model, make_batch, job)
-
-    Args:
-        config: the config file's path, or its JSON object.
-        gpus: the world size; None: derived from ``train_batch_size`` when the three batch keys are
-            numbers, else 2 (noted).
-        model: the model, for the "auto" bucket sizes (its ``config.hidden_size``).
-        hidden_size: the hidden size instead of ``model``.
-        settings: the job's other settings as ``memcheck.Job`` keywords (``gpu``, ``max_len``,
-            ``checkpointing``, ...); one the DeepSpeed config sets too is refused.
-
-    Returns:
-        ``(Job, notes)``: notes name what the config sets that memcheck reads but does not model.
-
-    Raises:
-        UsageError: naming the key (and the file), as ``read_deepspeed``.
-    """
-    from memcheck.job import SPELLINGS, Job
-
-    label = None
-    if isinstance(config, (str, Path)):
-        label = str(config)
-        config = read_file(Path(config))
-    try:
-        read = read_deepspeed(config, gpus=gpus)
-        h = hidden_size if hidden_size is not None else (model_hidden_size(model) if model is not None else None)
-        keys = fill_auto(read, h, type(model).__name__ if model is not None else "no model (give model= or "
-                                                                                   "hidden_size=)")
-        fields = {s.config: s.field for s in SPELLINGS if s.config}
-        python = {fields[k]: v for k, v in keys.items()}
-        for name in python:
-            if name in settings:
-                raise UsageError(f"{name} is set by the DeepSpeed config ({name}={python[name]!r}); give it there, "
-                                 f"not as {name}={settings[name]!r} too")
-        job = Job.from_settings({**settings, **python})
-    except UsageError as exc:
-        raise UsageError(f"{label}: {exc}" if label else str(exc)) from None
-    return job, list(read.notes)
 
 
 # ---- the sections ---------------------------------------------------------------------------------

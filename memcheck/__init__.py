@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     )
     from memcheck.report.timeline import Timeline
     from memcheck.rules.registry import register_op_rule
+    from memcheck.config_gate import deepspeed_job
 
 # Each public name and the module that defines it.
 _HOME = {
@@ -76,6 +77,7 @@ _HOME = {
     "Verdict": "memcheck.report.results",
     "Timeline": "memcheck.report.timeline",
     "register_op_rule": "memcheck.rules.registry",
+    "deepspeed_job": "memcheck.config_gate",
 }
 
 __all__ = [
@@ -106,6 +108,7 @@ __all__ = [
     "WillNotFit",
     "check",
     "compare",
+    "deepspeed_job",
     "estimate",
     "plan",
     "plot_timeline",

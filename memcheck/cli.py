@@ -377,6 +377,12 @@ def _workload_options(command):
               help="Also trace an evaluation pass (no_grad) at this batch size; the peak is the larger.")
 @click.option("--eval-accumulate-predictions", type=int, default=0, show_default=True, metavar="N",
               help="Keep N eval batches of predictions on the GPU (HF Trainer without eval_accumulation_steps).")
+@click.option("--reduce-bucket-size", type=int, default=None, metavar="ELEMENTS",
+              help="zero1-3: DeepSpeed's reduce_bucket_size, the gradient bucket (default 5e8 elements).")
+@click.option("--prefetch-bucket-size", type=int, default=None, metavar="ELEMENTS",
+              help="zero3: DeepSpeed's stage3_prefetch_bucket_size (default 5e7 elements; 0: no prefetch).")
+@click.option("--max-live-parameters", type=int, default=None, metavar="ELEMENTS",
+              help="zero3: DeepSpeed's stage3_max_live_parameters (default 1e9 elements).")
 @click.option("--compare", is_flag=True, help="One table of every strategy that applies to --gpus.")
 @click.option("--top", default=8, show_default=True, type=int, help="Modules to list in the table (identical copies of a repeated block count as one).")
 @click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
@@ -388,7 +394,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
              max_grad_norm,
              reentrant, bucket_view, bucket_cap_mb,
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
-             snapshot_path, plot_path, timeout, trust_remote_code=False, layout=None):
+             snapshot_path, plot_path, timeout, trust_remote_code=False, reduce_bucket_size=None,
+             prefetch_bucket_size=None, max_live_parameters=None, layout=None):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
 
     \b
@@ -412,7 +419,9 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
             raise UsageError(f"--top must be 0 or more, got {top}")
         if compare and (snapshot_path or plot_path):
             raise UsageError("--snapshot and --plot draw one estimate; they cannot be used with --compare")
-        if compare and (strategy != "single" or bucket_view or bucket_cap_mb is not None or offload != "none"):
+        zero_buckets = (reduce_bucket_size, prefetch_bucket_size, max_live_parameters)
+        if compare and (strategy != "single" or bucket_view or bucket_cap_mb is not None or offload != "none"
+                        or any(b is not None for b in zero_buckets)):
             raise UsageError("--compare lists every strategy with its defaults; drop --strategy and its settings")
         check_pictures(snapshot_path, plot_path)  # before anything is traced
         if compare and gpus is not None:  # --compare's GPUs, bounded before the model loads (issue 20)
@@ -424,7 +433,9 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
                    accumulate=accumulate, checkpointing=checkpointing, padding=padding, use_reentrant=reentrant,
                    max_grad_norm=max_grad_norm, lora=_lora(lora, dora), qlora=qlora,
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
-                   bucket_cap_mb=bucket_cap_mb, offload=offload, eval_batch_size=eval_batch_size,
+                   bucket_cap_mb=bucket_cap_mb, offload=offload, reduce_bucket_size=reduce_bucket_size,
+                   prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
+                   eval_batch_size=eval_batch_size,
                    eval_accumulate_predictions=eval_accumulate_predictions, task=task, attn=attn, packing=packing,
                    assume=assume, trust_remote_code=trust_remote_code, layout=layout)
         if compare and job.layout is not None:
@@ -724,7 +735,17 @@ def _measure_plan(spec, result, work, steps, allow_download):
 @click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True, metavar="SECONDS",
               help="Stop with exit 2 when loading a job's model, or tracing it, takes longer than this (each; 0: no "
                    "limit).")
-def check_configs(files, as_json, allow_download, debug, timeout):
+@click.option("--model", default=None, metavar="MODEL",
+              help="The FILEs are DeepSpeed JSON configs, and this is their model: a Python file or hf:NAME_OR_DIR.")
+@click.option("--gpu", default=None, metavar="NAME|SIZE", help="With --model: the target GPU (a name or a size).")
+@click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE", help="With --model: a memory budget.")
+@click.option("--max-len", type=int, default=None, help="With --model: the sequence length (padded to it).")
+@click.option("--gpus", type=int, default=None,
+              help="With --model: the world size (default: train_batch_size / (micro x accumulation), else 2).")
+@click.option("--checkpointing", default=None, metavar="none|full|half|every:N|LIST",
+              help="With --model: gradient checkpointing, as memcheck estimate's.")
+def check_configs(files, as_json, allow_download, debug, timeout, model=None, gpu=None, gpu_memory=None,
+                  max_len=None, gpus=None, checkpointing=None):
     """Check the jobs in config files (TOML, JSON, YAML, or pyproject.toml's [tool.memcheck]).
 
     \b
@@ -736,8 +757,14 @@ def check_configs(files, as_json, allow_download, debug, timeout):
     traced. Exit codes: 0 every job fits, 1 a job does not fit (its fix is printed in
     config keys), 2 a config or model error, 3 internal error. The jobs are loaded and traced
     in a child process: one whose model code ends it (os._exit) is an error, never a pass.
+
+    \b
+    DeepSpeed configs: memcheck check ds_config.json --model hf:gpt2 --gpu A100-80GB --max-len 1024
+    maps the ZeRO stage, offload, bf16/fp16, batch sizes, clipping, optimizer and bucket sizes
+    to the job, and notes what it reads but does not model.
     """
-    _in_child(lambda: _check_jobs(files, as_json, allow_download, debug, timeout))
+    deepspeed = dict(gpu=gpu, gpu_memory=gpu_memory, max_len=max_len, gpus=gpus, checkpointing=checkpointing)
+    _in_child(lambda: _check_jobs(files, as_json, allow_download, debug, timeout, model, deepspeed))
 
 
 def _in_child(body) -> None:
@@ -837,10 +864,9 @@ def _at(where: str) -> None:
         _write_all(_AT[0], (json.dumps({"at": where}) + "\n").encode("utf-8"))
 
 
-def _check_jobs(files, as_json, allow_download, debug, timeout=DEFAULT_TIMEOUT) -> None:
+def _check_jobs(files, as_json, allow_download, debug, timeout=DEFAULT_TIMEOUT, model=None, deepspeed=None) -> None:
     """``memcheck check``'s work (in the child of ``_in_child``); ends in ``sys.exit``."""
     progress = _begin(as_json, allow_download)
-    from memcheck.config_gate import load_configs
     from memcheck.engine.preflight import check as run_check
     from memcheck.report.text import render_config_check
     from memcheck.workloads.source import load_workload
@@ -848,11 +874,11 @@ def _check_jobs(files, as_json, allow_download, debug, timeout=DEFAULT_TIMEOUT) 
     results, where = [], [None]  # where[0]: the job being loaded or traced, for error messages
     with _reported(progress, debug, locate=lambda message: _in_job(where[0], message)), _model_stdout():
         _set_timeout(timeout)
-        jobs, skipped = load_configs(files)
+        jobs, skipped = _configs(files, model, deepspeed or {})
         for path in skipped:
             click.echo(f"memcheck: note: {path} has no [tool.memcheck] table; skipped", err=True)
         workloads = []
-        for config in jobs:  # every model is loaded (its code run) before the first trace
+        for i, config in enumerate(jobs):  # every model is loaded (its code run) before the first trace
             where[0] = config
             _at(f"{config.label}: {config.model}, loading the model")
             _phase("loading the model")
@@ -864,6 +890,7 @@ def _check_jobs(files, as_json, allow_download, debug, timeout=DEFAULT_TIMEOUT) 
                                            allow_download=allow_download, packing=job.packing,
                                            trust_remote_code=job.trust_remote_code))
             config.check_modules(workloads[-1].model)
+            jobs[i] = config.fill_auto(workloads[-1].model)  # a DeepSpeed config's "auto" bucket sizes
             _no_train_step(workloads[-1], f"memcheck check ({config.label})")
         _loaded()
         for config, work in zip(jobs, workloads):
@@ -877,6 +904,30 @@ def _check_jobs(files, as_json, allow_download, debug, timeout=DEFAULT_TIMEOUT) 
     if results or as_json:
         _print(render_config_check(results, skipped, as_json=as_json))
     sys.exit(EXIT_DOES_NOT_FIT if any(not v.fits for _, v in results) else EXIT_FITS)
+
+
+def _configs(files, model, deepspeed: dict):
+    """The jobs of ``files``: memcheck configs, or with ``model`` DeepSpeed configs (``deepspeed``: the
+    job's settings from the command line, config keys)."""
+    from pathlib import Path
+
+    from memcheck.config_gate import JobConfig, load_configs
+    from memcheck.errors import UsageError
+
+    if model is None:
+        given = [f"--{k.replace('_', '-')}" for k, v in deepspeed.items() if v is not None]
+        if given:
+            raise UsageError(f"{given[0]} applies to DeepSpeed configs, with --model; a memcheck config names its "
+                             "own settings")
+        return load_configs(files)
+    checkpointing = deepspeed.get("checkpointing")
+    if checkpointing is not None and checkpointing.strip().lower() not in ("none", "full", "half", "selective-op") \
+            and not checkpointing.strip().lower().startswith("every:"):  # module names, as estimate's flag
+        deepspeed = {**deepspeed, "checkpointing": [n.strip() for n in checkpointing.split(",") if n.strip()]}
+    spec = model if model.startswith("hf:") else str(Path(model).expanduser().resolve())
+    if not model.startswith("hf:") and not Path(spec).is_file():
+        raise UsageError(f"--model {model!r}: no such model file (a Python file or hf:NAME_OR_DIR)")
+    return [JobConfig.from_deepspeed(f, spec, **deepspeed) for f in dict.fromkeys(files)], []
 
 
 def _in_job(job, message: str) -> str:

@@ -27,19 +27,24 @@ config that is itself a symlink by where the link is. ``trust_remote_code = true
 accepted only for an ``hf:`` directory whose ``auto_map`` code lies inside that repository.
 Checkpointed module names (``checkpointing = ["a.b", ...]``) are matched against the
 model once it is loaded (``JobConfig.check_modules``), still before anything is traced.
+
+A DeepSpeed JSON config is a job too, with the model and the GPU named beside it
+(``memcheck check ds_config.json --model MODEL --gpu GPU``: ``JobConfig.from_deepspeed``;
+in Python ``deepspeed_job``); ``memcheck.workloads.deepspeed`` maps its keys.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from memcheck.enums import Device
 from memcheck.errors import UsageError, closest
 from memcheck.job import SPELLING, SPELLINGS, VALUE_ALIASES, Job, SettingError, check_setting, translate_alias
 from memcheck.training.checkpointing import parse_checkpointing
-from memcheck.workloads.trainer_files import check_config_size, parse_data, parse_limited
+from memcheck.workloads.trainer_files import check_config_size, parse_data, parse_limited, read_data
 
 # The keys of a job: the model, then the job's settings as configs spell them (memcheck.job.SPELLINGS).
 _FIELD = {s.config: s.field for s in SPELLINGS if s.config}
@@ -116,6 +121,8 @@ class JobConfig:
     job: Job
     optimizer: str | None = None  # as the config names it; None: the model file's make_optimizer, else adamw
     name: str | None = None  # the job's name under jobs; None for a file's single job
+    notes: tuple[str, ...] = ()  # a DeepSpeed config's keys read and not modelled (memcheck.workloads.deepspeed)
+    deepspeed: Any = None  # a DeepSpeed config's DeepSpeedSettings: its "auto" bucket sizes, filled from the model
 
     @classmethod
     def parse(cls, *, file: str, where: str, model: str, name: str | None = None, **settings) -> "JobConfig":
@@ -144,6 +151,51 @@ class JobConfig:
         if job.eval_accumulate_predictions and job.eval_batch_size is None:
             raise UsageError(f"{label}: eval_accumulate_predictions needs eval_batch (the evaluation batch size)")
         return cls(file=file, where=where, model=model, job=job, optimizer=checked.get("optimizer"), name=name)
+
+    @classmethod
+    def from_deepspeed(cls, path, model: str, **settings) -> "JobConfig":
+        """The job of a DeepSpeed JSON config (``memcheck check ds_config.json --model MODEL``): its
+        keys mapped by ``memcheck.workloads.deepspeed.read_deepspeed``, with ``model`` and the
+        ``settings`` a DeepSpeed config lacks (``gpu``, ``gpu_memory``, ``max_len``, ``gpus``,
+        ``checkpointing``: config keys, None for not given) from the command line.
+
+        Raises:
+            UsageError: naming the file and the key.
+        """
+        from memcheck.workloads.deepspeed import read_deepspeed
+
+        file = str(path)
+        data = read_deepspeed_file(Path(path))
+        gpus = settings.pop("gpus", None)
+        try:
+            if gpus is not None:
+                gpus = check_key("gpus", gpus)
+            read = read_deepspeed(data, gpus=gpus)
+        except UsageError as exc:
+            raise UsageError(f"{file}: {exc}") from None
+        given = {k: v for k, v in settings.items() if v is not None}
+        if given.get("gpu") is None and given.get("gpu_memory") is None:
+            raise UsageError(f"{file}: no capacity to judge the job against; give --gpu (a GPU name such as A100-80GB, "
+                             "or a size such as 24GiB) or --gpu-memory 24GiB")
+        config = cls.parse(file=file, where="", model=model, **{**read.settings, **given})
+        return replace(config, notes=read.notes, deepspeed=read)
+
+    def fill_auto(self, model) -> "JobConfig":
+        """This job with a DeepSpeed config's "auto" bucket sizes filled from ``model``'s hidden size,
+        as the HF Trainer fills them (UsageError naming the keys when the model has none)."""
+        if self.deepspeed is None or not self.deepspeed.auto:
+            return self
+        from memcheck.workloads.deepspeed import fill_auto, model_hidden_size
+
+        try:
+            keys = fill_auto(self.deepspeed, model_hidden_size(model), type(model).__name__)
+        except UsageError as exc:
+            raise UsageError(f"{self.label}: {exc}") from None
+        filled = {_FIELD[k]: v for k, v in keys.items() if k not in self.deepspeed.settings}
+        try:
+            return replace(self, job=self.job.replace(**filled))
+        except SettingError as exc:
+            raise UsageError(f"{self.label}: {exc.worded('config')}") from None
 
     @property
     def label(self) -> str:
@@ -215,6 +267,11 @@ def load_config(path) -> list[JobConfig] | None:
     if not isinstance(data, dict):
         raise UsageError(f"{_label(file, prefix)}: a config is a table of settings (and [jobs.NAME] tables), "
                          f"not a {type(data).__name__}")
+    from memcheck.workloads.deepspeed import looks_like_deepspeed
+
+    if not prefix and looks_like_deepspeed(data):
+        raise UsageError(f"{file}: a DeepSpeed config, which names no model or GPU; name them beside it: "
+                         f"memcheck check {file} --model MODEL --gpu GPU [--max-len N] [--gpus N]")
     if not data:
         raise UsageError(f"{_label(file, prefix)}: no jobs; give a job's settings (model, gpu, micro_batch, ...) "
                          "at the top level, or one table per job under jobs")
@@ -375,6 +432,62 @@ def _remote_code_inside(job: JobConfig, config: Path) -> None:
             where = "another hub repository's" if "--" in module else str(file)
             raise UsageError(refuse + f"and {module!r} is {where} code, outside {root}; memcheck check runs only "
                              "code inside the config's own repository")
+
+
+def read_deepspeed_file(path: Path) -> dict:
+    """A DeepSpeed config file's data (JSON; UsageError naming the file otherwise)."""
+    if Path(path).suffix.lower() != ".json":
+        raise UsageError(f"{path}: a DeepSpeed config is a .json file")
+    data = read_data(Path(path))
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: a DeepSpeed config is a JSON object, not a {type(data).__name__}")
+    return data
+
+
+def deepspeed_job(config, *, gpus: int | None = None, model=None, hidden_size: int | None = None, **settings):
+    """The ``Job`` a DeepSpeed config describes, and its notes: the Python form of
+    ``memcheck check ds_config.json --model MODEL``.
+
+    Example:
+        >>> job, notes = memcheck.deepspeed_job("ds_config.json", gpus=8, model=model, gpu="H100-80GB",
+        ...                                     max_len=2048)
+        >>> memcheck.check(model, make_batch, job)
+
+    Args:
+        config: the config file's path, or its JSON object.
+        gpus: the world size; None: derived from ``train_batch_size`` when the three batch keys are
+            numbers, else 2 (noted).
+        model: the model, for the "auto" bucket sizes (its ``config.hidden_size``).
+        hidden_size: the hidden size instead of ``model``.
+        settings: the job's other settings as ``memcheck.Job`` keywords (``gpu``, ``max_len``,
+            ``checkpointing``, ...); one the DeepSpeed config sets too is refused.
+
+    Returns:
+        ``(Job, notes)``: notes name what the config sets that memcheck reads but does not model.
+
+    Raises:
+        UsageError: naming the key (and the file), as ``read_deepspeed``.
+    """
+    from memcheck.workloads.deepspeed import fill_auto, model_hidden_size, read_deepspeed
+
+    label = None
+    if isinstance(config, (str, Path)):
+        label = str(config)
+        config = read_deepspeed_file(Path(config))
+    try:
+        read = read_deepspeed(config, gpus=gpus)
+        h = hidden_size if hidden_size is not None else (model_hidden_size(model) if model is not None else None)
+        keys = fill_auto(read, h, type(model).__name__ if model is not None else "no model (give model= or "
+                                                                                   "hidden_size=)")
+        python = {_FIELD[k]: v for k, v in keys.items()}
+        for name in python:
+            if name in settings:
+                raise UsageError(f"{name} is set by the DeepSpeed config ({name}={python[name]!r}); give it there, "
+                                 f"not as {name}={settings[name]!r} too")
+        job = Job.from_settings({**settings, **python})
+    except UsageError as exc:
+        raise UsageError(f"{label}: {exc}" if label else str(exc)) from None
+    return job, list(read.notes)
 
 
 def _read(path: Path):

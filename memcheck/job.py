@@ -63,6 +63,9 @@ MAX_GLOBAL_BATCH = 2**24
 # ddp's bucket_cap_mb: 2**20 MiB (1 TiB), above any GPU's memory, so every bucket fits in DDP's
 # int64 byte count (it multiplies by 2**20).
 MAX_BUCKET_CAP_MB = 2**20
+# DeepSpeed ZeRO buffer sizes (reduce_bucket_size, stage3_prefetch_bucket_size, stage3_max_live_parameters), in
+# elements: 2**40 (2 TiB of bf16), above any GPU's memory, so the bucket's byte count stays far inside int64.
+MAX_ZERO_ELEMENTS = 2**40
 # Eval batches whose predictions stay on the device: 2**16 (an eval set of 65,536 batches); the trace
 # concatenates N - 1 copies of one batch's predictions, which takes time in proportion to N.
 MAX_EVAL_KEPT = 2**16
@@ -114,6 +117,12 @@ SPELLINGS: tuple[Spelling, ...] = (
              aliases=("gradient_as_bucket_view",)),  # DistributedDataParallel's keyword
     Spelling("bucket_cap_mb", "--bucket-cap-mb", "bucket_cap_mb", "bucket_cap_mb"),
     Spelling("offload", "--offload", "offload", "offload"),
+    # DeepSpeed ZeRO's buffers, in elements, under DeepSpeed's own names (zero_optimization's keys)
+    Spelling("reduce_bucket_size", "--reduce-bucket-size", "reduce_bucket_size", "reduce_bucket_size"),
+    Spelling("prefetch_bucket_size", "--prefetch-bucket-size", "prefetch_bucket_size", "prefetch_bucket_size",
+             aliases=("stage3_prefetch_bucket_size",)),
+    Spelling("max_live_parameters", "--max-live-parameters", "max_live_parameters", "max_live_parameters",
+             aliases=("stage3_max_live_parameters",)),
     Spelling("layout", "--layout", "layout", "layout"),
     Spelling("eval_batch_size", "--eval-batch-size", "eval_batch", "eval_batch_size",
              aliases=("per_device_eval_batch_size",)),  # HF TrainingArguments
@@ -280,6 +289,14 @@ class Job:
     """ddp: ``bucket_cap_mb`` (None: DDP's default, 25)."""
     offload: Offload = Offload.NONE
     """fsdp / zero: ``optimizer`` or ``params`` moved to CPU memory."""
+    reduce_bucket_size: int | None = None
+    """zero1-3: DeepSpeed's ``reduce_bucket_size``, the IPG gradient bucket in elements (None: DeepSpeed's 5e8)."""
+    prefetch_bucket_size: int | None = None
+    """zero3: DeepSpeed's ``stage3_prefetch_bucket_size``, parameters gathered ahead, in elements (None: 5e7;
+    0: no prefetch)."""
+    max_live_parameters: int | None = None
+    """zero3: DeepSpeed's ``stage3_max_live_parameters``, the gathered parameters above which nothing more is
+    prefetched, in elements (None: 1e9)."""
     layout: Layout | None = None
     """Several kinds of parallelism at once (``"dp=8,tp=4,pp=2"``, see
     ``memcheck.training.strategies.layout``): ``strategy`` then runs over the layout's ``dp * cp``
@@ -334,7 +351,10 @@ class Job:
             strategy, gpus = _layout_strategy(self.layout, strategy, gpus)
         try:
             return StrategyConfig.parse(strategy, gpus, bucket_view=self.bucket_view,
-                                        bucket_cap_mb=self.bucket_cap_mb, offload=self.offload)
+                                        bucket_cap_mb=self.bucket_cap_mb, offload=self.offload,
+                                        reduce_bucket_size=self.reduce_bucket_size,
+                                        prefetch_bucket_size=self.prefetch_bucket_size,
+                                        max_live_parameters=self.max_live_parameters)
         except UsageError as exc:
             raise SettingError("strategy", escape(str(exc))) from None
 
@@ -593,6 +613,14 @@ _CHECKS = {
     "bucket_view": lambda v: _flag("bucket_view", v),
     "bucket_cap_mb": _bucket_cap,
     "offload": lambda v: _choice("offload", Offload, "none" if v is None else v),
+    "reduce_bucket_size": lambda v: _int("reduce_bucket_size", v, text="{name} must be a positive integer (elements)",
+                                         maximum=MAX_ZERO_ELEMENTS, why=" elements (2**40)"),
+    "prefetch_bucket_size": lambda v: _int("prefetch_bucket_size", v, minimum=0,
+                                           text="{name} must be an integer of 0 or more (elements)",
+                                           maximum=MAX_ZERO_ELEMENTS, why=" elements (2**40)"),
+    "max_live_parameters": lambda v: _int("max_live_parameters", v, minimum=0,
+                                          text="{name} must be an integer of 0 or more (elements)",
+                                          maximum=MAX_ZERO_ELEMENTS, why=" elements (2**40)"),
     "layout": lambda v: _layout(v),
     "eval_batch_size": lambda v: _int("eval_batch_size", v, maximum=MAX_BATCH, why=" (2**24 rows)"),
     "eval_accumulate_predictions": lambda v: _int("eval_accumulate_predictions", v, minimum=0, optional=False,

@@ -32,7 +32,9 @@ def _write(tmp_path, name, text):
     ("ds.json", json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto",
                             "bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer":
                                                                              {"device": "cpu"}}}),
-     "DeepSpeed", {"micro_batch": 2, "precision": "amp-bf16", "strategy": "zero2", "offload": "optimizer"}),
+     # DeepSpeed's bf16 mode: bf16 weights, an fp32 master in the ZeRO optimizer (zero.py's docstring: not amp-bf16,
+     # which keeps fp32 weights as DeepSpeed's torch_autocast does)
+     "DeepSpeed", {"micro_batch": 2, "precision": "bf16", "strategy": "zero2", "offload": "optimizer"}),
 ])
 def test_each_trainers_file_becomes_memchecks_settings(tmp_path, name, text, kind, settings):
     assert trainer_settings(_write(tmp_path, name, text)) == (kind, settings)

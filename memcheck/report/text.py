@@ -688,7 +688,7 @@ def verdict_line(v: Verdict) -> str:
     what = "device total" if est.device_total_bytes is not None else "peak"
     settings = (f"micro-batch {est.batch.batch_size} x {est.accumulate} accumulation step(s), {est.precision.value}, "
                 f"checkpointing {'none' if not est.checkpointing else f'{len(est.checkpointing)} module(s)'}"
-                + (f", {est.strategy} x{est.gpus}" if est.gpus > 1 else ""))
+                + (f", {est.strategy}" if est.gpus > 1 else ""))  # the label names the GPUs: "zero2 x8"
     limit = (f"the {format_bytes(v.limit_bytes)} limit ({_where(v)} minus a {v.margin:.0%} margin)"
              if v.margin else f"the {format_bytes(v.limit_bytes)} capacity ({_where(v)})")
     if v.fits:
@@ -698,13 +698,14 @@ def verdict_line(v: Verdict) -> str:
             f"over {limit} at {settings}")
 
 
-_FIX_STYLES = ("python", "memcheck", "trainer", "lightning", "config")
+_FIX_STYLES = ("python", "memcheck", "trainer", "lightning", "config", "deepspeed")
 
 
 def fix_line(v: Verdict, style: str = "python") -> str:
     """One line: what to run instead, in the words of where the job is configured:
     ``python`` (check()'s arguments), ``memcheck`` (CLI flags), ``trainer`` (transformers'
-    TrainingArguments), ``lightning`` (Trainer arguments) or ``config`` (``memcheck check`` keys)."""
+    TrainingArguments), ``lightning`` (Trainer arguments), ``config`` (``memcheck check`` keys) or
+    ``deepspeed`` (a DeepSpeed config's keys, and ``memcheck check``'s --checkpointing)."""
     if style not in _FIX_STYLES:
         raise ValueError(f"style must be one of {', '.join(_FIX_STYLES)}, got {style!r}")
     if v.fits:
@@ -720,6 +721,9 @@ def fix_line(v: Verdict, style: str = "python") -> str:
                           if e.eval_accumulate_predictions else ""),
             "lightning": f"an evaluation DataLoader with batch_size={e.eval_batch_size}",
             "config": f"eval_batch = {e.eval_batch_size}, eval_accumulate_predictions = {e.eval_accumulate_predictions}",
+            "deepspeed": f"a batch size of {e.eval_batch_size}"
+                         + (f", {e.eval_accumulate_predictions} batches of predictions kept"
+                            if e.eval_accumulate_predictions else ""),
         }[style]
         return (f"fix: training fits, evaluation does not; evaluate with {words} "
                 f"({format_bytes(e.predicted_device_total_bytes)}, traced)")
@@ -743,6 +747,9 @@ def fix_line(v: Verdict, style: str = "python") -> str:
                                                     ", gradient checkpointing on " + _checkpointing_label(plan, r)),
         "config": f"micro_batch = {r.micro_batch_size}, accumulation = {r.accumulation_steps}, checkpointing = "
                   + (f'"{ck}"' if isinstance(ck, str) else "[" + ", ".join(f'"{m}"' for m in ck) + "]"),
+        "deepspeed": f'"train_micro_batch_size_per_gpu": {r.micro_batch_size}, "gradient_accumulation_steps": '
+                     f"{r.accumulation_steps}, --checkpointing "
+                     + (ck if isinstance(ck, str) else ",".join(ck)),
     }[style]
     return (f"fix: {words} (global batch {plan.effective_global_batch} kept; "
             f"{format_bytes(r.predicted_device_total_bytes)}, traced at exactly these settings)")
@@ -798,14 +805,15 @@ def render_gpus(gpus, as_json: bool = False) -> str:
 
 def render_config_check(results, skipped=(), as_json: bool = False) -> str:
     """``memcheck check``'s output for ``(JobConfig, Verdict)`` pairs: one line per job that
-    fits; for one that does not, its verdict and its fix in config keys. ``--json``: one
-    object, ``{"fits", "results": [...], "skipped": [...]}``."""
+    fits; for one that does not, its verdict and its fix in config keys; then the job's notes
+    (a DeepSpeed config's keys read and not modelled). ``--json``: one object, ``{"fits",
+    "results": [...], "skipped": [...]}``, each result with its ``notes``."""
     if as_json:
         return json.dumps({
             "fits": all(v.fits for _, v in results),
             "results": [{"file": job.file, "job": job.name, "table": job.where or None,
-                         "verdict_line": verdict_line(v), "fix_line": None if v.fits else fix_line(v, "config"),
-                         **v.to_dict()} for job, v in results],
+                         "verdict_line": verdict_line(v), "fix_line": None if v.fits else fix_line(v, _style(job)),
+                         "notes": list(getattr(job, "notes", ())), **v.to_dict()} for job, v in results],
             "skipped": list(skipped),
         }, indent=2)
     lines = []
@@ -816,8 +824,15 @@ def render_config_check(results, skipped=(), as_json: bool = False) -> str:
                               f"{format_bytes(v.limit_bytes)} limit", indent=" " * 8))
         else:  # the verdict's word stays on the first line with the file's name
             lines.extend(wrap(f"FAIL{_GLUE * 2}{job.label}: {verdict_line(v)}", indent=" " * 8))
-            lines.extend(wrap(f"      {fix_line(v, 'config')}", indent=" " * 8))
+            lines.extend(wrap(f"      {fix_line(v, _style(job))}", indent=" " * 8))
+        for note in getattr(job, "notes", ()):
+            lines.extend(wrap(f"      note: {note}", indent=" " * 8))
     return "\n".join(lines)
+
+
+def _style(job) -> str:
+    """How a ``memcheck check`` job's fix is worded: a DeepSpeed config's keys, or memcheck's config keys."""
+    return "deepspeed" if getattr(job, "deepspeed", None) is not None else "config"
 
 
 def will_not_fit_message(verdict: "Verdict", style: str = "python") -> str:

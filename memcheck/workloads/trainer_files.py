@@ -273,16 +273,22 @@ def _accelerate(data: dict, path: Path) -> dict[str, Any]:
 
 
 def _deepspeed(data: dict, path: Path) -> dict[str, Any]:
+    from memcheck.workloads.deepspeed import deepspeed_precision
+
     out: dict[str, Any] = {}
     if _int(data, "train_micro_batch_size_per_gpu") is not None:
         out["micro_batch"] = _int(data, "train_micro_batch_size_per_gpu")
     if _int(data, "gradient_accumulation_steps") is not None:
         out["accumulation"] = _int(data, "gradient_accumulation_steps")
-    for key in ("bf16", "fp16"):
-        section = data.get(key) or {}
-        if isinstance(section, dict) and section.get("enabled") is True:
-            out["precision"] = f"amp-{key}"
     strategy, _, extra = zero_strategy(data, 2)
+    # DeepSpeed's bf16/fp16 modes as memcheck check ds_config.json --model maps them (issue 21): the
+    # weights in bf16/fp16 with an fp32 master in the ZeRO optimizer, precision "bf16"/"fp16" (not amp-*,
+    # which keeps fp32 weights); refused at stage 0. "auto" says nothing here, as for the batch keys.
+    sections = {k: ({**v, "enabled": False} if isinstance(v, dict) and v.get("enabled") == "auto" else v)
+                for k, v in data.items() if k in ("bf16", "bfloat16", "fp16", "torch_autocast")}
+    precision = deepspeed_precision(sections, int(strategy[-1]) if strategy.startswith("zero") else 0)
+    if precision is not None:
+        out["precision"] = precision
     out["strategy"] = strategy
     out.update(extra)
     return out

@@ -43,9 +43,14 @@ class StrategyConfig:
     bucket_view: bool = False  # ddp: gradient_as_bucket_view=True
     bucket_cap_mb: float | None = None  # ddp: None is DDP's default (25, first bucket 1 MiB)
     offload: Offload = Offload.NONE  # fsdp / zero*
+    # DeepSpeed's ZeRO buffers in elements (None: its defaults, memcheck.training.strategies.zero)
+    reduce_bucket_size: int | None = None  # zero1-3: the IPG bucket
+    prefetch_bucket_size: int | None = None  # zero3: stage3_prefetch_bucket_size
+    max_live_parameters: int | None = None  # zero3: stage3_max_live_parameters
 
     @classmethod
-    def parse(cls, strategy="single", gpus=None, *, bucket_view=False, bucket_cap_mb=None, offload=None):
+    def parse(cls, strategy="single", gpus=None, *, bucket_view=False, bucket_cap_mb=None, offload=None,
+              reduce_bucket_size=None, prefetch_bucket_size=None, max_live_parameters=None):
         strategy = Strategy.parse(strategy, what="strategy")
         offload = Offload.parse(offload or "none", what="offload")
         if gpus is None:
@@ -76,7 +81,19 @@ class StrategyConfig:
             raise UsageError(f"bucket settings apply to ddp only, not {strategy.value!r}")
         if bucket_cap_mb is not None:
             require_positive_number(bucket_cap_mb, "bucket_cap_mb")
-        return cls(strategy, gpus, bool(bucket_view), bucket_cap_mb, offload)
+        zero = {Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3}
+        for name, value, applies, minimum in (("reduce_bucket_size", reduce_bucket_size, zero, 1),
+                                              ("prefetch_bucket_size", prefetch_bucket_size, {Strategy.ZERO3}, 0),
+                                              ("max_live_parameters", max_live_parameters, {Strategy.ZERO3}, 0)):
+            if value is None:
+                continue
+            if strategy not in applies:
+                which = "zero1-3" if len(applies) > 1 else "zero3"
+                raise UsageError(f"{name} applies to {which} only (a DeepSpeed ZeRO setting), not {strategy.value!r}")
+            require_int(value, name, minimum=minimum,
+                        message=f"{name} must be an integer of at least {minimum} (elements), got {value!r}")
+        return cls(strategy, gpus, bool(bucket_view), bucket_cap_mb, offload, reduce_bucket_size,
+                   prefetch_bucket_size, max_live_parameters)
 
     @property
     def label(self) -> str:

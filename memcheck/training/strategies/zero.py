@@ -59,17 +59,24 @@ NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py:387: flat buffer padded to a
 def train(run: Run) -> list[int]:
     """Rank 0 of ``zero1``-``zero3``; under zero3 the model is built on meta (``deepspeed.zero.Init``)."""
     config, tracer, model = run.config, run.tracer, run.model
+    reduce_bucket = REDUCE_BUCKET_SIZE if config.reduce_bucket_size is None else config.reduce_bucket_size
     if config.strategy is Strategy.ZERO3:
-        return train_sharded(run, lambda: _MetaZero3(tracer, model, config.gpus, config.offload), built_on_meta=True)
+        prefetch = PREFETCH_BUCKET_SIZE if config.prefetch_bucket_size is None else config.prefetch_bucket_size
+        live = MAX_LIVE_PARAMETERS if config.max_live_parameters is None else config.max_live_parameters
+        return train_sharded(run, lambda: _MetaZero3(tracer, model, config.gpus, config.offload, reduce_bucket,
+                                                     prefetch, live), built_on_meta=True)
     stage = 1 if config.strategy is Strategy.ZERO1 else 2
     offload = config.offload is Offload.OPTIMIZER
-    return train_sharded(run, lambda: _MetaZero12(tracer, model, config.gpus, stage, offload, run.accumulate),
-                         built_on_meta=False)
+    return train_sharded(run, lambda: _MetaZero12(tracer, model, config.gpus, stage, offload, run.accumulate,
+                                                  reduce_bucket), built_on_meta=False)
 
 
 def _e(n: int) -> str:
-    """``5e8`` for 500000000: DeepSpeed's config values as its docs write them."""
-    return f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
+    """``5e8`` for 500000000: DeepSpeed's config values as its docs write them (``589,824`` when not round)."""
+    text = f"{n:.0e}"
+    if n < 1000 or float(text) != n:
+        return f"{n:,}"
+    return text.replace("e+0", "e").replace("e+", "e")
 
 
 def _trainable_by_dtype(params: list) -> dict[torch.dtype, list]:
@@ -118,9 +125,11 @@ class _ZeroGroup:
 class _MetaZero12(_Emulation):
     """DeepSpeed ZeRO stage 1 or 2 on one rank."""
 
-    def __init__(self, tracer, model: torch.nn.Module, world: int, stage: int, offload: bool, accumulate: int):
+    def __init__(self, tracer, model: torch.nn.Module, world: int, stage: int, offload: bool, accumulate: int,
+                 reduce_bucket: int = REDUCE_BUCKET_SIZE):
         super().__init__(tracer, model, world, frozen_sharded=False)  # frozen parameters are not flattened
         self.stage, self.offload, self.accumulate = stage, offload, accumulate
+        self.reduce_bucket = reduce_bucket  # reduce_bucket_size, elements
         self._flatten_parameters()
         self.buckets: dict[torch.dtype, torch.Tensor] = {}
         self.in_bucket: dict[torch.dtype, list] = collections.defaultdict(list)
@@ -150,8 +159,8 @@ class _MetaZero12(_Emulation):
         if self.offload:
             tracer.assume(f"zero{stage} offload: the fp32 master, its gradient and the optimizer step are host "
                           "memory (DeepSpeedCPUAdam)")
-        tracer.assume(f"zero{stage}: DeepSpeed 0.19.8 defaults: contiguous_gradients, no overlap_comm, "
-                      f"reduce_bucket_size={_e(REDUCE_BUCKET_SIZE)} elements (the IPG bucket)")
+        tracer.assume(f"zero{stage}: DeepSpeed 0.19.8 defaults: contiguous_gradients, no overlap_comm; "
+                      f"reduce_bucket_size={_e(self.reduce_bucket)} elements (the IPG bucket)")
         tracer.assume(f"zero{stage}: rank 0's grads_in_partition (the whole parameters overlapping its partition); "
                       "other ranks' differ by the parameters straddling their boundaries")
         _assume_zero_common(tracer, f"zero{stage}")
@@ -169,9 +178,9 @@ class _MetaZero12(_Emulation):
             self.micro = 0
 
     def _setup_buckets(self) -> None:
-        if not self.buckets:  # one 5e8-element buffer per communication dtype, each backward
+        if not self.buckets:  # one reduce_bucket_size-element buffer per communication dtype, each backward
             for dtype in dict.fromkeys(g.dtype for g in self.groups):
-                self.buckets[dtype] = _empty(self.tracer, REDUCE_BUCKET_SIZE, dtype, Category.COMMUNICATION,
+                self.buckets[dtype] = _empty(self.tracer, self.reduce_bucket, dtype, Category.COMMUNICATION,
                                              "(ZeRO IPG bucket)")
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -185,9 +194,9 @@ class _MetaZero12(_Emulation):
         n, dtype = p.numel(), self.group_of[id(p)].dtype
         if n == 0 or p.grad is None:
             return
-        if self.elements[dtype] + n > REDUCE_BUCKET_SIZE:
+        if self.elements[dtype] + n > self.reduce_bucket:
             self._reduce(dtype)
-        if n <= REDUCE_BUCKET_SIZE:  # larger ones bypass the bucket (extra_large_param_to_reduce)
+        if n <= self.reduce_bucket:  # larger ones bypass the bucket (extra_large_param_to_reduce)
             start = self.elements[dtype]
             p.grad = self.buckets[dtype][start: start + n].view_as(p)  # autograd's gradient is freed
         self.in_bucket[dtype].append(p)
@@ -290,8 +299,12 @@ class _Gather:
 class _MetaZero3(_Emulation):
     """DeepSpeed ZeRO stage 3 on one rank, with the parameter coordinator's fetch and release."""
 
-    def __init__(self, tracer, model: torch.nn.Module, world: int, offload: Offload):
+    def __init__(self, tracer, model: torch.nn.Module, world: int, offload: Offload,
+                 reduce_bucket: int = REDUCE_BUCKET_SIZE, prefetch_bucket: int = PREFETCH_BUCKET_SIZE,
+                 max_live: int = MAX_LIVE_PARAMETERS):
         super().__init__(tracer, model, world)
+        # reduce_bucket_size, stage3_prefetch_bucket_size, stage3_max_live_parameters: elements
+        self.reduce_bucket, self.prefetch_bucket, self.max_live = reduce_bucket, prefetch_bucket, max_live
         self.offload_optimizer = offload is not Offload.NONE
         self.offload_params = offload is Offload.PARAMS
         self._partition_parameters()
@@ -312,9 +325,10 @@ class _MetaZero3(_Emulation):
     def _assume(self) -> None:
         """State DeepSpeed's defaults, the release approximation and the offload in the report."""
         tracer = self.tracer
-        tracer.assume(f"zero3: DeepSpeed 0.19.8 defaults: reduce_bucket_size={_e(REDUCE_BUCKET_SIZE)}, "
-                      f"prefetch_bucket_size={_e(PREFETCH_BUCKET_SIZE)}, param_persistence_threshold="
-                      f"{_e(PARAM_PERSISTENCE_THRESHOLD)}, max_reuse_distance={_e(MAX_REUSE_DISTANCE)} elements; "
+        tracer.assume(f"zero3: reduce_bucket_size={_e(self.reduce_bucket)}, prefetch_bucket_size="
+                      f"{_e(self.prefetch_bucket)}, max_live_parameters={_e(self.max_live)} elements; DeepSpeed 0.19.8 "
+                      f"defaults: param_persistence_threshold={_e(PARAM_PERSISTENCE_THRESHOLD)}, max_reuse_distance="
+                      f"{_e(MAX_REUSE_DISTANCE)} elements; "
                       "step 1 records the module trace, so from step 2 parameters reused within max_reuse_distance "
                       "stay gathered")
         tracer.assume("zero3: a module's parameters are released when its last gradient is accumulated "
@@ -346,7 +360,7 @@ class _MetaZero3(_Emulation):
             if not self.offload_optimizer:
                 self.grad_buffers.append(_empty(self.tracer, sum(sizes), dtype, Category.GRADIENT,
                                                 "(ZeRO-3 grad partitions)"))
-            self.buckets[dtype] = _empty(self.tracer, REDUCE_BUCKET_SIZE, dtype, Category.COMMUNICATION,
+            self.buckets[dtype] = _empty(self.tracer, self.reduce_bucket, dtype, Category.COMMUNICATION,
                                          "(ZeRO IPG bucket)")
 
     def _allocate_sub_groups(self, dtype: torch.dtype, params: list, lp: torch.Tensor) -> list[int]:
@@ -486,7 +500,7 @@ class _MetaZero3(_Emulation):
                 p, at = self.queue.popleft()
                 self.last_fetched[id(p)] = at
                 popped.add(id(p))
-            limit = min(MAX_LIVE_PARAMETERS - self.n_available, PREFETCH_BUCKET_SIZE)
+            limit = min(self.max_live - self.n_available, self.prefetch_bucket)
             prefetch, numel = {}, 0
             while self.queue and numel < limit:
                 p, at = self.queue.popleft()
@@ -544,9 +558,9 @@ class _MetaZero3(_Emulation):
         """The gradient hook: into the IPG bucket; a module whose gradients are all in is released."""
         self.queue_end_of_backward()
         dtype, n = p.dtype, p.numel()
-        if self.elements[dtype] and self.elements[dtype] + n > REDUCE_BUCKET_SIZE:
+        if self.elements[dtype] and self.elements[dtype] + n > self.reduce_bucket:
             self._reduce_scatter(dtype)
-        if p.grad is not None and self.elements[dtype] + n <= REDUCE_BUCKET_SIZE:
+        if p.grad is not None and self.elements[dtype] + n <= self.reduce_bucket:
             start = self.elements[dtype]
             p.grad = self.buckets[dtype][start: start + n].view_as(p)  # autograd's gradient is freed
         self.in_bucket[dtype].append(p)

@@ -174,6 +174,7 @@ class _Search:
         self.traces = 0
         self._tp_ok: dict[int, str | None] = {}
         self._probes: dict[tuple, tuple[int, int, int, int] | None] = {}
+        self.assume: tuple[str, ...] = tuple(base.assume)
         self._batches: dict[int, Any] = {}
 
     # ---- candidates and their cost -------------------------------------------------------------
@@ -255,7 +256,7 @@ class _Search:
     # ---- tracing -----------------------------------------------------------------------------
     def job_for(self, c: _Candidate) -> Job:
         return self.base.replace(layout=c.layout, batch_size=c.micro, accumulate=c.microbatches,
-                                 checkpointing=c.checkpointing, gpus=c.layout.world,
+                                 checkpointing=c.checkpointing, gpus=c.layout.world, assume=self.assume,
                                  global_batch=c.micro * c.microbatches * c.layout.data_parallel)
 
     def batch(self, micro: int):
@@ -305,45 +306,60 @@ class _Search:
         return int(params * per_param / layout.sharded_over)
 
     def predict(self, c: _Candidate) -> int | None:
-        """The busiest rank's device total predicted from one-block probes (module docstring, 3)."""
-        probe = self._probe(c.layout.tp, c.layout.cp, c.micro, c.checkpointing, c.layout.sharded_over)
+        """The busiest rank's device total predicted from one-block probes (module docstring, 3): the
+        state bound, plus the probe's activations (its device total less its own state and the CUDA
+        context) times the micro-batch, plus one block's saved activations for every further block and
+        live micro-batch, plus the pipeline's receive buffers (two of micro x S/cp x hidden a micro-batch)."""
+        probe = self._probe(c.layout.tp, c.layout.cp, c.checkpointing)
         if probe is None:
             return None
-        first, last, saved, state = probe
-        blocks = -(-self.shape.blocks // c.layout.pp)
-        live = min(c.layout.pp, c.microbatches)  # 1F1B: the first stage holds pp micro-batches, the last one
-        return max(first + (blocks * live - 1) * saved, last + (blocks - 1) * saved) + (blocks - 1) * state
+        first, last, saved, fixed = probe
+        s, layout = self.shape, c.layout
+        blocks = -(-s.blocks // layout.pp)
+        live = min(layout.pp, c.microbatches)  # 1F1B: the first stage holds pp micro-batches, the last one
+        activations = c.micro * max(first + (blocks * live - 1) * saved, last + (blocks - 1) * saved)
+        buffers = 0
+        if layout.pp > 1:
+            buffers = 2 * c.microbatches * c.micro * (s.length // layout.cp) * s.hidden * _activation_bytes(self.base)
+        return self.state_bound(c) + fixed + activations + buffers
 
-    def _probe(self, tp: int, cp: int, micro: int, ckpt: str, shard: int):
-        key = (tp, cp, micro, ckpt, shard)
+    def _probe(self, tp: int, cp: int, ckpt: str):
+        key = (tp, cp, ckpt)
         if key not in self._probes:
-            self._probes[key] = self._run_probe(tp, cp, micro, ckpt, shard)
+            self._probes[key] = self._run_probe(tp, cp, ckpt)
         return self._probes[key]
 
-    def _run_probe(self, tp: int, cp: int, micro: int, ckpt: str, shard: int):
-        """The first and last stage of a one-block-a-stage pipeline (GPipe, one micro-batch): the larger
-        device total, one block's saved activations and its state."""
+    def _run_probe(self, tp: int, cp: int, ckpt: str):
+        """The first and last stage of a one-block-a-stage pipeline (GPipe, one micro-batch of one row,
+        no data parallelism): each one's activations (device total less state and context), one
+        block's saved activations, and the context."""
         s = self.shape
         if s.blocks < PROBE_STAGES:
             return None
-        layout = Layout(dp=shard // cp if shard % cp == 0 else 1, cp=cp, tp=tp, pp=s.blocks,
-                        schedule=Schedule.GPIPE)
-        job = self.base.replace(layout=layout, batch_size=micro, accumulate=1, checkpointing=ckpt,
-                                gpus=layout.world)
-        self._say(f"probing one block at tp={tp}, cp={cp}, micro-batch {micro}, checkpointing {ckpt}")
+        layout = Layout(cp=cp, tp=tp, pp=s.blocks, schedule=Schedule.GPIPE)
+        job = self.base.replace(layout=layout, batch_size=1, accumulate=1, checkpointing=ckpt, gpus=layout.world,
+                                assume=self.assume)
+        self._say(f"probing one block at tp={tp}, cp={cp}, checkpointing {ckpt}")
         target = target_gpu(job)
         results = []
         for stage in (0, s.blocks - 1):
-            est = _estimate_rank(self.model, self.batch(micro), job, target, self.name, Role(layout, stage),
+            est = _estimate_rank(self.model, self.batch(1), job, target, self.name, Role(layout, stage),
                                  loss_fn=self.loss_fn, eval_batch=None, top_modules=10**6, progress=None,
                                  timeline=False, train_step=None)
             self.traces += 1
+            if est.branches is not None and not self.assume:  # later probes take the same answers
+                self.assume = tuple(est.branches.taken)
             results.append(est)
         first = self.shape.first_block  # stage 0 of the probe holds the first block, and its children
         block = [m for m in results[0].modules if m.name == first or m.name.startswith(first + ".")]
         saved = sum(m.saved_bytes for m in block)
-        state = sum(m.state_bytes for m in block)
-        return results[0].busiest.total_bytes, results[1].busiest.total_bytes, saved, state
+        fixed = results[0].busiest.context_bytes or 0
+
+        def activations(est) -> int:
+            b = est.busiest.breakdown_at_peak
+            return est.busiest.total_bytes - fixed - (b.params + b.buffers + b.grads + b.optimizer)
+
+        return activations(results[0]), activations(results[1]), saved, fixed
 
     def _row(self, c: _Candidate, status: str, *, traced: int | None = None, predicted: int | None = None,
              fits: bool = False) -> LayoutCandidate:
@@ -362,6 +378,11 @@ def _state_bytes_per_param(job: Job) -> int:
     weights = 2 if job.precision in (Precision.BF16, Precision.FP16) else 4
     state = 2 if "8bit" in str(job.optimizer) else 8
     return 2 * weights + state
+
+
+def _activation_bytes(job: Job) -> int:
+    """Bytes of an activation element: 2 under bf16/fp16 (autocast or pure), 4 in fp32."""
+    return 4 if job.precision is Precision.FP32 else 2
 
 
 def _gib(n: int) -> str:

@@ -185,12 +185,14 @@ class Role:
 
     layout: Layout
     stage: int = 0  # the pipeline rank
+    through: int | None = None  # the last pipeline rank this one's figures stand for (module docstring)
 
     @property
     def ranks(self) -> tuple[int, int]:
         """The first and last global rank of this role (pp is the outermost mesh dimension, as in torchtitan)."""
         per_stage = self.layout.world // self.layout.pp
-        return self.stage * per_stage, (self.stage + 1) * per_stage - 1
+        last = self.stage if self.through is None else self.through
+        return self.stage * per_stage, (last + 1) * per_stage - 1
 
     @property
     def label(self) -> str:
@@ -198,6 +200,8 @@ class Role:
         gpus = f"GPU {first}" if first == last else f"GPU {first}-{last}"
         if self.layout.pp == 1:
             return gpus
+        if self.through is not None:
+            return f"{gpus}\nstages {self.stage}-{self.through}"
         return f"{gpus}\nstage {self.stage}"
 
     def view(self, model, batch) -> tuple[object, object, list[str]]:
@@ -219,6 +223,10 @@ class Role:
             notes += _notes(pp.make_stage(model, self.stage, layout.pp, virtual=layout.virtual))
             notes.append(f"pp={layout.pp}: stage {self.stage} of {layout.pp}, schedule {layout.schedule.value}; "
                          "accumulate is the pipeline's micro-batches per step")
+            if self.through is not None:
+                notes.append(f"pp={layout.pp}: stages {self.stage + 1}-{self.through} are not traced: they hold no "
+                             f"more blocks and, under 1F1B, fewer micro-batches at once than stage {self.stage}, "
+                             "whose figures stand for them")
         if layout.cp > 1:
             from memcheck.training.strategies import cp
 
@@ -254,8 +262,17 @@ class Role:
 
 
 def roles(layout: Layout) -> list[Role]:
-    """Every distinct rank of ``layout``: one per pipeline rank."""
-    return [Role(layout, stage) for stage in range(layout.pp)]
+    """The ranks of ``layout`` traced: one per pipeline rank up to 3 stages; beyond that the first,
+    the second (standing for every middle stage) and the last.
+
+    The middle stages hold the same blocks as the second or one fewer (the first stages take the
+    blocks that do not divide evenly), the same receive buffers, and under 1F1B fewer micro-batches
+    at once (``pp - s``; under GPipe all ``M`` on every stage): the second stage's figures bound
+    theirs."""
+    p = layout.pp
+    if p <= 3:
+        return [Role(layout, stage) for stage in range(p)]
+    return [Role(layout, 0), Role(layout, 1, through=p - 2), Role(layout, p - 1)]
 
 
 def _notes(summary) -> list[str]:

@@ -10,14 +10,14 @@ the two collectives that allocate appear as ops of two autograd functions.
 What a rank holds and does, from torch 2.13's source:
 
 - column-wise ``nn.Linear``: weight ``[out/T, in]`` and bias ``[out/T]``
-  (``Shard(0)``; torch/distributed/tensor/parallel/style.py:121-134,
+  (``Shard(0)``; torch/distributed/tensor/parallel/style.py:121-132,
   ``ColwiseParallel._partition_linear_fn``). Its input is annotated
   ``Replicate`` with ``DTensor.from_local`` (style.py:99-119), a view: nothing
   is allocated in the forward. Its output is ``Shard(-1)``, returned with
   ``to_local()``, a view (torch/distributed/tensor/_api.py:97-112,
   ``_ToTorchTensor.forward``). In the backward, the input's gradient is
   ``Partial`` (the matmul with a ``Shard(0)`` weight sums over the rank's
-  columns) and ``_FromTorchTensor.backward`` (_api.py:239-284) redistributes it
+  columns) and ``_FromTorchTensor.backward`` (_api.py:238-283) redistributes it
   to ``Replicate``: ``Partial._reduce_value`` (placement_types.py:1529-1536) is
   ``funcol.all_reduce`` (torch/distributed/_functional_collectives.py:161-182),
   whose C++ op ``_c10d_functional::all_reduce`` clones its input and reduces
@@ -27,12 +27,12 @@ What a rank holds and does, from torch 2.13's source:
   in the backward (``_GradAllReduce``); q/k/v that read the same input make
   three copies, as torch does.
 - row-wise ``nn.Linear``: weight ``[out, in/T]`` (``Shard(1)``), bias whole on
-  every rank (``Replicate``; style.py:250-279, ``RowwiseParallel._partition_linear_fn``).
+  every rank (``Replicate``; style.py:250-278, ``RowwiseParallel._partition_linear_fn``).
   Its input is the column-wise output, annotated ``Shard(-1)`` (a view); its
   output is ``Partial`` and redistributed to ``Replicate`` (style.py:292-300),
   the same cloning ``all_reduce`` (``_AllReduce``'s forward). In the backward,
   ``Redistribute.backward`` keeps the ``Replicate`` gradient as it is
-  (torch/distributed/tensor/_redistribute.py:1817-1824, "skip the replicate to
+  (torch/distributed/tensor/_redistribute.py:1817-1830, "skip the replicate to
   partial transformation when we are in backward pass"): no copy.
 - everything the plan does not name (embeddings, norms, the LM head) stays
   whole on every rank and computes on the whole activations, as under
@@ -259,7 +259,7 @@ def _meta_parameter(param: nn.Parameter, shape: tuple[int, ...]) -> nn.Parameter
 
 
 def _colwise(linear: nn.Linear, degree: int) -> None:
-    # ColwiseParallel._partition_linear_fn (style.py:121-134): weight and bias Shard(0).
+    # ColwiseParallel._partition_linear_fn (style.py:121-132): weight and bias Shard(0).
     out = linear.out_features // degree
     linear.weight = _meta_parameter(linear.weight, (out, linear.in_features))
     if linear.bias is not None:
@@ -269,7 +269,7 @@ def _colwise(linear: nn.Linear, degree: int) -> None:
 
 
 def _rowwise(linear: nn.Linear, degree: int) -> None:
-    # RowwiseParallel._partition_linear_fn (style.py:250-279): weight Shard(1), bias Replicate.
+    # RowwiseParallel._partition_linear_fn (style.py:250-278): weight Shard(1), bias Replicate.
     inp = linear.in_features // degree
     linear.weight = _meta_parameter(linear.weight, (linear.out_features, inp))
     linear.in_features = inp
@@ -289,7 +289,7 @@ def _rowwise_output(module, args, output):
 class _AllReduce(torch.autograd.Function):
     """Forward: ``funcol.all_reduce``'s copy of the row-wise output (Functional.cpp ``c10d::all_reduce``
     clones, then reduces the clone in place). Backward: the Replicate gradient passes as it is
-    (_redistribute.py:1817-1824)."""
+    (_redistribute.py:1817-1830)."""
 
     @staticmethod
     def forward(ctx, partial):
@@ -302,7 +302,7 @@ class _AllReduce(torch.autograd.Function):
 
 class _GradAllReduce(torch.autograd.Function):
     """Forward: ``DTensor.from_local``, a view of the column-wise input. Backward: the Partial input
-    gradient all-reduced to Replicate (_api.py:239-284, ``_FromTorchTensor.backward``), a copy."""
+    gradient all-reduced to Replicate (_api.py:238-283, ``_FromTorchTensor.backward``), a copy."""
 
     @staticmethod
     def forward(ctx, x):

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from functools import partial
 
 import torch
 from torch import nn
@@ -66,7 +67,8 @@ from memcheck.errors import UsageError
 
 COLWISE = "colwise"
 ROWWISE = "rowwise"
-STYLES = (COLWISE, ROWWISE)
+COLWISE_GATHER_OUTPUT = "colwise_gather_output"  # transformers' name for ColwiseParallel(output_layouts=Replicate())
+STYLES = (COLWISE, ROWWISE, COLWISE_GATHER_OUTPUT)
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class TensorParallelRank:
 
 
 def check_plan(plan) -> dict[str, str]:
-    """A user's plan validated: a non-empty dict of string globs to ``"colwise"`` or ``"rowwise"``."""
+    """A user's plan validated: a non-empty dict of string globs to a style of ``STYLES``."""
     if not isinstance(plan, dict) or not plan:
         raise UsageError(f"a tensor-parallel plan must be a non-empty dict {{module glob: 'colwise' | 'rowwise'}}, "
                          f"got {plan!r}")
@@ -94,7 +96,7 @@ def check_plan(plan) -> dict[str, str]:
                              "such as 'layers.*.mlp.up_proj'")
         if style not in STYLES:
             raise UsageError(f"tensor-parallel plan style {style!r} for {key!r} is not modelled; "
-                             "use 'colwise' or 'rowwise'")
+                             "use 'colwise', 'rowwise' or 'colwise_gather_output'")
     return dict(plan)
 
 
@@ -125,7 +127,7 @@ def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[s
         if style not in STYLES:
             raise UsageError(
                 f"{type(model).__name__}'s base_model_tp_plan shards {key!r} as {style!r}, which memcheck does not "
-                "model; pass your own plan with 'colwise' and 'rowwise' entries only"
+                "model; pass your own plan with 'colwise', 'rowwise' and 'colwise_gather_output' entries only"
             )
     return found
 
@@ -203,10 +205,10 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
     full = _parameter_bytes(model)
     for name, style in matched.items():
         linear = modules[name]
-        if style == COLWISE:
-            _colwise(linear, degree)
-        else:
+        if style == ROWWISE:
             _rowwise(linear, degree)
+        else:
+            _colwise(linear, degree, gather_output=style == COLWISE_GATHER_OUTPUT)
     sharded = {id(p) for name in matched for p in modules[name].parameters()
                if not (matched[name] == ROWWISE and p is modules[name].bias)}
     seen: set[int] = set()
@@ -216,7 +218,7 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
         degree=degree,
         sequence_parallel=False,
         plan=tuple(resolved.items()),
-        colwise=tuple(n for n, s in matched.items() if s == COLWISE),
+        colwise=tuple(n for n, s in matched.items() if s != ROWWISE),
         rowwise=tuple(n for n, s in matched.items() if s == ROWWISE),
         full_parameter_bytes=full,
         parameter_bytes=_parameter_bytes(model),
@@ -240,16 +242,16 @@ def _check_divisible(model: nn.Module, modules: dict, matched: dict[str, str], d
     named = [("num_attention_heads", heads), ("num_key_value_heads", kv_heads)]
     for name, style in matched.items():
         linear = modules[name]
-        if style == COLWISE and head_dim:
+        if style != ROWWISE and head_dim:
             for attr, count in named:
                 if isinstance(count, int) and linear.out_features == count * head_dim and count % degree:
                     raise UsageError(f"tensor-parallel degree {degree} does not divide {attr}={count} "
                                      f"(the heads of {name!r})")
     for name, style in matched.items():
         linear = modules[name]
-        attr, size = ("out_features", linear.out_features) if style == COLWISE else ("in_features", linear.in_features)
+        attr, size = ("in_features", linear.in_features) if style == ROWWISE else ("out_features", linear.out_features)
         if size % degree:
-            named_size = next((f" (intermediate_size={size})" for key in ("intermediate_size",)
+            named_size = next((f" ({key}={size})" for key in ("intermediate_size", "vocab_size")
                                if getattr(config, key, None) == size), "")
             raise UsageError(f"tensor-parallel degree {degree} does not divide {name}.{attr}={size}{named_size}")
 
@@ -258,7 +260,7 @@ def _meta_parameter(param: nn.Parameter, shape: tuple[int, ...]) -> nn.Parameter
     return nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
 
 
-def _colwise(linear: nn.Linear, degree: int) -> None:
+def _colwise(linear: nn.Linear, degree: int, *, gather_output: bool = False) -> None:
     # ColwiseParallel._partition_linear_fn (style.py:121-132): weight and bias Shard(0).
     out = linear.out_features // degree
     linear.weight = _meta_parameter(linear.weight, (out, linear.in_features))
@@ -266,6 +268,8 @@ def _colwise(linear: nn.Linear, degree: int) -> None:
         linear.bias = _meta_parameter(linear.bias, (out,))
     linear.out_features = out
     linear.register_forward_pre_hook(_colwise_input)
+    if gather_output:
+        linear.register_forward_hook(partial(_colwise_gathered_output, degree))
 
 
 def _rowwise(linear: nn.Linear, degree: int) -> None:
@@ -279,6 +283,11 @@ def _rowwise(linear: nn.Linear, degree: int) -> None:
 def _colwise_input(module, args):
     # ColwiseParallel._prepare_input_fn (style.py:99-119): DTensor.from_local(x, Replicate), a view.
     return (_GradAllReduce.apply(args[0]), *args[1:])
+
+
+def _colwise_gathered_output(degree, module, args, output):
+    # ColwiseParallel(output_layouts=Replicate())._prepare_output_fn (style.py:146-151): Shard(-1) -> Replicate.
+    return _AllGatherLastDim.apply(output, degree)
 
 
 def _rowwise_output(module, args, output):
@@ -311,3 +320,25 @@ class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.clone(memory_format=torch.contiguous_format)
+
+
+class _AllGatherLastDim(torch.autograd.Function):
+    """Shard(-1) -> Replicate of a column-wise output (``colwise_gather_output``).
+
+    Forward: ``Shard._to_replicate_tensor`` (placement_types.py:591-617) calls
+    ``funcol.all_gather_single`` (_functional_collectives.py:185-222): ``all_gather_into_tensor``
+    allocates ``[T * d0, ...]`` (Functional.cpp ``allocate_all_gather_output``), and for a gather
+    dimension other than 0 ``_maybe_view_chunk_cat`` concatenates its T chunks along that dimension,
+    a second whole-size tensor; the gathered one is then dropped. Backward: Replicate -> Shard(-1)
+    is ``Shard._replicate_to_shard`` (placement_types.py:619-637), this rank's chunk cloned.
+    """
+
+    @staticmethod
+    def forward(ctx, local, degree):
+        ctx.degree = degree
+        gathered = local.new_empty((degree * local.shape[0], *local.shape[1:]))
+        return torch.cat(torch.chunk(gathered, degree, dim=0), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.chunk(grad, ctx.degree, dim=-1)[0].clone(), None

@@ -34,6 +34,9 @@ What a rank holds and does, from torch 2.13's source:
   ``Redistribute.backward`` keeps the ``Replicate`` gradient as it is
   (torch/distributed/tensor/_redistribute.py:1817-1830, "skip the replicate to
   partial transformation when we are in backward pass"): no copy.
+- ``colwise_gather_output`` (transformers' name for
+  ``ColwiseParallel(output_layouts=Replicate())``, e.g. on an LM head): the
+  column-wise weight, and the output all-gathered (``_AllGatherLastDim``).
 - everything the plan does not name (embeddings, norms, the LM head) stays
   whole on every rank and computes on the whole activations, as under
   ``parallelize_module``; their gradients need no communication.
@@ -48,10 +51,9 @@ module names). By default it is the transformers config's
 row-wise), each key prefixed with the base model's attribute
 (``base_model_prefix``, ``model`` for LlamaForCausalLM).
 
-Not modelled (``UsageError``): sequence parallelism; styles other than
-``colwise``/``rowwise`` (transformers' ``colwise_gather_output``,
-``packed_colwise``, ``moe_tp_experts`` ...); sharding any module but
-``nn.Linear``. See docs/tp.md.
+Not modelled (``UsageError``): sequence parallelism; other styles
+(transformers' ``packed_colwise``, ``moe_tp_experts`` ...); sharding any
+module but ``nn.Linear``. See docs/tp.md.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ import torch
 from torch import nn
 
 from memcheck.errors import UsageError
+from memcheck.units import short_repr
 
 COLWISE = "colwise"
 ROWWISE = "rowwise"
@@ -89,13 +92,13 @@ def check_plan(plan) -> dict[str, str]:
     """A user's plan validated: a non-empty dict of string globs to a style of ``STYLES``."""
     if not isinstance(plan, dict) or not plan:
         raise UsageError(f"a tensor-parallel plan must be a non-empty dict {{module glob: 'colwise' | 'rowwise'}}, "
-                         f"got {plan!r}")
+                         f"got {short_repr(plan)}")
     for key, style in plan.items():
         if not isinstance(key, str) or not key:
-            raise UsageError(f"tensor-parallel plan key {key!r} must be a module name or glob "
+            raise UsageError(f"tensor-parallel plan key {short_repr(key)} must be a module name or glob "
                              "such as 'layers.*.mlp.up_proj'")
         if style not in STYLES:
-            raise UsageError(f"tensor-parallel plan style {style!r} for {key!r} is not modelled; "
+            raise UsageError(f"tensor-parallel plan style {short_repr(style)} for {short_repr(key)} is not modelled; "
                              "use 'colwise', 'rowwise' or 'colwise_gather_output'")
     return dict(plan)
 
@@ -142,7 +145,7 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     for key, style in plan.items():
         found = _match(model, key.split("."))
         if not found:
-            raise UsageError(f"tensor-parallel plan key {key!r} matches no module of {type(model).__name__}")
+            raise UsageError(f"tensor-parallel plan key {short_repr(key)} matches no module of {type(model).__name__}")
         for module in found:
             name = names[id(module)]
             if name in matched:
@@ -186,7 +189,7 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
         >>> memcheck.estimate(model, batch, memcheck.Job(device="cpu")).peak_bytes
     """
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise UsageError(f"tensor-parallel degree must be an integer >= 1, got {degree!r}")
+        raise UsageError(f"tensor-parallel degree must be an integer >= 1, got {short_repr(degree)}")
     if sequence_parallel:
         raise UsageError("sequence parallel is not modelled yet")
     on_device = next((name for name, t in [*model.named_parameters(), *model.named_buffers()]

@@ -166,9 +166,10 @@ def measure_tp_cpu(
     ``parallelize_module(model, init_device_mesh("cpu", (world_size,)), styles)``
     with ``styles`` the plan translated to torch's ``ColwiseParallel()`` and
     ``RowwiseParallel()`` (their defaults: ``use_local_output=True``, the
-    row-wise output all-reduced to ``Replicate``), then
+    row-wise output all-reduced to ``Replicate``; ``"colwise_gather_output"`` is
+    ``ColwiseParallel(output_layouts=Replicate())``), then
     ``make_optimizer(model.parameters())``, all inside the profiled region.
-    ``plan`` is ``{glob: "colwise" | "rowwise"}``; by default the one
+    ``plan`` is ``{glob: "colwise" | "rowwise" | "colwise_gather_output"}``; by default the one
     ``memcheck.training.strategies.tp.resolve_plan`` reads from the model (a
     transformers config's ``base_model_tp_plan``), the plan ``tp.shard``
     emulates.
@@ -412,13 +413,22 @@ def _tp_setup(build, world_size, *, plan):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     except ImportError as e:
         raise DistributedMeasureError(f"this torch ({torch.__version__}) has no DTensor tensor parallelism") from e
-    from memcheck.training.strategies.tp import COLWISE, resolve_plan
+    from torch.distributed.tensor import Replicate
+
+    from memcheck.training.strategies.tp import COLWISE, ROWWISE, resolve_plan
+
+    def torch_style(style):
+        if style == COLWISE:
+            return ColwiseParallel()
+        if style == ROWWISE:
+            return RowwiseParallel()
+        return ColwiseParallel(output_layouts=Replicate())  # colwise_gather_output, as transformers defines it
 
     def setup():
         model, batch = build()
         mesh = init_device_mesh("cpu", (world_size,))
         resolved = resolve_plan(model, plan)
-        styles = {key: ColwiseParallel() if style == COLWISE else RowwiseParallel() for key, style in resolved.items()}
+        styles = {key: torch_style(style) for key, style in resolved.items()}
         parallelize_module(model, mesh, styles)
         return model, batch
 

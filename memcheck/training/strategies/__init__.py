@@ -11,7 +11,9 @@ allocates and when; ``base`` is the contract they share:
 - ``ddp``: ``DistributedDataParallel``'s gradient buckets;
 - ``fsdp``: FSDP2's ``fully_shard``, with ``--offload params``;
 - ``zero``: DeepSpeed's ``zero1``/``zero2``/``zero3``, with ``--offload``;
-- ``_sharding``: what ``fsdp`` and ``zero`` share.
+- ``_sharding``: what ``fsdp`` and ``zero`` share;
+- ``tp``: tensor parallelism, not a ``train`` family: ``tp.shard`` turns a meta model into
+  what one tensor-parallel rank holds and computes, before it is traced.
 
 ``train`` runs the traced steps for a ``StrategyConfig`` and says which traced
 GPU each real GPU looks like: DataParallel traces every GPU; the other

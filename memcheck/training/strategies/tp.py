@@ -10,14 +10,14 @@ the two collectives that allocate appear as ops of two autograd functions.
 What a rank holds and does, from torch 2.13's source:
 
 - column-wise ``nn.Linear``: weight ``[out/T, in]`` and bias ``[out/T]``
-  (``Shard(0)``; torch/distributed/tensor/parallel/style.py:121-134,
+  (``Shard(0)``; torch/distributed/tensor/parallel/style.py:121-132,
   ``ColwiseParallel._partition_linear_fn``). Its input is annotated
   ``Replicate`` with ``DTensor.from_local`` (style.py:99-119), a view: nothing
   is allocated in the forward. Its output is ``Shard(-1)``, returned with
   ``to_local()``, a view (torch/distributed/tensor/_api.py:97-112,
   ``_ToTorchTensor.forward``). In the backward, the input's gradient is
   ``Partial`` (the matmul with a ``Shard(0)`` weight sums over the rank's
-  columns) and ``_FromTorchTensor.backward`` (_api.py:239-284) redistributes it
+  columns) and ``_FromTorchTensor.backward`` (_api.py:238-283) redistributes it
   to ``Replicate``: ``Partial._reduce_value`` (placement_types.py:1529-1536) is
   ``funcol.all_reduce`` (torch/distributed/_functional_collectives.py:161-182),
   whose C++ op ``_c10d_functional::all_reduce`` clones its input and reduces
@@ -27,13 +27,16 @@ What a rank holds and does, from torch 2.13's source:
   in the backward (``_GradAllReduce``); q/k/v that read the same input make
   three copies, as torch does.
 - row-wise ``nn.Linear``: weight ``[out, in/T]`` (``Shard(1)``), bias whole on
-  every rank (``Replicate``; style.py:250-279, ``RowwiseParallel._partition_linear_fn``).
+  every rank (``Replicate``; style.py:250-278, ``RowwiseParallel._partition_linear_fn``).
   Its input is the column-wise output, annotated ``Shard(-1)`` (a view); its
   output is ``Partial`` and redistributed to ``Replicate`` (style.py:292-300),
   the same cloning ``all_reduce`` (``_AllReduce``'s forward). In the backward,
   ``Redistribute.backward`` keeps the ``Replicate`` gradient as it is
-  (torch/distributed/tensor/_redistribute.py:1817-1824, "skip the replicate to
+  (torch/distributed/tensor/_redistribute.py:1817-1830, "skip the replicate to
   partial transformation when we are in backward pass"): no copy.
+- ``colwise_gather_output`` (transformers' name for
+  ``ColwiseParallel(output_layouts=Replicate())``, e.g. on an LM head): the
+  column-wise weight, and the output all-gathered (``_AllGatherLastDim``).
 - everything the plan does not name (embeddings, norms, the LM head) stays
   whole on every rank and computes on the whole activations, as under
   ``parallelize_module``; their gradients need no communication.
@@ -48,25 +51,27 @@ module names). By default it is the transformers config's
 row-wise), each key prefixed with the base model's attribute
 (``base_model_prefix``, ``model`` for LlamaForCausalLM).
 
-Not modelled (``UsageError``): sequence parallelism; styles other than
-``colwise``/``rowwise`` (transformers' ``colwise_gather_output``,
-``packed_colwise``, ``moe_tp_experts`` ...); sharding any module but
-``nn.Linear``. See docs/tp.md.
+Not modelled (``UsageError``): sequence parallelism; other styles
+(transformers' ``packed_colwise``, ``moe_tp_experts`` ...); sharding any
+module but ``nn.Linear``. See docs/tp.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from functools import partial
 
 import torch
 from torch import nn
 
 from memcheck.errors import UsageError
+from memcheck.units import short_repr
 
 COLWISE = "colwise"
 ROWWISE = "rowwise"
-STYLES = (COLWISE, ROWWISE)
+COLWISE_GATHER_OUTPUT = "colwise_gather_output"  # transformers' name for ColwiseParallel(output_layouts=Replicate())
+STYLES = (COLWISE, ROWWISE, COLWISE_GATHER_OUTPUT)
 
 
 @dataclass(frozen=True)
@@ -84,17 +89,17 @@ class TensorParallelRank:
 
 
 def check_plan(plan) -> dict[str, str]:
-    """A user's plan validated: a non-empty dict of string globs to ``"colwise"`` or ``"rowwise"``."""
+    """A user's plan validated: a non-empty dict of string globs to a style of ``STYLES``."""
     if not isinstance(plan, dict) or not plan:
         raise UsageError(f"a tensor-parallel plan must be a non-empty dict {{module glob: 'colwise' | 'rowwise'}}, "
-                         f"got {plan!r}")
+                         f"got {short_repr(plan)}")
     for key, style in plan.items():
         if not isinstance(key, str) or not key:
-            raise UsageError(f"tensor-parallel plan key {key!r} must be a module name or glob "
+            raise UsageError(f"tensor-parallel plan key {short_repr(key)} must be a module name or glob "
                              "such as 'layers.*.mlp.up_proj'")
         if style not in STYLES:
-            raise UsageError(f"tensor-parallel plan style {style!r} for {key!r} is not modelled; "
-                             "use 'colwise' or 'rowwise'")
+            raise UsageError(f"tensor-parallel plan style {short_repr(style)} for {short_repr(key)} is not modelled; "
+                             "use 'colwise', 'rowwise' or 'colwise_gather_output'")
     return dict(plan)
 
 
@@ -125,7 +130,7 @@ def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[s
         if style not in STYLES:
             raise UsageError(
                 f"{type(model).__name__}'s base_model_tp_plan shards {key!r} as {style!r}, which memcheck does not "
-                "model; pass your own plan with 'colwise' and 'rowwise' entries only"
+                "model; pass your own plan with 'colwise', 'rowwise' and 'colwise_gather_output' entries only"
             )
     return found
 
@@ -140,7 +145,7 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     for key, style in plan.items():
         found = _match(model, key.split("."))
         if not found:
-            raise UsageError(f"tensor-parallel plan key {key!r} matches no module of {type(model).__name__}")
+            raise UsageError(f"tensor-parallel plan key {short_repr(key)} matches no module of {type(model).__name__}")
         for module in found:
             name = names[id(module)]
             if name in matched:
@@ -184,7 +189,7 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
         >>> memcheck.estimate(model, batch, memcheck.Job(device="cpu")).peak_bytes
     """
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise UsageError(f"tensor-parallel degree must be an integer >= 1, got {degree!r}")
+        raise UsageError(f"tensor-parallel degree must be an integer >= 1, got {short_repr(degree)}")
     if sequence_parallel:
         raise UsageError("sequence parallel is not modelled yet")
     on_device = next((name for name, t in [*model.named_parameters(), *model.named_buffers()]
@@ -203,10 +208,10 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
     full = _parameter_bytes(model)
     for name, style in matched.items():
         linear = modules[name]
-        if style == COLWISE:
-            _colwise(linear, degree)
-        else:
+        if style == ROWWISE:
             _rowwise(linear, degree)
+        else:
+            _colwise(linear, degree, gather_output=style == COLWISE_GATHER_OUTPUT)
     sharded = {id(p) for name in matched for p in modules[name].parameters()
                if not (matched[name] == ROWWISE and p is modules[name].bias)}
     seen: set[int] = set()
@@ -216,7 +221,7 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
         degree=degree,
         sequence_parallel=False,
         plan=tuple(resolved.items()),
-        colwise=tuple(n for n, s in matched.items() if s == COLWISE),
+        colwise=tuple(n for n, s in matched.items() if s != ROWWISE),
         rowwise=tuple(n for n, s in matched.items() if s == ROWWISE),
         full_parameter_bytes=full,
         parameter_bytes=_parameter_bytes(model),
@@ -240,16 +245,16 @@ def _check_divisible(model: nn.Module, modules: dict, matched: dict[str, str], d
     named = [("num_attention_heads", heads), ("num_key_value_heads", kv_heads)]
     for name, style in matched.items():
         linear = modules[name]
-        if style == COLWISE and head_dim:
+        if style != ROWWISE and head_dim:
             for attr, count in named:
                 if isinstance(count, int) and linear.out_features == count * head_dim and count % degree:
                     raise UsageError(f"tensor-parallel degree {degree} does not divide {attr}={count} "
                                      f"(the heads of {name!r})")
     for name, style in matched.items():
         linear = modules[name]
-        attr, size = ("out_features", linear.out_features) if style == COLWISE else ("in_features", linear.in_features)
+        attr, size = ("in_features", linear.in_features) if style == ROWWISE else ("out_features", linear.out_features)
         if size % degree:
-            named_size = next((f" (intermediate_size={size})" for key in ("intermediate_size",)
+            named_size = next((f" ({key}={size})" for key in ("intermediate_size", "vocab_size")
                                if getattr(config, key, None) == size), "")
             raise UsageError(f"tensor-parallel degree {degree} does not divide {name}.{attr}={size}{named_size}")
 
@@ -258,18 +263,20 @@ def _meta_parameter(param: nn.Parameter, shape: tuple[int, ...]) -> nn.Parameter
     return nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
 
 
-def _colwise(linear: nn.Linear, degree: int) -> None:
-    # ColwiseParallel._partition_linear_fn (style.py:121-134): weight and bias Shard(0).
+def _colwise(linear: nn.Linear, degree: int, *, gather_output: bool = False) -> None:
+    # ColwiseParallel._partition_linear_fn (style.py:121-132): weight and bias Shard(0).
     out = linear.out_features // degree
     linear.weight = _meta_parameter(linear.weight, (out, linear.in_features))
     if linear.bias is not None:
         linear.bias = _meta_parameter(linear.bias, (out,))
     linear.out_features = out
     linear.register_forward_pre_hook(_colwise_input)
+    if gather_output:
+        linear.register_forward_hook(partial(_colwise_gathered_output, degree))
 
 
 def _rowwise(linear: nn.Linear, degree: int) -> None:
-    # RowwiseParallel._partition_linear_fn (style.py:250-279): weight Shard(1), bias Replicate.
+    # RowwiseParallel._partition_linear_fn (style.py:250-278): weight Shard(1), bias Replicate.
     inp = linear.in_features // degree
     linear.weight = _meta_parameter(linear.weight, (linear.out_features, inp))
     linear.in_features = inp
@@ -281,6 +288,11 @@ def _colwise_input(module, args):
     return (_GradAllReduce.apply(args[0]), *args[1:])
 
 
+def _colwise_gathered_output(degree, module, args, output):
+    # ColwiseParallel(output_layouts=Replicate())._prepare_output_fn (style.py:146-151): Shard(-1) -> Replicate.
+    return _AllGatherLastDim.apply(output, degree)
+
+
 def _rowwise_output(module, args, output):
     # RowwiseParallel._prepare_output_fn (style.py:292-300): Partial -> Replicate, then to_local().
     return _AllReduce.apply(output)
@@ -289,7 +301,7 @@ def _rowwise_output(module, args, output):
 class _AllReduce(torch.autograd.Function):
     """Forward: ``funcol.all_reduce``'s copy of the row-wise output (Functional.cpp ``c10d::all_reduce``
     clones, then reduces the clone in place). Backward: the Replicate gradient passes as it is
-    (_redistribute.py:1817-1824)."""
+    (_redistribute.py:1817-1830)."""
 
     @staticmethod
     def forward(ctx, partial):
@@ -302,7 +314,7 @@ class _AllReduce(torch.autograd.Function):
 
 class _GradAllReduce(torch.autograd.Function):
     """Forward: ``DTensor.from_local``, a view of the column-wise input. Backward: the Partial input
-    gradient all-reduced to Replicate (_api.py:239-284, ``_FromTorchTensor.backward``), a copy."""
+    gradient all-reduced to Replicate (_api.py:238-283, ``_FromTorchTensor.backward``), a copy."""
 
     @staticmethod
     def forward(ctx, x):
@@ -311,3 +323,25 @@ class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.clone(memory_format=torch.contiguous_format)
+
+
+class _AllGatherLastDim(torch.autograd.Function):
+    """Shard(-1) -> Replicate of a column-wise output (``colwise_gather_output``).
+
+    Forward: ``Shard._to_replicate_tensor`` (placement_types.py:591-617) calls
+    ``funcol.all_gather_single`` (_functional_collectives.py:185-222): ``all_gather_into_tensor``
+    allocates ``[T * d0, ...]`` (Functional.cpp ``allocate_all_gather_output``), and for a gather
+    dimension other than 0 ``_maybe_view_chunk_cat`` concatenates its T chunks along that dimension,
+    a second whole-size tensor; the gathered one is then dropped. Backward: Replicate -> Shard(-1)
+    is ``Shard._replicate_to_shard`` (placement_types.py:619-637), this rank's chunk cloned.
+    """
+
+    @staticmethod
+    def forward(ctx, local, degree):
+        ctx.degree = degree
+        gathered = local.new_empty((degree * local.shape[0], *local.shape[1:]))
+        return torch.cat(torch.chunk(gathered, degree, dim=0), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.chunk(grad, ctx.degree, dim=-1)[0].clone(), None

@@ -541,10 +541,10 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
     if job.qlora:  # 4-bit linear layers, then a twin of those: bitsandbytes' quantized sizes (twin_memo)
         twin = meta_twin(quantize_4bit(twin))
     twin, adapted = apply_adapters(twin, job.lora, job.qlora)  # LoRA / QLoRA over the cast base
+    wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
     if role is not None:  # what one rank of the layout holds: its experts, shards, stage and tokens
         twin, batch, noted = role.view(twin, meta_batch(batch))
         adapted = [*adapted, *noted]
-    wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
     dtype = precision.weights_dtype  # pure bf16/fp16: float inputs in that dtype too
 
     def prepare(b):

@@ -276,7 +276,7 @@ class _Stage:
     cache from each forward to its backward (stage.py:913, 966) and a backward cache of input
     gradients until they are sent (stage.py:1044, 552)."""
 
-    def __init__(self, model: torch.nn.Module, batch: Any, microbatches: int):
+    def __init__(self, model: torch.nn.Module, batch: Any, microbatches: int, whole_batch: bool):
         state = getattr(model, "memcheck_pp_stage", None)
         if not isinstance(state, StageState):
             raise UsageError("pp.train_step runs on a model cut by pp.make_stage(model, rank, stages)")
@@ -286,9 +286,12 @@ class _Stage:
         self.losses: list[torch.Tensor] = []  # the schedule's _internal_losses (schedules.py:305-308)
         if isinstance(batch, dict) and not state.last:
             batch = {k: v for k, v in batch.items() if k != "labels"}  # only the last stage has the target
-        self.batch = batch
+        if whole_batch:  # step() splits the batch into views (schedules.py:775-782, microbatch.py:239)
+            self.batches = _split(batch, microbatches)
+        else:
+            self.batches = [batch] * microbatches
         if not state.recv and not state.grad_recv:
-            self._allocate(batch)
+            self._allocate(self.batches[0])
 
     def _allocate(self, batch) -> None:
         """The receive buffers, one per micro-batch, made when the stage is first initialised
@@ -308,17 +311,18 @@ class _Stage:
         state = self.state
         state.current = m
         inputs = state.recv[m] if not state.first else None
+        batch = self.batches[m]
         if state.last:
-            out = self.model(**self.batch) if isinstance(self.batch, dict) else self.model(self.batch)
+            out = self.model(**batch) if isinstance(batch, dict) else self.model(batch)
             loss = _loss_of(out)
             self.losses.append(loss)
             output = _outputs(out)
             del out
         else:
-            if isinstance(self.batch, dict):
-                self.model(**self.batch)
+            if isinstance(batch, dict):
+                self.model(**batch)
             else:
-                self.model(self.batch)
+                self.model(batch)
             output = (state.output,)
             state.output = None
         self.fwd_cache[m] = (output, inputs)
@@ -357,6 +361,20 @@ class _Stage:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(self.microbatches)
+
+
+def _split(batch: Any, microbatches: int) -> list:
+    """The step's batch as ``microbatches`` views along dimension 0 (``torch.tensor_split``)."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten(batch)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] % microbatches:
+            raise UsageError(f"the step's batch of {leaf.shape[0]} rows does not split into {microbatches} "
+                             "micro-batches of one size")
+    parts = [torch.tensor_split(t, microbatches) if isinstance(t, torch.Tensor) and t.dim() else [t] * microbatches
+             for t in leaves]
+    return [tree_unflatten([p[i] for p in parts], spec) for i in range(microbatches)]
 
 
 def _loss_of(out) -> torch.Tensor:
@@ -431,13 +449,16 @@ def _one_f_one_b(stage: _Stage, m: int, stages: int, rank: int) -> None:
 class PipelineTrainStep:
     """``train_step(model, batch, optimizer)`` for one pipeline rank: the schedule's step on the
     stage model (``make_stage``), then ``optimizer.step()`` and ``zero_grad(set_to_none=True)``.
-    ``batch`` is one micro-batch; every micro-batch of the step is that batch."""
+    ``batch`` is one micro-batch, and every micro-batch of the step is that batch; with
+    ``whole_batch=True`` it is the step's whole batch, split into ``microbatches`` views as
+    ``schedule.step`` splits it (the caller then holds all M micro-batches' inputs, as in a real run)."""
 
-    def __init__(self, schedule: str, rank: int, stages: int, microbatches: int):
+    def __init__(self, schedule: str, rank: int, stages: int, microbatches: int, whole_batch: bool = False):
         _check(schedule, rank, stages, microbatches, 1)
         if schedule not in RUNNABLE:
             raise UsageError(f"pp.train_step runs {' and '.join(RUNNABLE)} for now, not {schedule!r}")
         self.schedule, self.rank, self.stages, self.microbatches = schedule, rank, stages, microbatches
+        self.whole_batch = bool(whole_batch)
         self.__name__ = f"pp_{schedule.replace('-', '_')}_step"
 
     def __call__(self, model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -445,7 +466,7 @@ class PipelineTrainStep:
         if isinstance(state, StageState) and (state.rank, state.stages) != (self.rank, self.stages):
             raise UsageError(f"the stage model is rank {state.rank} of {state.stages}, the train_step is for rank "
                              f"{self.rank} of {self.stages}")
-        stage = _Stage(model, batch, self.microbatches)
+        stage = _Stage(model, batch, self.microbatches, self.whole_batch)
         if self.schedule == GPIPE:
             _gpipe(stage, self.microbatches)
         else:
@@ -455,7 +476,9 @@ class PipelineTrainStep:
         optimizer.zero_grad(set_to_none=True)
 
 
-def train_step(schedule: str, rank: int, stages: int, microbatches: int) -> PipelineTrainStep:
+def train_step(schedule: str, rank: int, stages: int, microbatches: int, *,
+               whole_batch: bool = False) -> PipelineTrainStep:
     """The ``train_step(model, batch, optimizer)`` of pipeline rank ``rank`` of ``stages`` under
-    ``schedule`` with ``microbatches`` micro-batches per optimizer step (``gpipe`` or ``1f1b``)."""
-    return PipelineTrainStep(schedule, rank, stages, microbatches)
+    ``schedule`` with ``microbatches`` micro-batches per optimizer step (``gpipe`` or ``1f1b``);
+    see ``PipelineTrainStep`` for ``whole_batch``."""
+    return PipelineTrainStep(schedule, rank, stages, microbatches, whole_batch)

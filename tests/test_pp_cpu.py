@@ -160,3 +160,17 @@ def test_stage_errors_name_the_model_and_the_numbers():
         mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
     with pytest.raises(UsageError, match="Sequential has none"):
         pp.make_stage(mlp, 0, 2)
+
+
+def test_received_activations_take_the_blocks_dtype_when_the_step_runs():
+    # memcheck casts its twin to bf16 after make_stage: the receive buffers follow the blocks then
+    # (a real bf16 run receives bf16 activations), one per micro-batch, [micro-batch, S, hidden].
+    from memcheck.training.strategies import pp
+
+    model = _stage(1, 2).to(torch.bfloat16)
+    with torch.device("meta"):
+        batch = {"input_ids": torch.zeros(MICRO, SEQ, dtype=torch.long)}
+    stage = pp._Stage(model, batch, 3, whole_batch=False)
+    assert [(t.dtype, tuple(t.shape)) for t in model.memcheck_pp_stage.recv] == [(torch.bfloat16, (2, 32, 64))] * 3
+    assert model.memcheck_pp_stage.grad_recv == []  # the last stage receives no gradient
+    del stage

@@ -175,8 +175,8 @@ class StageState:
     """What one rank's pipeline stage keeps between calls: its place, and the receive buffers
     (allocated on the first step, kept for the run as ``PipelineStage`` keeps them)."""
 
-    def __init__(self, rank: int, stages: int, hidden: int, dtype: torch.dtype, blocks: tuple[str, ...]):
-        self.rank, self.stages, self.hidden, self.dtype, self.blocks = rank, stages, hidden, dtype, blocks
+    def __init__(self, rank: int, stages: int, hidden: int, blocks: tuple[str, ...]):
+        self.rank, self.stages, self.hidden, self.blocks = rank, stages, hidden, blocks
         self.first, self.last = rank == 0, rank == stages - 1
         self.recv: list[torch.Tensor] = []  # activations received, one per micro-batch (non-first stages)
         self.grad_recv: list[torch.Tensor] = []  # gradients received, one per micro-batch (non-last stages)
@@ -249,11 +249,10 @@ def make_stage(model: torch.nn.Module, rank: int, stages: int, virtual: int = 1)
     first, count = stage_span(len(blocks), stages, rank)
     kept = tuple(blocks[first:first + count])
     if embedding is not None and getattr(embedding, "weight", None) is not None:
-        hidden, dtype = embedding.weight.shape[-1], embedding.weight.dtype
+        hidden = embedding.weight.shape[-1]
     else:
-        probe = next(model.get_submodule(kept[0]).parameters())
-        hidden, dtype = probe.shape[-1], probe.dtype
-    state = StageState(rank, stages, hidden, dtype, kept)
+        hidden = next(model.get_submodule(kept[0]).parameters()).shape[-1]
+    state = StageState(rank, stages, hidden, kept)
     for block in blocks:
         if block not in kept:
             _set(model, block, PassThrough())
@@ -297,13 +296,16 @@ class _Stage:
         """The receive buffers, one per micro-batch, made when the stage is first initialised
         (``_setup_forward_recv_info`` stage.py:2243-2274; ``_create_grad_recv_info`` stage.py:2286-2320)."""
         state = self.state
+        # the activations' dtype is the blocks' dtype when the step runs (memcheck casts the twin for bf16/fp16
+        # after make_stage): the first floating parameter of the stage's first block
+        dtype = next(p.dtype for p in self.model.get_submodule(state.blocks[0]).parameters() if p.is_floating_point())
         ids = batch["input_ids"] if isinstance(batch, dict) else (batch[0] if isinstance(batch, (tuple, list))
                                                                    else batch)
         shape = (*ids.shape[:2], state.hidden)
         if not state.first:
-            state.recv = [torch.empty(shape, dtype=state.dtype, device=ids.device) for _ in range(self.microbatches)]
+            state.recv = [torch.empty(shape, dtype=dtype, device=ids.device) for _ in range(self.microbatches)]
         if not state.last:
-            state.grad_recv = [torch.empty(shape, dtype=state.dtype, device=ids.device)
+            state.grad_recv = [torch.empty(shape, dtype=dtype, device=ids.device)
                                for _ in range(self.microbatches)]
 
     def forward(self, m: int):

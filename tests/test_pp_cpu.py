@@ -171,6 +171,6 @@ def test_received_activations_take_the_blocks_dtype_when_the_step_runs():
     with torch.device("meta"):
         batch = {"input_ids": torch.zeros(MICRO, SEQ, dtype=torch.long)}
     stage = pp._Stage(model, batch, 3, whole_batch=False)
-    assert [(t.dtype, tuple(t.shape)) for t in model.memcheck_pp_stage.recv] == [(torch.bfloat16, (2, 32, 64))] * 3
-    assert model.memcheck_pp_stage.grad_recv == []  # the last stage receives no gradient
+    assert [(t.dtype, tuple(t.shape)) for t in model.memcheck_pp_stage.recv[0]] == [(torch.bfloat16, (2, 32, 64))] * 3
+    assert model.memcheck_pp_stage.grad_recv == {}  # the last stage receives no gradient
     del stage

@@ -40,7 +40,7 @@ from memcheck.training.checkpointing import repeated_blocks
 
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
-RUNNABLE = (GPIPE, ONE_F_ONE_B)  # what train_step runs (one stage per rank)
+RUNNABLE = (GPIPE, ONE_F_ONE_B, INTERLEAVED)  # what train_step runs
 
 FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
 
@@ -168,20 +168,86 @@ class Receive(torch.nn.Module):
         self.state = state
 
     def forward(self, *args, **kwargs):
-        return self.state.recv[self.state.current].requires_grad_(True)
+        return self.state.received()
+
+
+class Entry(torch.nn.Module):
+    """The input embedding of rank 0 holding several chunks: the embedding for chunk 0 (the
+    first stage), the received activation for its later chunks."""
+
+    def __init__(self, inner: torch.nn.Module, state: "StageState"):
+        super().__init__()
+        self.inner, self.state = inner, state
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs) if self.state.chunk == 0 else self.state.received()
+
+
+class Exit(torch.nn.Module):
+    """A module after the blocks (final norm, head) on the last rank holding several chunks:
+    itself for the last chunk (the last stage), a pass-through for the earlier ones."""
+
+    def __init__(self, inner: torch.nn.Module, state: "StageState"):
+        super().__init__()
+        self.inner, self.state = inner, state
+
+    def forward(self, *args, **kwargs):
+        if self.state.chunk == self.state.virtual - 1:
+            return self.inner(*args, **kwargs)
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class _Gate:
+    """A block's ``forward`` that runs only while its chunk is the one being run (a pass-through
+    otherwise); an object, not a closure, so a deep copy of the model follows it."""
+
+    def __init__(self, forward, state: "StageState", chunk: int):
+        self.forward, self.state, self.chunk = forward, state, chunk
+
+    def __call__(self, *args, **kwargs):
+        if self.state.chunk == self.chunk:
+            return self.forward(*args, **kwargs)
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class _Capture:
+    """A forward hook on a chunk's last block: keeps its output while that chunk runs."""
+
+    def __init__(self, state: "StageState", chunk: int):
+        self.state, self.chunk = state, chunk
+
+    def __call__(self, module, args, output):
+        if self.state.chunk == self.chunk:
+            self.state.output = output[0] if isinstance(output, (tuple, list)) else output
 
 
 class StageState:
-    """What one rank's pipeline stage keeps between calls: its place, and the receive buffers
-    (allocated on the first step, kept for the run as ``PipelineStage`` keeps them)."""
+    """What one rank's pipeline stage keeps between calls: its place (rank of ``stages``,
+    ``virtual`` chunks, the blocks of each), and the receive buffers of each chunk (allocated
+    on the first step, kept for the run as ``PipelineStage`` keeps them)."""
 
-    def __init__(self, rank: int, stages: int, hidden: int, blocks: tuple[str, ...]):
-        self.rank, self.stages, self.hidden, self.blocks = rank, stages, hidden, blocks
-        self.first, self.last = rank == 0, rank == stages - 1
-        self.recv: list[torch.Tensor] = []  # activations received, one per micro-batch (non-first stages)
-        self.grad_recv: list[torch.Tensor] = []  # gradients received, one per micro-batch (non-last stages)
+    def __init__(self, rank: int, stages: int, virtual: int, hidden: int, chunks: tuple[tuple[str, ...], ...]):
+        self.rank, self.stages, self.virtual, self.hidden, self.chunks = rank, stages, virtual, hidden, chunks
+        self.recv: dict[int, list[torch.Tensor]] = {}  # chunk -> activations received, one per micro-batch
+        self.grad_recv: dict[int, list[torch.Tensor]] = {}  # chunk -> gradients received, one per micro-batch
+        self.chunk = 0  # the chunk and micro-batch being run
         self.current = 0
-        self.output: torch.Tensor | None = None  # the last block's output of the forward just run
+        self.output: torch.Tensor | None = None  # the chunk's last block's output of the forward just run
+
+    @property
+    def blocks(self) -> tuple[str, ...]:
+        return tuple(b for chunk in self.chunks for b in chunk)
+
+    def is_first(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this rank is the pipeline's first stage (global stage 0)."""
+        return self.rank == 0 and chunk == 0
+
+    def is_last(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this rank is the pipeline's last stage."""
+        return self.rank == self.stages - 1 and chunk == self.virtual - 1
+
+    def received(self) -> torch.Tensor:
+        return self.recv[self.chunk][self.current].requires_grad_(True)
 
     def capture(self, module, args, output):
         self.output = output[0] if isinstance(output, (tuple, list)) else output
@@ -218,51 +284,68 @@ def make_stage(model: torch.nn.Module, rank: int, stages: int, virtual: int = 1)
     """Turn ``model`` (parameters on the meta device; pass a copy) in place into pipeline rank
     ``rank`` of ``stages``, and return it.
 
-    Rank r keeps blocks ``stage_span(len(blocks), stages, r)`` of the model's repeated blocks
-    (``memcheck.training.checkpointing.repeated_blocks``); the others become ``PassThrough``.
-    A non-first stage's input embedding becomes ``Receive`` (the activation it receives); a
-    non-last stage's modules after the blocks (final norm, head) become ``PassThrough`` and its
-    output is its last block's output (``train_step`` sends it and receives its gradient). A
-    transformers model's KV cache is turned off (training; torchtitan's models have none).
+    The model's repeated blocks (``memcheck.training.checkpointing.repeated_blocks``) are cut
+    into ``stages * virtual`` contiguous global stages (``stage_span``); rank r holds global
+    stages ``c * stages + r`` for its chunks c (torch's interleaved placement; one stage when
+    ``virtual`` is 1). The other blocks become ``PassThrough``. A non-first stage's input
+    embedding becomes ``Receive`` (the activation it receives); a non-last stage's modules after
+    the blocks (final norm, head) become ``PassThrough`` and its output is its last block's
+    output (``train_step`` sends it and receives its gradient). With several chunks, rank 0's
+    embedding becomes ``Entry`` and the last rank's norm and head ``Exit``, and each block runs
+    only for its own chunk. A transformers model's KV cache is turned off (training;
+    torchtitan's models have none).
 
     Raises:
-        UsageError: no repeated blocks, more stages than blocks, ``virtual`` other than 1,
-            or a non-first stage of a model with several parameterised modules before its blocks.
+        UsageError: no repeated blocks, more global stages than blocks, or a non-first stage of
+            a model with several parameterised modules before its blocks.
     """
-    _check(GPIPE, rank, stages, 1, 1)
-    if virtual != 1:
-        raise UsageError(f"make_stage cuts one stage per rank for now (virtual=1), got virtual={virtual}")
+    _check(INTERLEAVED if virtual > 1 else GPIPE, rank, stages, stages, virtual)
     blocks = repeated_blocks(model)
     name = type(model).__name__
     if not blocks:
         raise UsageError(f"pipeline parallelism cuts a model's repeated blocks, and {name} has none "
                          "(no ModuleList or Sequential of two or more blocks of one class)")
-    if stages > len(blocks):
-        raise UsageError(f"{stages} pipeline stages for the {len(blocks)} repeated blocks of {name}: "
-                         "at most one stage per block")
+    total = stages * virtual
+    if total > len(blocks):
+        what = f"{stages} pipeline stages" if virtual == 1 else f"{stages} pipeline ranks x {virtual} chunks"
+        raise UsageError(f"{what} for the {len(blocks)} repeated blocks of {name}: at most one stage per block")
     container = blocks[0].rpartition(".")[0]
     before, after = _around(model, container)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if rank > 0 and before and (len(before) > 1 or model.get_submodule(before[0]) is not embedding):
+    if (rank > 0 or virtual > 1) and before and (len(before) > 1 or model.get_submodule(before[0]) is not embedding):
         raise UsageError(f"a non-first pipeline stage of {name} replaces its input embedding with the received "
                          f"activation; {name} has {', '.join(before)} before its blocks, which is not modelled")
-    first, count = stage_span(len(blocks), stages, rank)
-    kept = tuple(blocks[first:first + count])
+    chunks = []
+    for chunk in range(virtual):
+        first, count = stage_span(len(blocks), total, chunk * stages + rank)
+        chunks.append(tuple(blocks[first:first + count]))
+    kept = tuple(b for chunk in chunks for b in chunk)
     if embedding is not None and getattr(embedding, "weight", None) is not None:
         hidden = embedding.weight.shape[-1]
     else:
         hidden = next(model.get_submodule(kept[0]).parameters()).shape[-1]
-    state = StageState(rank, stages, hidden, kept)
+    state = StageState(rank, stages, virtual, hidden, tuple(chunks))
     for block in blocks:
         if block not in kept:
             _set(model, block, PassThrough())
-    if rank > 0:
-        for mod_name in before:
+    for mod_name in before:
+        if rank > 0:
             _set(model, mod_name, Receive(state))
-    if rank < stages - 1:
-        for mod_name in after:
+        elif virtual > 1:
+            _set(model, mod_name, Entry(model.get_submodule(mod_name), state))
+    for mod_name in after:
+        if rank < stages - 1:
             _set(model, mod_name, PassThrough())
-        model.get_submodule(kept[-1]).register_forward_hook(state.capture)
+        elif virtual > 1:
+            _set(model, mod_name, Exit(model.get_submodule(mod_name), state))
+    for chunk, names in enumerate(chunks):
+        if virtual > 1:
+            for block in names:
+                module = model.get_submodule(block)
+                module.forward = _Gate(module.forward, state, chunk)
+        if not state.is_last(chunk):
+            hook = state.capture if virtual == 1 else _Capture(state, chunk)
+            model.get_submodule(names[-1]).register_forward_hook(hook)
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False
@@ -271,19 +354,20 @@ def make_stage(model: torch.nn.Module, rank: int, stages: int, virtual: int = 1)
 
 
 class _Stage:
-    """The part of ``PipelineStage`` (stage.py) one step uses, on the stage model: a forward
-    cache from each forward to its backward (stage.py:913, 966) and a backward cache of input
-    gradients until they are sent (stage.py:1044, 552)."""
+    """The part of ``PipelineStage`` (stage.py) one step uses, for each chunk of the stage model:
+    a forward cache from each forward to its backward (stage.py:913, 966) and a backward cache of
+    input gradients until they are sent (stage.py:1044, 552)."""
 
     def __init__(self, model: torch.nn.Module, batch: Any, microbatches: int, whole_batch: bool):
         state = getattr(model, "memcheck_pp_stage", None)
         if not isinstance(state, StageState):
             raise UsageError("pp.train_step runs on a model cut by pp.make_stage(model, rank, stages)")
         self.model, self.state, self.microbatches = model, state, microbatches
-        self.fwd_cache: dict[int, tuple] = {}
-        self.bwd_cache: dict[int, torch.Tensor | None] = {}
-        self.losses: list[torch.Tensor] = []  # the schedule's _internal_losses (schedules.py:305-308)
-        if isinstance(batch, dict) and not state.last:
+        self.fwd_cache: dict[tuple[int, int], tuple] = {}
+        self.bwd_cache: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.losses: dict[int, torch.Tensor] = {}  # the schedule's _internal_losses (schedules.py:305-308)
+        has_last = state.is_last(state.virtual - 1)
+        if isinstance(batch, dict) and not has_last:
             batch = {k: v for k, v in batch.items() if k != "labels"}  # only the last stage has the target
         if whole_batch:  # step() splits the batch into views (schedules.py:775-782, microbatch.py:239)
             self.batches = _split(batch, microbatches)
@@ -293,66 +377,68 @@ class _Stage:
             self._allocate(self.batches[0])
 
     def _allocate(self, batch) -> None:
-        """The receive buffers, one per micro-batch, made when the stage is first initialised
-        (``_setup_forward_recv_info`` stage.py:2243-2274; ``_create_grad_recv_info`` stage.py:2286-2320)."""
+        """The receive buffers of each chunk, one per micro-batch, made when the stage is first
+        initialised (``_setup_forward_recv_info`` stage.py:2243-2274; ``_create_grad_recv_info``
+        stage.py:2286-2320)."""
         state = self.state
-        # the activations' dtype is the blocks' dtype when the step runs (memcheck casts the twin for bf16/fp16
-        # after make_stage): the first floating parameter of the stage's first block
-        dtype = next(p.dtype for p in self.model.get_submodule(state.blocks[0]).parameters() if p.is_floating_point())
         ids = batch["input_ids"] if isinstance(batch, dict) else (batch[0] if isinstance(batch, (tuple, list))
                                                                    else batch)
         shape = (*ids.shape[:2], state.hidden)
-        if not state.first:
-            state.recv = [torch.empty(shape, dtype=dtype, device=ids.device) for _ in range(self.microbatches)]
-        if not state.last:
-            state.grad_recv = [torch.empty(shape, dtype=dtype, device=ids.device)
-                               for _ in range(self.microbatches)]
+        for chunk, names in enumerate(state.chunks):
+            # the activations' dtype is the blocks' dtype when the step runs (memcheck casts the twin for
+            # bf16/fp16 after make_stage): the first floating parameter of the chunk's first block
+            dtype = next(p.dtype for p in self.model.get_submodule(names[0]).parameters() if p.is_floating_point())
+            if not state.is_first(chunk):
+                state.recv[chunk] = [torch.empty(shape, dtype=dtype, device=ids.device)
+                                     for _ in range(self.microbatches)]
+            if not state.is_last(chunk):
+                state.grad_recv[chunk] = [torch.empty(shape, dtype=dtype, device=ids.device)
+                                          for _ in range(self.microbatches)]
 
-    def forward(self, m: int):
+    def forward(self, m: int, chunk: int = 0):
         """``forward_one_chunk`` (stage.py:857-935) and, on the last stage, the schedule's loss."""
         state = self.state
-        state.current = m
-        inputs = state.recv[m] if not state.first else None
+        state.chunk, state.current = chunk, m
+        inputs = state.recv[chunk][m] if not state.is_first(chunk) else None
         batch = self.batches[m]
-        if state.last:
+        if state.is_last(chunk):
             out = self.model(**batch) if isinstance(batch, dict) else self.model(batch)
-            loss = _loss_of(out)
-            self.losses.append(loss)
+            self.losses[m] = _loss_of(out)
             output = _outputs(out)
             del out
         else:
             if isinstance(batch, dict):
-                self.model(**batch)
+                self.model(**{k: v for k, v in batch.items() if k != "labels"})
             else:
                 self.model(batch)
             output = (state.output,)
             state.output = None
-        self.fwd_cache[m] = (output, inputs)
+        self.fwd_cache[(chunk, m)] = (output, inputs)
         return output
 
-    def fwd_send(self, m: int) -> list[torch.Tensor]:
+    def fwd_send(self, m: int, chunk: int = 0) -> list[torch.Tensor]:
         """``get_fwd_send_ops`` (stage.py:483-510): the outputs to send; none on the last stage."""
-        return [] if self.state.last else list(self.fwd_cache[m][0])
+        return [] if self.state.is_last(chunk) else list(self.fwd_cache[(chunk, m)][0])
 
-    def backward(self, m: int) -> None:
+    def backward(self, m: int, chunk: int = 0) -> None:
         """``backward_one_chunk`` (stage.py:937-1062) with ``stage_backward`` (_backward.py:346-452)."""
-        output, inputs = self.fwd_cache.pop(m)
-        if self.state.last:
+        output, inputs = self.fwd_cache.pop((chunk, m))
+        if self.state.is_last(chunk):
             self.losses[m].backward()
         else:
-            output[0].backward(self.state.grad_recv[m])
+            output[0].backward(self.state.grad_recv[chunk][m])
         if inputs is not None:
-            self.bwd_cache[m] = inputs.grad  # _backward.py:443-450: the input's gradient, then .grad = None
+            self.bwd_cache[(chunk, m)] = inputs.grad  # _backward.py:443-450: the input's gradient, then .grad = None
             inputs.grad = None
         else:
-            self.bwd_cache[m] = None
+            self.bwd_cache[(chunk, m)] = None
 
-    def bwd_send(self, m: int) -> list[torch.Tensor]:
+    def bwd_send(self, m: int, chunk: int = 0) -> list[torch.Tensor]:
         """``get_bwd_send_ops`` (stage.py:529-602): the input gradient leaves the backward cache; none
         on the first stage."""
-        if self.state.first:
+        if self.state.is_first(chunk):
             return []
-        grad = self.bwd_cache.pop(m)
+        grad = self.bwd_cache.pop((chunk, m))
         return [grad] if grad is not None else []
 
     def finish(self) -> None:
@@ -448,6 +534,23 @@ def _one_f_one_b(stage: _Stage, m: int, stages: int, rank: int) -> None:
     del output, fwd_sends, send_work, bwd_sends
 
 
+def _runtime(stage: _Stage, order: list[Action]) -> None:
+    """``_PipelineScheduleRuntime._step_microbatches`` (schedules.py:2407-2662), which runs
+    ``interleaved-1f1b``: the rank's actions in order, each forward's and backward's send
+    appended to ``send_ops`` (schedules.py:2469-2472) and waited only when the step ends
+    (schedules.py:2654-2655), so a gloo ``Work`` holds every sent tensor until then."""
+    send_ops: list = []
+    for action in order:
+        if action.kind == FORWARD:
+            stage.forward(action.microbatch, action.chunk)
+            send_ops.extend(stage.fwd_send(action.microbatch, action.chunk))
+        else:
+            stage.backward(action.microbatch, action.chunk)
+            send_ops.extend(stage.bwd_send(action.microbatch, action.chunk))
+    send_ops.clear()
+    stage.finish()
+
+
 class PipelineTrainStep:
     """``train_step(model, batch, optimizer)`` for one pipeline rank: the schedule's step on the
     stage model (``make_stage``), then ``optimizer.step()`` and ``zero_grad(set_to_none=True)``.
@@ -455,32 +558,38 @@ class PipelineTrainStep:
     ``whole_batch=True`` it is the step's whole batch, split into ``microbatches`` views as
     ``schedule.step`` splits it (the caller then holds all M micro-batches' inputs, as in a real run)."""
 
-    def __init__(self, schedule: str, rank: int, stages: int, microbatches: int, whole_batch: bool = False):
-        _check(schedule, rank, stages, microbatches, 1)
+    def __init__(self, schedule: str, rank: int, stages: int, microbatches: int, whole_batch: bool = False,
+                 virtual: int = 1):
+        _check(schedule, rank, stages, microbatches, virtual)
         if schedule not in RUNNABLE:
-            raise UsageError(f"pp.train_step runs {' and '.join(RUNNABLE)} for now, not {schedule!r}")
+            raise UsageError(f"pp.train_step runs {', '.join(RUNNABLE)} for now, not {schedule!r}")
         self.schedule, self.rank, self.stages, self.microbatches = schedule, rank, stages, microbatches
+        self.virtual = virtual
         self.whole_batch = bool(whole_batch)
         self.__name__ = f"pp_{schedule.replace('-', '_')}_step"
 
     def __call__(self, model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> None:
         state = getattr(model, "memcheck_pp_stage", None)
-        if isinstance(state, StageState) and (state.rank, state.stages) != (self.rank, self.stages):
-            raise UsageError(f"the stage model is rank {state.rank} of {state.stages}, the train_step is for rank "
-                             f"{self.rank} of {self.stages}")
+        if isinstance(state, StageState) and (state.rank, state.stages, state.virtual) != (
+                self.rank, self.stages, self.virtual):
+            raise UsageError(f"the stage model is rank {state.rank} of {state.stages} with {state.virtual} chunk(s), "
+                             f"the train_step is for rank {self.rank} of {self.stages} with {self.virtual}")
         stage = _Stage(model, batch, self.microbatches, self.whole_batch)
         if self.schedule == GPIPE:
             _gpipe(stage, self.microbatches)
-        else:
+        elif self.schedule == ONE_F_ONE_B:
             _one_f_one_b(stage, self.microbatches, self.stages, self.rank)
+        else:
+            _runtime(stage, actions(self.schedule, self.rank, self.stages, self.microbatches, self.virtual))
         del stage
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
 
 def train_step(schedule: str, rank: int, stages: int, microbatches: int, *,
-               whole_batch: bool = False) -> PipelineTrainStep:
+               whole_batch: bool = False, virtual: int = 1) -> PipelineTrainStep:
     """The ``train_step(model, batch, optimizer)`` of pipeline rank ``rank`` of ``stages`` under
-    ``schedule`` with ``microbatches`` micro-batches per optimizer step (``gpipe`` or ``1f1b``);
-    see ``PipelineTrainStep`` for ``whole_batch``."""
-    return PipelineTrainStep(schedule, rank, stages, microbatches, whole_batch)
+    ``schedule`` with ``microbatches`` micro-batches per optimizer step (``gpipe``, ``1f1b``, or
+    ``interleaved-1f1b`` with ``virtual`` chunks per rank, the model cut by ``make_stage`` with the
+    same ``virtual``); see ``PipelineTrainStep`` for ``whole_batch``."""
+    return PipelineTrainStep(schedule, rank, stages, microbatches, whole_batch, virtual)

@@ -174,3 +174,25 @@ def test_received_activations_take_the_blocks_dtype_when_the_step_runs():
     assert [(t.dtype, tuple(t.shape)) for t in model.memcheck_pp_stage.recv[0]] == [(torch.bfloat16, (2, 32, 64))] * 3
     assert model.memcheck_pp_stage.grad_recv == {}  # the last stage receives no gradient
     del stage
+
+
+def test_interleaved_stage_holds_every_chunk_and_runs_for_real():
+    # 2 ranks x 2 chunks of 4 layers: global stage g holds layer g; rank r holds stages r and r + 2.
+    from memcheck.training.strategies import pp
+
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    with torch.device("meta"):
+        first, _ = build_llama()
+    pp.make_stage(first, 0, 2, virtual=2)
+    assert first.memcheck_pp_stage.chunks == (("model.layers.0",), ("model.layers.2",))
+    assert count(first) == EMBED + 2 * LAYER and isinstance(first.model.embed_tokens, pp.Entry)
+    # The same step on real CPU tensors (no tracer): every chunk's parameters get a gradient.
+    model, batch = build_llama()
+    pp.make_stage(model, 1, 2, virtual=2)
+    assert count(model) == 2 * LAYER + NORM + HEAD
+    whole = {k: torch.cat([v] * 4) for k, v in batch.items()}
+    grads = {}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer.step = lambda: grads.update({n: p.grad is not None for n, p in model.named_parameters()})
+    pp.train_step("interleaved-1f1b", 1, 2, 4, whole_batch=True, virtual=2)(model, whole, optimizer)
+    assert grads and all(grads.values())

@@ -562,7 +562,11 @@ class PipelineTrainStep:
                  virtual: int = 1):
         _check(schedule, rank, stages, microbatches, virtual)
         if schedule not in RUNNABLE:
-            raise UsageError(f"pp.train_step runs {', '.join(RUNNABLE)} for now, not {schedule!r}")
+            # zero bubble's input-gradient half is torch.autograd.grad on the received activation, a leaf, and
+            # memcheck's tracer counts a module's gradients with torch._C._will_engine_execute_node, which
+            # torch refuses on a leaf under autograd.grad (memcheck/trace/tracer.py, _all_grads_hook)
+            raise UsageError(f"pp.train_step runs {', '.join(RUNNABLE)} for now, not {schedule!r} "
+                             "(its actions and live micro-batches are modelled: pp.actions, pp.live_microbatches)")
         self.schedule, self.rank, self.stages, self.microbatches = schedule, rank, stages, microbatches
         self.virtual = virtual
         self.whole_batch = bool(whole_batch)

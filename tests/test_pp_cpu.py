@@ -196,3 +196,15 @@ def test_interleaved_stage_holds_every_chunk_and_runs_for_real():
     optimizer.step = lambda: grads.update({n: p.grad is not None for n, p in model.named_parameters()})
     pp.train_step("interleaved-1f1b", 1, 2, 4, whole_batch=True, virtual=2)(model, whole, optimizer)
     assert grads and all(grads.values())
+
+
+def test_measure_pp_cpu_checks_its_arguments_before_spawning():
+    from memcheck.errors import UsageError
+    from memcheck.measure.distributed import measure_pp_cpu
+
+    with pytest.raises(UsageError, match="schedule must be one of .* got 'zero-bubble'"):
+        measure_pp_cpu(build_llama, adamw, schedule="zero-bubble")
+    with pytest.raises(UsageError, match="virtual must be 1, .* got 2"):
+        measure_pp_cpu(build_llama, adamw, schedule="1f1b", virtual=2)
+    with pytest.raises(UsageError, match="microbatches must be an integer >= 1, got 0"):
+        measure_pp_cpu(build_llama, adamw, microbatches=0)

@@ -10,11 +10,11 @@ and ``stage.py``, cited by line):
 - ``actions(schedule, rank, stages, microbatches, virtual=1)``: the ordered forwards and
   backwards (and, for zero bubble, input-gradient and weight-gradient halves) one rank runs
   in one step; ``live_microbatches(...)``: the most micro-batch activations it holds at once;
-- ``make_stage(model, rank, stages)``: turns (in place) a meta model into what one rank
-  holds: its slice of the blocks, the embedding only on the first stage (the others receive
-  an activation instead), final norm, head and loss only on the last (the others end at
-  their last block and send its output);
-- ``train_step(schedule, rank, stages, microbatches)``: a ``train_step(model, batch,
+- ``make_stage(model, rank, stages, virtual=1)``: turns (in place) a meta model into what one
+  rank holds: its slice of the blocks (one per chunk), the embedding only on the first stage
+  (the others receive an activation instead), final norm, head and loss only on the last
+  (the others end at their last block and send its output);
+- ``train_step(schedule, rank, stages, microbatches, virtual=1)``: a ``train_step(model, batch,
   optimizer)`` for ``memcheck.estimate`` that runs the rank's step on such a stage model
   the way the schedule's ``_step_microbatches`` does, including what torch's stage and
   schedule keep referenced: the per-micro-batch receive buffers, the forward cache, the
@@ -24,8 +24,10 @@ Schedules: ``gpipe`` (``ScheduleGPipe``), ``1f1b`` (``Schedule1F1B``), ``interle
 (``ScheduleInterleaved1F1B``) and ``zero-bubble`` (``ScheduleInterleavedZeroBubble``: it
 shares the interleaved schedule's placement, rank r holding stages r, r + P, ...; torch's
 ``ScheduleZBVZeroBubble`` places them in a V and is not modelled). ``train_step`` runs
-``gpipe`` and ``1f1b`` (one stage per rank), the two measured against real gloo ranks
-(``memcheck.measure.distributed.measure_pp_cpu``, tests/test_pp_cpu.py).
+``gpipe``, ``1f1b`` and ``interleaved-1f1b``, each measured against real gloo ranks
+(``memcheck.measure.distributed.measure_pp_cpu``; benchmarks/pp_accuracy.py,
+tests/test_pp_cpu.py); ``zero-bubble`` has its actions and live micro-batches only (see
+``PipelineTrainStep``). docs/pp.md says what is and is not modelled.
 """
 
 from __future__ import annotations

@@ -360,11 +360,15 @@ class _Stage:
     a forward cache from each forward to its backward (stage.py:913, 966) and a backward cache of
     input gradients until they are sent (stage.py:1044, 552)."""
 
-    def __init__(self, model: torch.nn.Module, batch: Any, microbatches: int, whole_batch: bool):
+    autocast = None  # a factory of the context each forward runs in (torch.autocast), or None
+
+    def __init__(self, model: torch.nn.Module, batch: Any, microbatches: int, whole_batch: bool = False,
+                 buffers: int | None = None):
         state = getattr(model, "memcheck_pp_stage", None)
         if not isinstance(state, StageState):
             raise UsageError("pp.train_step runs on a model cut by pp.make_stage(model, rank, stages)")
         self.model, self.state, self.microbatches = model, state, microbatches
+        self.buffers = buffers or microbatches  # receive buffers: one per micro-batch of the real step
         self.fwd_cache: dict[tuple[int, int], tuple] = {}
         self.bwd_cache: dict[tuple[int, int], torch.Tensor | None] = {}
         self.losses: dict[int, torch.Tensor] = {}  # the schedule's _internal_losses (schedules.py:305-308)
@@ -392,13 +396,20 @@ class _Stage:
             dtype = next(p.dtype for p in self.model.get_submodule(names[0]).parameters() if p.is_floating_point())
             if not state.is_first(chunk):
                 state.recv[chunk] = [torch.empty(shape, dtype=dtype, device=ids.device)
-                                     for _ in range(self.microbatches)]
+                                     for _ in range(self.buffers)]
             if not state.is_last(chunk):
                 state.grad_recv[chunk] = [torch.empty(shape, dtype=dtype, device=ids.device)
-                                          for _ in range(self.microbatches)]
+                                          for _ in range(self.buffers)]
 
     def forward(self, m: int, chunk: int = 0):
-        """``forward_one_chunk`` (stage.py:857-935) and, on the last stage, the schedule's loss."""
+        """``forward_one_chunk`` (stage.py:857-935) and, on the last stage, the schedule's loss
+        (under ``autocast()`` when there is one)."""
+        if self.autocast is not None:
+            with self.autocast():
+                return self._forward(m, chunk)
+        return self._forward(m, chunk)
+
+    def _forward(self, m: int, chunk: int):
         state = self.state
         state.chunk, state.current = chunk, m
         inputs = state.recv[chunk][m] if not state.is_first(chunk) else None
@@ -561,8 +572,8 @@ class PipelineTrainStep:
     ``schedule.step`` splits it (the caller then holds all M micro-batches' inputs, as in a real run)."""
 
     def __init__(self, schedule: str, rank: int, stages: int, microbatches: int, whole_batch: bool = False,
-                 virtual: int = 1):
-        _check(schedule, rank, stages, microbatches, virtual)
+                 virtual: int | None = None, *, buffers: int | None = None, autocast=None):
+        _check(schedule, rank, stages, microbatches, virtual or 1)
         if schedule not in RUNNABLE:
             # zero bubble's input-gradient half is torch.autograd.grad on the received activation, a leaf, and
             # memcheck's tracer counts a module's gradients with torch._C._will_engine_execute_node, which
@@ -570,32 +581,44 @@ class PipelineTrainStep:
             raise UsageError(f"pp.train_step runs {', '.join(RUNNABLE)} for now, not {schedule!r} "
                              "(its actions and live micro-batches are modelled: pp.actions, pp.live_microbatches)")
         self.schedule, self.rank, self.stages, self.microbatches = schedule, rank, stages, microbatches
-        self.virtual = virtual
+        self.virtual = virtual  # None: the stage model's own (make_stage's virtual)
         self.whole_batch = bool(whole_batch)
+        self.buffers = buffers  # the real step's micro-batches, when fewer are traced (receive buffers)
+        self.autocast = autocast  # a context manager factory for each forward (torch.autocast), or None
         self.__name__ = f"pp_{schedule.replace('-', '_')}_step"
 
     def __call__(self, model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> None:
         state = getattr(model, "memcheck_pp_stage", None)
-        if isinstance(state, StageState) and (state.rank, state.stages, state.virtual) != (
-                self.rank, self.stages, self.virtual):
-            raise UsageError(f"the stage model is rank {state.rank} of {state.stages} with {state.virtual} chunk(s), "
-                             f"the train_step is for rank {self.rank} of {self.stages} with {self.virtual}")
-        stage = _Stage(model, batch, self.microbatches, self.whole_batch)
+        virtual = self.virtual
+        if isinstance(state, StageState):
+            virtual = state.virtual if virtual is None else virtual
+            if (state.rank, state.stages, state.virtual) != (self.rank, self.stages, virtual):
+                raise UsageError(f"the stage model is rank {state.rank} of {state.stages} with {state.virtual} "
+                                 f"chunk(s), the train_step is for rank {self.rank} of {self.stages} with {virtual}")
+        virtual = virtual or 1
+        if virtual > 1 and self.schedule in (GPIPE, ONE_F_ONE_B):
+            raise UsageError(f"schedule {self.schedule!r} runs one stage per rank, and the stage model holds "
+                             f"{virtual} chunks; use {INTERLEAVED!r}")
+        stage = _Stage(model, batch, self.microbatches, self.whole_batch, self.buffers)
+        stage.autocast = self.autocast
         if self.schedule == GPIPE:
             _gpipe(stage, self.microbatches)
         elif self.schedule == ONE_F_ONE_B:
             _one_f_one_b(stage, self.microbatches, self.stages, self.rank)
         else:
-            _runtime(stage, actions(self.schedule, self.rank, self.stages, self.microbatches, self.virtual))
+            _runtime(stage, actions(self.schedule, self.rank, self.stages, self.microbatches, virtual))
         del stage
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
 
-def train_step(schedule: str, rank: int, stages: int, microbatches: int, *,
-               whole_batch: bool = False, virtual: int = 1) -> PipelineTrainStep:
+def train_step(schedule: str, rank: int, stages: int, microbatches: int, *, whole_batch: bool = False,
+               virtual: int | None = None, buffers: int | None = None, autocast=None) -> PipelineTrainStep:
     """The ``train_step(model, batch, optimizer)`` of pipeline rank ``rank`` of ``stages`` under
     ``schedule`` with ``microbatches`` micro-batches per optimizer step (``gpipe``, ``1f1b``, or
-    ``interleaved-1f1b`` with ``virtual`` chunks per rank, the model cut by ``make_stage`` with the
-    same ``virtual``); see ``PipelineTrainStep`` for ``whole_batch``."""
-    return PipelineTrainStep(schedule, rank, stages, microbatches, whole_batch, virtual)
+    ``interleaved-1f1b`` with the stage model's ``virtual`` chunks per rank, as ``make_stage`` cut
+    it); ``whole_batch``: see ``PipelineTrainStep``; ``buffers``: the real step's micro-batches
+    when fewer are traced (one receive buffer each); ``autocast``: a factory of the context each
+    forward runs in (``torch.autocast``)."""
+    return PipelineTrainStep(schedule, rank, stages, microbatches, whole_batch, virtual, buffers=buffers,
+                             autocast=autocast)

@@ -197,7 +197,8 @@ def measure_tp_cpu(
         check_plan(plan)
     return _run_ranks("tp", build, make_optimizer, loss_fn, world_size, steps, {"plan": plan}, timeout_s)
 
-PP_SCHEDULES = ("gpipe", "1f1b")  # the schedules measure_pp_cpu runs (one stage per rank)
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # the schedules measure_pp_cpu runs
 
 
 def measure_pp_cpu(
@@ -207,18 +208,21 @@ def measure_pp_cpu(
     world_size: int = 2,
     schedule: str = "1f1b",
     microbatches: int = 4,
+    virtual: int = 1,
     steps: int = 2,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Measured]:
-    """Train one pipeline stage per CPU rank with ``torch.distributed.pipelining`` and measure each.
+    """Train pipeline stages on CPU ranks with ``torch.distributed.pipelining`` and measure each rank.
 
     ``build()`` returns a transformers causal LM whose decoder has ``embed_tokens``,
     ``layers`` and ``norm`` (LlamaForCausalLM and its kind) and one micro-batch
     ``{"input_ids": [mb, S], "labels": [mb, S]}``. Every rank builds the whole model and
     cuts its stage the way torchtitan does (its contiguous slice of the layers; the
     embedding on the first stage, the final norm and head on the last; the rest dropped),
-    wraps it in a real ``PipelineStage`` and runs the real schedule (``ScheduleGPipe``
-    or ``Schedule1F1B``) for ``steps`` steps of ``microbatches`` micro-batches:
+    wraps it in a real ``PipelineStage`` and runs the real schedule (``ScheduleGPipe``,
+    ``Schedule1F1B``, or ``ScheduleInterleaved1F1B`` with ``virtual`` stages per rank: rank r
+    holds global stages ``c * world_size + r``, each cut from its own copy of the model and
+    wrapped in its own ``PipelineStage``) for ``steps`` steps of ``microbatches`` micro-batches:
     ``schedule.step(..., return_outputs=False)`` (as torchtitan calls it), then
     ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. The step's batch is the
     micro-batch repeated ``microbatches`` times, split by the schedule. The loss is the
@@ -242,7 +246,9 @@ def measure_pp_cpu(
         raise UsageError(f"schedule must be one of {', '.join(PP_SCHEDULES)} for measure_pp_cpu, got {schedule!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise UsageError(f"microbatches must be an integer >= 1, got {microbatches!r}")
-    options = {"schedule": schedule, "microbatches": microbatches}
+    if not isinstance(virtual, int) or virtual < 1 or (virtual > 1 and schedule != "interleaved-1f1b"):
+        raise UsageError(f"virtual must be 1, or an integer >= 1 with schedule 'interleaved-1f1b', got {virtual!r}")
+    options = {"schedule": schedule, "microbatches": microbatches, "virtual": virtual}
     return _run_ranks("pp", build, make_optimizer, None, world_size, steps, options, timeout_s)
 
 
@@ -468,8 +474,9 @@ class HFCausalLMStage(torch.nn.Module):
         return self.lm_head(hidden[:, slice(0, None), :])
 
 
-def _hf_stage(model: torch.nn.Module, rank: int, stages: int) -> tuple[torch.nn.Module, Callable]:
-    """``(stage module, loss_fn(logits, target))`` of ``rank`` for a transformers causal LM."""
+def _hf_stage(model: torch.nn.Module, index: int, stages: int) -> tuple[torch.nn.Module, Callable]:
+    """``(stage module, loss_fn(logits, target))`` of global stage ``index`` of ``stages`` for a
+    transformers causal LM (the model is cut in place)."""
     decoder = getattr(model, "model", None)
     if not all(hasattr(decoder, n) for n in ("embed_tokens", "layers", "norm")) or not hasattr(model, "lm_head"):
         raise UsageError(f"measure_pp_cpu cuts transformers causal LMs with model.embed_tokens/layers/norm and "
@@ -478,14 +485,14 @@ def _hf_stage(model: torch.nn.Module, rank: int, stages: int) -> tuple[torch.nn.
     if stages > blocks:
         raise UsageError(f"{stages} pipeline stages for {blocks} layers of {type(model).__name__}: "
                          "at most one stage per layer")
-    first, count = _stage_span(blocks, stages, rank)
+    first, count = _stage_span(blocks, stages, index)
     vocab = model.config.vocab_size
     loss_function = model.loss_function
 
     def loss_fn(logits, target):
         return loss_function(logits=logits, labels=target, vocab_size=vocab)
 
-    return HFCausalLMStage(model, rank == 0, rank == stages - 1, range(first, first + count)), loss_fn
+    return HFCausalLMStage(model, index == 0, index == stages - 1, range(first, first + count)), loss_fn
 
 
 def _stage_span(blocks: int, stages: int, index: int) -> tuple[int, int]:
@@ -495,20 +502,31 @@ def _stage_span(blocks: int, stages: int, index: int) -> tuple[int, int]:
     return index * base + min(index, extra), base + (1 if index < extra else 0)
 
 
-def _measure_pp_rank(build, make_optimizer, loss_fn, steps, rank, world_size, *, schedule, microbatches) -> Measured:
-    """One pipeline rank: build, cut its stage, wrap it in ``PipelineStage``, run the schedule ``steps`` times."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def _measure_pp_rank(build, make_optimizer, loss_fn, steps, rank, world_size, *, schedule, microbatches,
+                     virtual) -> Measured:
+    """One pipeline rank: build, cut its stage(s), wrap each in ``PipelineStage``, run the schedule ``steps`` times."""
+    import copy
+
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     def train():
         model, batch = build()
-        stage_module, stage_loss = _hf_stage(model, rank, world_size)
+        total = world_size * virtual
+        modules, stages = [], []
+        for chunk in range(virtual):  # torchtitan: one deep copy of the model per stage, the rest deleted
+            index = chunk * world_size + rank
+            module, stage_loss = _hf_stage(copy.deepcopy(model) if virtual > 1 else model, index, total)
+            modules.append(module)
+            stages.append(PipelineStage(module, index, total, torch.device("cpu")))
         del model
         step_batch = {k: torch.cat([v] * microbatches) for k, v in batch.items()}
         del batch
-        stage = PipelineStage(stage_module, rank, world_size, torch.device("cpu"))
-        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        pipe = kind(stage, n_microbatches=microbatches, loss_fn=stage_loss)
-        optimizer = make_optimizer(stage_module.parameters())
+        if schedule == "interleaved-1f1b":
+            pipe = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=stage_loss)
+        else:
+            kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            pipe = kind(stages[0], n_microbatches=microbatches, loss_fn=stage_loss)
+        optimizer = make_optimizer([p for module in modules for p in module.parameters()])
         first, last = rank == 0, rank == world_size - 1
         for step in range(steps):
             mark_step(step, Phase.FORWARD)

@@ -237,17 +237,18 @@ class Role:
     def train_step(self, job):
         """The pipeline schedule's step for this rank; None without ``pp`` (memcheck's own loop).
 
-        Under 1F1B the step is traced with ``min(M, pp + 1)`` micro-batches: rank r holds at most
-        ``pp - r`` at once (its warm-up), and the one after those is the first forward run with
-        the gradients already allocated, so every later micro-batch repeats a traced one; the
-        receive buffers are still one per micro-batch of the real step (``M``). GPipe holds all
-        ``M`` and is traced with all of them."""
+        Under 1F1B the step is traced with ``min(M, 2 * pp)`` micro-batches: rank r holds at most
+        ``pp - r`` at once (its warm-up), and by the second round of forwards every reference the
+        schedule keeps (the sends it still waits on) is as it will be for the rest of the step, so
+        later micro-batches repeat traced ones (checked against the whole step at pp=4, M=12: equal
+        but for the 4-byte losses); the receive buffers are still one per micro-batch of the real
+        step (``M``). GPipe and the interleaved schedules are traced with all ``M``."""
         if self.layout.pp == 1:
             return None
         from memcheck.training.strategies import pp
 
         m = job.accumulate
-        traced = m if self.layout.schedule is Schedule.GPIPE else min(m, self.layout.pp + 1)
+        traced = min(m, 2 * self.layout.pp) if self.layout.schedule is Schedule.ONE_F_ONE_B else m
         dtype = job.precision.autocast_dtype
         autocast = None
         if dtype is not None:

@@ -10,11 +10,11 @@ and ``stage.py``, cited by line):
 - ``actions(schedule, rank, stages, microbatches, virtual=1)``: the ordered forwards and
   backwards (and, for zero bubble, input-gradient and weight-gradient halves) one rank runs
   in one step; ``live_microbatches(...)``: the most micro-batch activations it holds at once;
-- ``make_stage(model, rank, stages)``: turns (in place) a meta model into what one rank
-  holds: its slice of the blocks, the embedding only on the first stage (the others receive
-  an activation instead), final norm, head and loss only on the last (the others end at
-  their last block and send its output);
-- ``train_step(schedule, rank, stages, microbatches)``: a ``train_step(model, batch,
+- ``make_stage(model, rank, stages, virtual=1)``: turns (in place) a meta model into what one
+  rank holds: its slice of the blocks (one per chunk), the embedding only on the first stage
+  (the others receive an activation instead), final norm, head and loss only on the last
+  (the others end at their last block and send its output);
+- ``train_step(schedule, rank, stages, microbatches, virtual=1)``: a ``train_step(model, batch,
   optimizer)`` for ``memcheck.estimate`` that runs the rank's step on such a stage model
   the way the schedule's ``_step_microbatches`` does, including what torch's stage and
   schedule keep referenced: the per-micro-batch receive buffers, the forward cache, the
@@ -24,8 +24,10 @@ Schedules: ``gpipe`` (``ScheduleGPipe``), ``1f1b`` (``Schedule1F1B``), ``interle
 (``ScheduleInterleaved1F1B``) and ``zero-bubble`` (``ScheduleInterleavedZeroBubble``: it
 shares the interleaved schedule's placement, rank r holding stages r, r + P, ...; torch's
 ``ScheduleZBVZeroBubble`` places them in a V and is not modelled). ``train_step`` runs
-``gpipe`` and ``1f1b`` (one stage per rank), the two measured against real gloo ranks
-(``memcheck.measure.distributed.measure_pp_cpu``, tests/test_pp_cpu.py).
+``gpipe``, ``1f1b`` and ``interleaved-1f1b``, each measured against real gloo ranks
+(``memcheck.measure.distributed.measure_pp_cpu``; benchmarks/pp_accuracy.py,
+tests/test_pp_cpu.py); ``zero-bubble`` has its actions and live micro-batches only (see
+``PipelineTrainStep``). docs/pp.md says what is and is not modelled.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from memcheck.training.checkpointing import repeated_blocks
 
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
-RUNNABLE = (GPIPE, ONE_F_ONE_B)  # what train_step runs (one stage per rank)
+RUNNABLE = (GPIPE, ONE_F_ONE_B, INTERLEAVED)  # what train_step runs
 
 FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
 
@@ -168,20 +170,86 @@ class Receive(torch.nn.Module):
         self.state = state
 
     def forward(self, *args, **kwargs):
-        return self.state.recv[self.state.current].requires_grad_(True)
+        return self.state.received()
+
+
+class Entry(torch.nn.Module):
+    """The input embedding of rank 0 holding several chunks: the embedding for chunk 0 (the
+    first stage), the received activation for its later chunks."""
+
+    def __init__(self, inner: torch.nn.Module, state: "StageState"):
+        super().__init__()
+        self.inner, self.state = inner, state
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs) if self.state.chunk == 0 else self.state.received()
+
+
+class Exit(torch.nn.Module):
+    """A module after the blocks (final norm, head) on the last rank holding several chunks:
+    itself for the last chunk (the last stage), a pass-through for the earlier ones."""
+
+    def __init__(self, inner: torch.nn.Module, state: "StageState"):
+        super().__init__()
+        self.inner, self.state = inner, state
+
+    def forward(self, *args, **kwargs):
+        if self.state.chunk == self.state.virtual - 1:
+            return self.inner(*args, **kwargs)
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class _Gate:
+    """A block's ``forward`` that runs only while its chunk is the one being run (a pass-through
+    otherwise); an object, not a closure, so a deep copy of the model follows it."""
+
+    def __init__(self, forward, state: "StageState", chunk: int):
+        self.forward, self.state, self.chunk = forward, state, chunk
+
+    def __call__(self, *args, **kwargs):
+        if self.state.chunk == self.chunk:
+            return self.forward(*args, **kwargs)
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class _Capture:
+    """A forward hook on a chunk's last block: keeps its output while that chunk runs."""
+
+    def __init__(self, state: "StageState", chunk: int):
+        self.state, self.chunk = state, chunk
+
+    def __call__(self, module, args, output):
+        if self.state.chunk == self.chunk:
+            self.state.output = output[0] if isinstance(output, (tuple, list)) else output
 
 
 class StageState:
-    """What one rank's pipeline stage keeps between calls: its place, and the receive buffers
-    (allocated on the first step, kept for the run as ``PipelineStage`` keeps them)."""
+    """What one rank's pipeline stage keeps between calls: its place (rank of ``stages``,
+    ``virtual`` chunks, the blocks of each), and the receive buffers of each chunk (allocated
+    on the first step, kept for the run as ``PipelineStage`` keeps them)."""
 
-    def __init__(self, rank: int, stages: int, hidden: int, dtype: torch.dtype, blocks: tuple[str, ...]):
-        self.rank, self.stages, self.hidden, self.dtype, self.blocks = rank, stages, hidden, dtype, blocks
-        self.first, self.last = rank == 0, rank == stages - 1
-        self.recv: list[torch.Tensor] = []  # activations received, one per micro-batch (non-first stages)
-        self.grad_recv: list[torch.Tensor] = []  # gradients received, one per micro-batch (non-last stages)
+    def __init__(self, rank: int, stages: int, virtual: int, hidden: int, chunks: tuple[tuple[str, ...], ...]):
+        self.rank, self.stages, self.virtual, self.hidden, self.chunks = rank, stages, virtual, hidden, chunks
+        self.recv: dict[int, list[torch.Tensor]] = {}  # chunk -> activations received, one per micro-batch
+        self.grad_recv: dict[int, list[torch.Tensor]] = {}  # chunk -> gradients received, one per micro-batch
+        self.chunk = 0  # the chunk and micro-batch being run
         self.current = 0
-        self.output: torch.Tensor | None = None  # the last block's output of the forward just run
+        self.output: torch.Tensor | None = None  # the chunk's last block's output of the forward just run
+
+    @property
+    def blocks(self) -> tuple[str, ...]:
+        return tuple(b for chunk in self.chunks for b in chunk)
+
+    def is_first(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this rank is the pipeline's first stage (global stage 0)."""
+        return self.rank == 0 and chunk == 0
+
+    def is_last(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this rank is the pipeline's last stage."""
+        return self.rank == self.stages - 1 and chunk == self.virtual - 1
+
+    def received(self) -> torch.Tensor:
+        return self.recv[self.chunk][self.current].requires_grad_(True)
 
     def capture(self, module, args, output):
         self.output = output[0] if isinstance(output, (tuple, list)) else output
@@ -218,52 +286,68 @@ def make_stage(model: torch.nn.Module, rank: int, stages: int, virtual: int = 1)
     """Turn ``model`` (parameters on the meta device; pass a copy) in place into pipeline rank
     ``rank`` of ``stages``, and return it.
 
-    Rank r keeps blocks ``stage_span(len(blocks), stages, r)`` of the model's repeated blocks
-    (``memcheck.training.checkpointing.repeated_blocks``); the others become ``PassThrough``.
-    A non-first stage's input embedding becomes ``Receive`` (the activation it receives); a
-    non-last stage's modules after the blocks (final norm, head) become ``PassThrough`` and its
-    output is its last block's output (``train_step`` sends it and receives its gradient). A
-    transformers model's KV cache is turned off (training; torchtitan's models have none).
+    The model's repeated blocks (``memcheck.training.checkpointing.repeated_blocks``) are cut
+    into ``stages * virtual`` contiguous global stages (``stage_span``); rank r holds global
+    stages ``c * stages + r`` for its chunks c (torch's interleaved placement; one stage when
+    ``virtual`` is 1). The other blocks become ``PassThrough``. A non-first stage's input
+    embedding becomes ``Receive`` (the activation it receives); a non-last stage's modules after
+    the blocks (final norm, head) become ``PassThrough`` and its output is its last block's
+    output (``train_step`` sends it and receives its gradient). With several chunks, rank 0's
+    embedding becomes ``Entry`` and the last rank's norm and head ``Exit``, and each block runs
+    only for its own chunk. A transformers model's KV cache is turned off (training;
+    torchtitan's models have none).
 
     Raises:
-        UsageError: no repeated blocks, more stages than blocks, ``virtual`` other than 1,
-            or a non-first stage of a model with several parameterised modules before its blocks.
+        UsageError: no repeated blocks, more global stages than blocks, or a non-first stage of
+            a model with several parameterised modules before its blocks.
     """
-    _check(GPIPE, rank, stages, 1, 1)
-    if virtual != 1:
-        raise UsageError(f"make_stage cuts one stage per rank for now (virtual=1), got virtual={virtual}")
+    _check(INTERLEAVED if virtual > 1 else GPIPE, rank, stages, stages, virtual)
     blocks = repeated_blocks(model)
     name = type(model).__name__
     if not blocks:
         raise UsageError(f"pipeline parallelism cuts a model's repeated blocks, and {name} has none "
                          "(no ModuleList or Sequential of two or more blocks of one class)")
-    if stages > len(blocks):
-        raise UsageError(f"{stages} pipeline stages for the {len(blocks)} repeated blocks of {name}: "
-                         "at most one stage per block")
+    total = stages * virtual
+    if total > len(blocks):
+        what = f"{stages} pipeline stages" if virtual == 1 else f"{stages} pipeline ranks x {virtual} chunks"
+        raise UsageError(f"{what} for the {len(blocks)} repeated blocks of {name}: at most one stage per block")
     container = blocks[0].rpartition(".")[0]
     before, after = _around(model, container)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if rank > 0 and before and (len(before) > 1 or model.get_submodule(before[0]) is not embedding):
+    if (rank > 0 or virtual > 1) and before and (len(before) > 1 or model.get_submodule(before[0]) is not embedding):
         raise UsageError(f"a non-first pipeline stage of {name} replaces its input embedding with the received "
                          f"activation; {name} has {', '.join(before)} before its blocks, which is not modelled")
-    first, count = stage_span(len(blocks), stages, rank)
-    kept = tuple(blocks[first:first + count])
+    chunks = []
+    for chunk in range(virtual):
+        first, count = stage_span(len(blocks), total, chunk * stages + rank)
+        chunks.append(tuple(blocks[first:first + count]))
+    kept = tuple(b for chunk in chunks for b in chunk)
     if embedding is not None and getattr(embedding, "weight", None) is not None:
-        hidden, dtype = embedding.weight.shape[-1], embedding.weight.dtype
+        hidden = embedding.weight.shape[-1]
     else:
-        probe = next(model.get_submodule(kept[0]).parameters())
-        hidden, dtype = probe.shape[-1], probe.dtype
-    state = StageState(rank, stages, hidden, dtype, kept)
+        hidden = next(model.get_submodule(kept[0]).parameters()).shape[-1]
+    state = StageState(rank, stages, virtual, hidden, tuple(chunks))
     for block in blocks:
         if block not in kept:
             _set(model, block, PassThrough())
-    if rank > 0:
-        for mod_name in before:
+    for mod_name in before:
+        if rank > 0:
             _set(model, mod_name, Receive(state))
-    if rank < stages - 1:
-        for mod_name in after:
+        elif virtual > 1:
+            _set(model, mod_name, Entry(model.get_submodule(mod_name), state))
+    for mod_name in after:
+        if rank < stages - 1:
             _set(model, mod_name, PassThrough())
-        model.get_submodule(kept[-1]).register_forward_hook(state.capture)
+        elif virtual > 1:
+            _set(model, mod_name, Exit(model.get_submodule(mod_name), state))
+    for chunk, names in enumerate(chunks):
+        if virtual > 1:
+            for block in names:
+                module = model.get_submodule(block)
+                module.forward = _Gate(module.forward, state, chunk)
+        if not state.is_last(chunk):
+            hook = state.capture if virtual == 1 else _Capture(state, chunk)
+            model.get_submodule(names[-1]).register_forward_hook(hook)
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False
@@ -272,90 +356,102 @@ def make_stage(model: torch.nn.Module, rank: int, stages: int, virtual: int = 1)
 
 
 class _Stage:
-    """The part of ``PipelineStage`` (stage.py) one step uses, on the stage model: a forward
-    cache from each forward to its backward (stage.py:913, 966) and a backward cache of input
-    gradients until they are sent (stage.py:1044, 552)."""
+    """The part of ``PipelineStage`` (stage.py) one step uses, for each chunk of the stage model:
+    a forward cache from each forward to its backward (stage.py:913, 966) and a backward cache of
+    input gradients until they are sent (stage.py:1044, 552)."""
 
-    def __init__(self, model: torch.nn.Module, batch: Any, microbatches: int, buffers: int | None = None):
+    autocast = None  # a factory of the context each forward runs in (torch.autocast), or None
+
+    def __init__(self, model: torch.nn.Module, batch: Any, microbatches: int, whole_batch: bool = False,
+                 buffers: int | None = None):
         state = getattr(model, "memcheck_pp_stage", None)
         if not isinstance(state, StageState):
             raise UsageError("pp.train_step runs on a model cut by pp.make_stage(model, rank, stages)")
         self.model, self.state, self.microbatches = model, state, microbatches
         self.buffers = buffers or microbatches  # receive buffers: one per micro-batch of the real step
-        self.fwd_cache: dict[int, tuple] = {}
-        self.bwd_cache: dict[int, torch.Tensor | None] = {}
-        self.losses: list[torch.Tensor] = []  # the schedule's _internal_losses (schedules.py:305-308)
-        if isinstance(batch, dict) and not state.last:
+        self.fwd_cache: dict[tuple[int, int], tuple] = {}
+        self.bwd_cache: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.losses: dict[int, torch.Tensor] = {}  # the schedule's _internal_losses (schedules.py:305-308)
+        has_last = state.is_last(state.virtual - 1)
+        if isinstance(batch, dict) and not has_last:
             batch = {k: v for k, v in batch.items() if k != "labels"}  # only the last stage has the target
-        self.batch = batch
+        if whole_batch:  # step() splits the batch into views (schedules.py:775-782, microbatch.py:239)
+            self.batches = _split(batch, microbatches)
+        else:
+            self.batches = [batch] * microbatches
         if not state.recv and not state.grad_recv:
-            self._allocate(batch)
+            self._allocate(self.batches[0])
 
     def _allocate(self, batch) -> None:
-        """The receive buffers, one per micro-batch, made when the stage is first initialised
-        (``_setup_forward_recv_info`` stage.py:2243-2274; ``_create_grad_recv_info`` stage.py:2286-2320)."""
+        """The receive buffers of each chunk, one per micro-batch, made when the stage is first
+        initialised (``_setup_forward_recv_info`` stage.py:2243-2274; ``_create_grad_recv_info``
+        stage.py:2286-2320)."""
         state = self.state
         ids = batch["input_ids"] if isinstance(batch, dict) else (batch[0] if isinstance(batch, (tuple, list))
                                                                    else batch)
         shape = (*ids.shape[:2], state.hidden)
-        if not state.first:
-            state.recv = [torch.empty(shape, dtype=state.dtype, device=ids.device) for _ in range(self.buffers)]
-        if not state.last:
-            state.grad_recv = [torch.empty(shape, dtype=state.dtype, device=ids.device)
-                               for _ in range(self.buffers)]
+        for chunk, names in enumerate(state.chunks):
+            # the activations' dtype is the blocks' dtype when the step runs (memcheck casts the twin for
+            # bf16/fp16 after make_stage): the first floating parameter of the chunk's first block
+            dtype = next(p.dtype for p in self.model.get_submodule(names[0]).parameters() if p.is_floating_point())
+            if not state.is_first(chunk):
+                state.recv[chunk] = [torch.empty(shape, dtype=dtype, device=ids.device)
+                                     for _ in range(self.buffers)]
+            if not state.is_last(chunk):
+                state.grad_recv[chunk] = [torch.empty(shape, dtype=dtype, device=ids.device)
+                                          for _ in range(self.buffers)]
 
-    def forward(self, m: int):
-        """``forward_one_chunk`` (stage.py:857-935) and, on the last stage, the schedule's loss."""
-        state = self.state
-        state.current = m
-        inputs = state.recv[m] if not state.first else None
+    def forward(self, m: int, chunk: int = 0):
+        """``forward_one_chunk`` (stage.py:857-935) and, on the last stage, the schedule's loss
+        (under ``autocast()`` when there is one)."""
         if self.autocast is not None:
             with self.autocast():
-                return self._forward(m, state, inputs)
-        return self._forward(m, state, inputs)
+                return self._forward(m, chunk)
+        return self._forward(m, chunk)
 
-    autocast = None
-
-    def _forward(self, m: int, state: "StageState", inputs):
-        if state.last:
-            out = self.model(**self.batch) if isinstance(self.batch, dict) else self.model(self.batch)
-            loss = _loss_of(out)
-            self.losses.append(loss)
+    def _forward(self, m: int, chunk: int):
+        state = self.state
+        state.chunk, state.current = chunk, m
+        inputs = state.recv[chunk][m] if not state.is_first(chunk) else None
+        batch = self.batches[m]
+        if state.is_last(chunk):
+            out = self.model(**batch) if isinstance(batch, dict) else self.model(batch)
+            self.losses[m] = _loss_of(out)
             output = _outputs(out)
             del out
         else:
-            if isinstance(self.batch, dict):
-                self.model(**self.batch)
+            if isinstance(batch, dict):
+                self.model(**{k: v for k, v in batch.items() if k != "labels"})
             else:
-                self.model(self.batch)
+                self.model(batch)
             output = (state.output,)
             state.output = None
-        self.fwd_cache[m] = (output, inputs)
+        self.fwd_cache[(chunk, m)] = (output, inputs)
         return output
 
-    def fwd_send(self, m: int) -> list[torch.Tensor]:
+    def fwd_send(self, m: int, chunk: int = 0) -> list[torch.Tensor]:
         """``get_fwd_send_ops`` (stage.py:483-510): the outputs to send; none on the last stage."""
-        return [] if self.state.last else list(self.fwd_cache[m][0])
+        return [] if self.state.is_last(chunk) else list(self.fwd_cache[(chunk, m)][0])
 
-    def backward(self, m: int) -> None:
+    def backward(self, m: int, chunk: int = 0) -> None:
         """``backward_one_chunk`` (stage.py:937-1062) with ``stage_backward`` (_backward.py:346-452)."""
-        output, inputs = self.fwd_cache.pop(m)
-        if self.state.last:
+        output, inputs = self.fwd_cache.pop((chunk, m))
+        if self.state.is_last(chunk):
             self.losses[m].backward()
         else:
-            output[0].backward(self.state.grad_recv[m])
+            output[0].backward(self.state.grad_recv[chunk][m])
         if inputs is not None:
-            self.bwd_cache[m] = inputs.grad  # _backward.py:443-450: the input's gradient, then .grad = None
+            self.bwd_cache[(chunk, m)] = inputs.grad  # _backward.py:443-450: the input's gradient, then .grad = None
             inputs.grad = None
         else:
-            self.bwd_cache[m] = None
+            self.bwd_cache[(chunk, m)] = None
 
-    def bwd_send(self, m: int) -> list[torch.Tensor]:
+    def bwd_send(self, m: int, chunk: int = 0) -> list[torch.Tensor]:
         """``get_bwd_send_ops`` (stage.py:529-602): the input gradient leaves the backward cache; none
         on the first stage."""
-        if self.state.first:
+        if self.state.is_first(chunk):
             return []
-        grad = self.bwd_cache.pop(m)
+        grad = self.bwd_cache.pop((chunk, m))
         return [grad] if grad is not None else []
 
     def finish(self) -> None:
@@ -366,6 +462,20 @@ class _Stage:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(self.microbatches)
+
+
+def _split(batch: Any, microbatches: int) -> list:
+    """The step's batch as ``microbatches`` views along dimension 0 (``torch.tensor_split``)."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten(batch)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] % microbatches:
+            raise UsageError(f"the step's batch of {leaf.shape[0]} rows does not split into {microbatches} "
+                             "micro-batches of one size")
+    parts = [torch.tensor_split(t, microbatches) if isinstance(t, torch.Tensor) and t.dim() else [t] * microbatches
+             for t in leaves]
+    return [tree_unflatten([p[i] for p in parts], spec) for i in range(microbatches)]
 
 
 def _loss_of(out) -> torch.Tensor:
@@ -437,41 +547,78 @@ def _one_f_one_b(stage: _Stage, m: int, stages: int, rank: int) -> None:
     del output, fwd_sends, send_work, bwd_sends
 
 
+def _runtime(stage: _Stage, order: list[Action]) -> None:
+    """``_PipelineScheduleRuntime._step_microbatches`` (schedules.py:2407-2662), which runs
+    ``interleaved-1f1b``: the rank's actions in order, each forward's and backward's send
+    appended to ``send_ops`` (schedules.py:2469-2472) and waited only when the step ends
+    (schedules.py:2654-2655), so a gloo ``Work`` holds every sent tensor until then."""
+    send_ops: list = []
+    for action in order:
+        if action.kind == FORWARD:
+            stage.forward(action.microbatch, action.chunk)
+            send_ops.extend(stage.fwd_send(action.microbatch, action.chunk))
+        else:
+            stage.backward(action.microbatch, action.chunk)
+            send_ops.extend(stage.bwd_send(action.microbatch, action.chunk))
+    send_ops.clear()
+    stage.finish()
+
+
 class PipelineTrainStep:
     """``train_step(model, batch, optimizer)`` for one pipeline rank: the schedule's step on the
     stage model (``make_stage``), then ``optimizer.step()`` and ``zero_grad(set_to_none=True)``.
-    ``batch`` is one micro-batch; every micro-batch of the step is that batch."""
+    ``batch`` is one micro-batch, and every micro-batch of the step is that batch; with
+    ``whole_batch=True`` it is the step's whole batch, split into ``microbatches`` views as
+    ``schedule.step`` splits it (the caller then holds all M micro-batches' inputs, as in a real run)."""
 
-    def __init__(self, schedule: str, rank: int, stages: int, microbatches: int, *, buffers: int | None = None,
-                 autocast=None):
-        _check(schedule, rank, stages, microbatches, 1)
+    def __init__(self, schedule: str, rank: int, stages: int, microbatches: int, whole_batch: bool = False,
+                 virtual: int | None = None, *, buffers: int | None = None, autocast=None):
+        _check(schedule, rank, stages, microbatches, virtual or 1)
+        if schedule not in RUNNABLE:
+            # zero bubble's input-gradient half is torch.autograd.grad on the received activation, a leaf, and
+            # memcheck's tracer counts a module's gradients with torch._C._will_engine_execute_node, which
+            # torch refuses on a leaf under autograd.grad (memcheck/trace/tracer.py, _all_grads_hook)
+            raise UsageError(f"pp.train_step runs {', '.join(RUNNABLE)} for now, not {schedule!r} "
+                             "(its actions and live micro-batches are modelled: pp.actions, pp.live_microbatches)")
+        self.schedule, self.rank, self.stages, self.microbatches = schedule, rank, stages, microbatches
+        self.virtual = virtual  # None: the stage model's own (make_stage's virtual)
+        self.whole_batch = bool(whole_batch)
         self.buffers = buffers  # the real step's micro-batches, when fewer are traced (receive buffers)
         self.autocast = autocast  # a context manager factory for each forward (torch.autocast), or None
-        if schedule not in RUNNABLE:
-            raise UsageError(f"pp.train_step runs {' and '.join(RUNNABLE)} for now, not {schedule!r}")
-        self.schedule, self.rank, self.stages, self.microbatches = schedule, rank, stages, microbatches
         self.__name__ = f"pp_{schedule.replace('-', '_')}_step"
 
     def __call__(self, model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> None:
         state = getattr(model, "memcheck_pp_stage", None)
-        if isinstance(state, StageState) and (state.rank, state.stages) != (self.rank, self.stages):
-            raise UsageError(f"the stage model is rank {state.rank} of {state.stages}, the train_step is for rank "
-                             f"{self.rank} of {self.stages}")
-        stage = _Stage(model, batch, self.microbatches, self.buffers)
+        virtual = self.virtual
+        if isinstance(state, StageState):
+            virtual = state.virtual if virtual is None else virtual
+            if (state.rank, state.stages, state.virtual) != (self.rank, self.stages, virtual):
+                raise UsageError(f"the stage model is rank {state.rank} of {state.stages} with {state.virtual} "
+                                 f"chunk(s), the train_step is for rank {self.rank} of {self.stages} with {virtual}")
+        virtual = virtual or 1
+        if virtual > 1 and self.schedule in (GPIPE, ONE_F_ONE_B):
+            raise UsageError(f"schedule {self.schedule!r} runs one stage per rank, and the stage model holds "
+                             f"{virtual} chunks; use {INTERLEAVED!r}")
+        stage = _Stage(model, batch, self.microbatches, self.whole_batch, self.buffers)
         stage.autocast = self.autocast
         if self.schedule == GPIPE:
             _gpipe(stage, self.microbatches)
-        else:
+        elif self.schedule == ONE_F_ONE_B:
             _one_f_one_b(stage, self.microbatches, self.stages, self.rank)
+        else:
+            _runtime(stage, actions(self.schedule, self.rank, self.stages, self.microbatches, virtual))
         del stage
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
 
-def train_step(schedule: str, rank: int, stages: int, microbatches: int, *, buffers: int | None = None,
-               autocast=None) -> PipelineTrainStep:
+def train_step(schedule: str, rank: int, stages: int, microbatches: int, *, whole_batch: bool = False,
+               virtual: int | None = None, buffers: int | None = None, autocast=None) -> PipelineTrainStep:
     """The ``train_step(model, batch, optimizer)`` of pipeline rank ``rank`` of ``stages`` under
-    ``schedule`` with ``microbatches`` micro-batches per optimizer step (``gpipe`` or ``1f1b``);
-    ``buffers``: the real step's micro-batches when fewer are traced (one receive buffer each);
-    ``autocast``: a factory of the context each forward runs in (``torch.autocast``)."""
-    return PipelineTrainStep(schedule, rank, stages, microbatches, buffers=buffers, autocast=autocast)
+    ``schedule`` with ``microbatches`` micro-batches per optimizer step (``gpipe``, ``1f1b``, or
+    ``interleaved-1f1b`` with the stage model's ``virtual`` chunks per rank, as ``make_stage`` cut
+    it); ``whole_batch``: see ``PipelineTrainStep``; ``buffers``: the real step's micro-batches
+    when fewer are traced (one receive buffer each); ``autocast``: a factory of the context each
+    forward runs in (``torch.autocast``)."""
+    return PipelineTrainStep(schedule, rank, stages, microbatches, whole_batch, virtual, buffers=buffers,
+                             autocast=autocast)

@@ -46,16 +46,26 @@ def exchange_counts(top_k_index: torch.Tensor, num_experts: int, degree: int, gr
     """
     if has_torch_function_unary(top_k_index):
         return handle_torch_function(exchange_counts, (top_k_index,), top_k_index, num_experts, degree, group)
-    import torch.distributed as dist
-
     flat = top_k_index.reshape(-1)
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # num_tokens_per_expert (torchtitan moe.py:314, histc)
     received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)  # expert_parallel.py:152
+    all_to_all(received, counts, None, None, group)  # expert_parallel.py:152
     input_splits = counts.view(degree, -1).sum(dim=1).tolist()  # expert_parallel.py:167-171, 178
     output_splits = received.view(degree, -1).sum(dim=1).tolist()  # expert_parallel.py:173-179
     return input_splits, output_splits, received
+
+
+def all_to_all(out: torch.Tensor, x: torch.Tensor, output_splits, input_splits, group) -> None:
+    """``torch.distributed.all_to_all_single(out, x, ...)`` over ``group``; or the group's own
+    ``all_to_all_single`` where it has one (``memcheck.measure.distributed``'s fenced gloo group)."""
+    exchange = getattr(group, "all_to_all_single", None)
+    if exchange is not None:
+        exchange(out, x, output_splits, input_splits)
+        return
+    import torch.distributed as dist
+
+    dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
 
 
 def assumed_splits(tokens: int, top_k: int, num_experts: int, degree: int, balanced: bool):

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from memcheck.errors import UsageError, require_int
-from memcheck.rules.expert_parallel import exchange_counts
+from memcheck.rules.expert_parallel import all_to_all, exchange_counts
 
 _EXPERT_DIM_PARAMS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 
@@ -135,9 +135,7 @@ class _AllToAll(torch.autograd.Function):
 def _exchange(x, output_splits, input_splits, group):
     out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
     if x.device.type != "meta":
-        import torch.distributed as dist
-
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        all_to_all(out, x.contiguous(), output_splits, input_splits, group)
     return out
 
 

@@ -173,6 +173,35 @@ def measure_ep_cpu(
     return _run_ranks("ep", build, make_optimizer, loss_fn, world_size, steps, {}, timeout_s)
 
 
+def measure_cp_cpu(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    loss_fn: LossFn | None = None,
+    world_size: int = 2,
+    steps: int = 2,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Measured]:
+    """Train under torch's ``context_parallel`` on ``world_size`` CPU ranks and measure each.
+
+    Every rank calls ``build()`` (a dict batch whose ``input_ids`` and ``labels`` are sharded
+    along dimension 1, in place, with ``no_restore_buffers``, as torchtitan passes them), then
+    ``make_optimizer``, then runs the steps inside ``context_parallel(mesh, buffers=...)``.
+
+    torch 2.13's context parallelism has no CPU kernel: its SDPA handler and sharding rules
+    cover the CUDA flash, efficient and cuDNN ops only, so on CPU it raises
+    ``NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default
+    does not have a sharding strategy registered``. The ranks register the CPU flash kernel
+    with it (``_register_cpu_flash_with_cp``): its sharding rules (the sequence dimension
+    sharded, as for flash) and a handler that calls torch's own ``_templated_ring_attention``
+    and ``_templated_ring_attention_backward`` with the CPU kernel, as
+    ``_scaled_dot_product_ring_flash_attention`` does with CUDA flash. Everything else (the
+    sharding and load balancing of the buffers, the ring, the merge, the rotations over gloo)
+    is torch's code.
+    """
+    return _run_ranks("cp", build, make_optimizer, loss_fn, world_size, steps, {}, timeout_s)
+
+
 def _run_ranks(strategy, build, make_optimizer, loss_fn, world_size, steps, options, timeout_s) -> list[Measured]:
     """Validate, spawn one process per rank, and collect their ``Measured`` in rank order."""
     if not isinstance(world_size, int) or world_size < 1:
@@ -285,6 +314,8 @@ def _rank_main(rank, world_size, init_method, results, strategy, build, make_opt
         )
         if strategy == "ddp":
             setup = _ddp_setup(build, **options)
+        elif strategy == "cp":
+            setup = _cp_setup(build, world_size)
         elif strategy == "ep":
             setup = _ep_setup(build, rank, world_size, timeout_s)
         else:
@@ -306,6 +337,70 @@ def _ddp_setup(build, *, bucket_cap_mb, gradient_as_bucket_view):
         return ddp, batch
 
     return setup
+
+
+def _cp_setup(build, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    _register_cpu_flash_with_cp()
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def setup():
+        model, batch = build()
+        buffers = [batch["input_ids"], batch["labels"]]
+        sharded = context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1], no_restore_buffers=set(buffers))
+        return model, batch, sharded
+
+    return setup
+
+
+def _register_cpu_flash_with_cp() -> None:
+    """Let torch's context parallelism run the CPU flash kernel (``measure_cp_cpu``)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    from torch.distributed.tensor.experimental._context_parallel import _sharding_rules as rules
+
+    aten = torch.ops.aten
+    forward, backward = aten._scaled_dot_product_flash_attention_for_cpu.default, \
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    if forward in cp.custom_ops:
+        return
+
+    def forward_strategy(op_schema):  # outputs (output, logsumexp), inputs q, k, v
+        strategies = [[Replicate()] * 5, [Shard(rules.SEQ_DIM)] * 5]
+        return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(), op_schema, strategies, input_index=2)
+
+    def backward_strategy(op_schema):  # outputs dq, dk, dv; inputs grad_out, q, k, v, out, logsumexp
+        strategies = [[Replicate()] * 9, [Shard(rules.SEQ_DIM)] * 9]
+        return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(validate=False), op_schema,
+                                               strategies, input_index=3)
+
+    def ring_forward(mesh, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        if attn_mask is not None:
+            raise NotImplementedError("context parallel attention takes no mask")
+        return cp._templated_ring_attention(mesh.get_group(), rules.SEQ_DIM, forward, query=query, key=key,
+                                            value=value, is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+
+    def ring_backward(mesh, grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
+                      scale=None):
+        return cp._templated_ring_attention_backward(
+            mesh.get_group(), rules.SEQ_DIM, backward, grad_out=grad_out, grad_out_name="grad_out", query=query,
+            key=key, value=value, out=out, logsumexp=logsumexp, is_causal=is_causal, dropout_p=dropout_p,
+            scale=scale)
+
+    def handler(op_call, args, kwargs):  # cp._sdpa_handler, with the CPU kernel
+        op_info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+        DTensor._op_dispatcher.sharding_propagator.propagate(op_info)
+        output_sharding = op_info.output_sharding
+        ring = ring_forward if op_call is forward else ring_backward
+        results = ring(op_info.compute_mesh, *op_info.local_args, **op_info.local_kwargs)
+        return DTensor._op_dispatcher.wrap(results, output_sharding.output_spec)
+
+    for op, strategy in ((forward, forward_strategy), (backward, backward_strategy)):
+        register_op_strategy(op)(strategy)  # for the life of the rank
+        cp.custom_ops[op] = handler
 
 
 def _ep_setup(build, rank, world_size, timeout_s):
@@ -381,10 +476,11 @@ def _measure_rank(setup, make_optimizer, loss_fn, steps) -> Measured:
     """``measure_cpu``'s measurement, with ``setup()`` (build and wrap) inside the profiled region."""
     with _process_wide_cpu_accounting() as process_wide:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            model, batch = setup()
+            model, batch, *around = setup()  # a context to run the steps in (cp), or none
             optimizer = make_optimizer(model.parameters())
-            run_steps(model, batch, loss_fn, optimizer, steps, mark_step)
-            del model, batch, optimizer
+            with around[0] if around else contextlib.nullcontext():
+                run_steps(model, batch, loss_fn, optimizer, steps, mark_step)
+            del model, batch, optimizer, around
     events, step_start = allocator_events(prof.profiler.kineto_results.experimental_event_tree())
     live = live_bytes_process_wide(events) if process_wide else live_bytes_paired(events)
     steady_from = step_start.get(1, step_start.get(0, 0))

@@ -42,11 +42,18 @@ def adamw(params):
 
 
 def _estimate(rank):
+    # The ranks run one thread each (measure.distributed): the CPU flash kernels' per-thread buffers
+    # follow torch.get_num_threads(), so the estimate is made with one too.
     with torch.device("meta"):
         model, batch = build()
-    with cp_attention(CP, seq_len=SEQ, rank=rank):
-        return memcheck.estimate(model, shard_sequence(batch, CP), device="cpu", optimizer="adamw",
-                                 loss_fn=default_loss)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with cp_attention(CP, seq_len=SEQ, rank=rank):
+            return memcheck.estimate(model, shard_sequence(batch, CP), device="cpu", optimizer="adamw",
+                                     loss_fn=default_loss)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

@@ -26,7 +26,9 @@ values, ``2 x B x H_kv x S/C x d`` elements):
   when they are transposed views, as in transformers), the local ``kv`` concatenated
   (``torch.cat``), then one ``all_gather_single`` of it (``_AllGatherRotater``, 273-300): **all C
   ranks' kv** live until the call returns; every later step concatenates the chunk it uses
-  again (freed at once: ``exchange_buffers`` returns ``None``). With ``ALL_TO_ALL``
+  again (freed at once: ``exchange_buffers`` returns ``None``). A functional collective keeps its
+  input until it is waited on (``wait_tensor``, at the next ``next_buffer``), so each sent
+  concatenation lives until then (seen in the profiler's events of a real run). With ``ALL_TO_ALL``
   (``_AllToAllRotater``, 253-270) the received chunk replaces the sent one: two chunks live.
   Each step's output and logsumexp are merged in float32 (``_SDPAMerger``, 139-229,
   ``convert_to_f32=True``); under load balancing rank ``r`` runs, at steps ``i > r``, only the
@@ -157,16 +159,20 @@ class _Rotater:
         self.method, self.rank, self.degree = method, rank, degree
         self.buffer = None
         self.idx = 0
+        self.in_flight = None  # the sent buffer: a functional collective keeps its input until waited on
 
     def exchange_buffers(self, curr: torch.Tensor) -> None:
         if self.method == "allgather":
             self.idx += 1
             if self.buffer is None:
                 self.buffer = _all_gather(curr, self.degree)
+                self.in_flight = curr
         else:
             self.buffer = _permute(curr)
+            self.in_flight = curr
 
     def next_buffer(self) -> torch.Tensor:
+        self.in_flight = None  # _maybe_wait: wait_tensor lets go of the collective's input
         if self.method == "allgather":
             return self.buffer.chunk(self.degree)[self.rank - self.idx]
         return self.buffer

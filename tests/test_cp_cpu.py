@@ -105,3 +105,35 @@ def test_cp_refuses_a_mask_and_a_bad_rank():
     with pytest.raises(UsageError, match=r"rank must be an integer from 0 to cp - 1 = 1, got 2"):
         with cp_attention(2, seq_len=32, rank=2):
             pass
+
+
+def test_cpu_flash_backward_copies_grad_out_only_when_its_transpose_is_not_contiguous():
+    # Found through CP (the ring passes transformers' grad_out on as it is): the CPU kernel works on
+    # grad_out.transpose(1, 2) and copies it only when that is not contiguous. (2, 4, 32, 16) float32:
+    # dq, dk, dv 16,384 B each; the copy 16,384 B; the per-thread buffer 2 x 32 x 32 x 4 = 8,192 B;
+    # dsum 32 x 4 = 128 B. Real allocations from the profiler, traced ones from the tracer.
+    from torch.profiler import ProfilerActivity, profile
+
+    from memcheck.rules.probe import cpu_memory_events
+
+    aten = torch.ops.aten
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        q, k, v = (torch.randn(2, 4, 32, 16) for _ in range(3))
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        layouts = {"bhsd": (torch.randn(2, 4, 32, 16), 4), "bshd": (torch.randn(2, 32, 4, 16).transpose(1, 2), 3)}
+        for name, (grad, sixteen_kib) in layouts.items():
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, True)
+            real = [n for _, n in cpu_memory_events(prof.profiler.kineto_results.events()) if n > 0]
+            assert sorted(real) == sorted([16384] * sixteen_kib + [8192, 128]), name
+            meta = [t.to("meta") for t in (grad, q, k, v, out, lse)]
+            meta[0] = torch.empty_strided(grad.shape, grad.stride(), device="meta")
+            tracer = MemoryTracer("cpu")
+            with tracer:
+                aten._scaled_dot_product_flash_attention_for_cpu_backward(*meta, 0.0, True)
+            traced = [e[2] for e in tracer.log.events if e[0] == ALLOC]
+            assert sorted(traced) == sorted(real), name
+    finally:
+        torch.set_num_threads(threads)

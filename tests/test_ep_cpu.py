@@ -124,3 +124,23 @@ def test_ep_errors_name_the_value():
         dense = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(UsageError, match=r"ep=2 needs a mixture-of-experts model; Sequential has no experts"):
         shard_experts(dense, 2)
+
+
+def test_shard_experts_on_qwen3_moe_and_olmoe_by_hand():
+    # 8 experts over ep=4: 2 per rank; Qwen3-MoE gate_up_proj (8, 2 x 32, 64) -> (2, 64, 64),
+    # OLMoE (8, 2 x 32, 64) -> (2, 64, 64); rank 1 keeps experts 2 and 3.
+    from transformers import OlmoeConfig, Qwen3MoeConfig
+
+    configs = (Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, head_dim=16),
+               OlmoeConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                           eos_token_id=1, pad_token_id=0))
+    for config in configs:
+        model = hf.build_model(config, Task.CAUSAL_LM, device=torch.device("cpu"))
+        experts = model.model.layers[0].mlp.experts
+        full = experts.gate_up_proj.detach().clone()
+        shard_experts(model, 4, rank=1)
+        assert experts.gate_up_proj.shape == (2, 64, 64) and experts.down_proj.shape == (2, 64, 32)
+        assert torch.equal(experts.gate_up_proj, full[2:4]) and experts.num_experts == 2

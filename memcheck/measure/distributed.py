@@ -1,11 +1,11 @@
-"""Measure what DDP, FSDP2 and expert parallelism (``ep``) really allocate per process, on CPU with the gloo backend.
+"""Measure what DDP, FSDP2, tensor, context and expert parallelism really allocate per process, on CPU with gloo.
 
 Each rank is a fresh process (``torch.multiprocessing``, start method ``spawn``)
 that joins a gloo process group over a file store, wraps the model, trains
 ``steps`` steps with ``memcheck.training.loop.run_steps``, and measures the
 allocator the way ``memcheck.measure.local.measure_cpu`` does: the profiler's
 allocation events (``profile_memory=True``), the steady-state peak taken from the
-start of step 2. The results are the oracle for the ``ddp`` and ``fsdp``
+start of step 2. The results are the oracle for the ``ddp``, ``fsdp`` and ``tp``
 strategies' estimates; nothing here uses the tracer.
 
 One difference from ``measure_cpu``, because gloo runs collectives on worker
@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from memcheck.enums import Phase
 from memcheck.errors import MemcheckError, UsageError
 from memcheck.measure.local import STEP_MARK, Measured, mark_step
 from memcheck.training.loop import LossFn, default_loss, run_steps
@@ -146,6 +147,103 @@ def measure_fsdp_cpu(
         activation (2 MiB for the 256 x 2048 float MLP).
     """
     return _run_ranks("fsdp", build, make_optimizer, loss_fn, world_size, steps, {"wrap": wrap}, timeout_s)
+
+
+def measure_tp_cpu(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    loss_fn: LossFn | None = None,
+    world_size: int = 2,
+    steps: int = 2,
+    plan: dict[str, str] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Measured]:
+    """Train under tensor parallelism (DTensor ``parallelize_module``) on ``world_size`` CPU ranks and measure each.
+
+    Every rank calls ``build()`` (the whole model, and the same batch on every
+    rank: tensor-parallel ranks see the same tokens), then
+    ``parallelize_module(model, init_device_mesh("cpu", (world_size,)), styles)``
+    with ``styles`` the plan translated to torch's ``ColwiseParallel()`` and
+    ``RowwiseParallel()`` (their defaults: ``use_local_output=True``, the
+    row-wise output all-reduced to ``Replicate``; ``"colwise_gather_output"`` is
+    ``ColwiseParallel(output_layouts=Replicate())``), then
+    ``make_optimizer(model.parameters())``, all inside the profiled region.
+    ``plan`` is ``{glob: "colwise" | "rowwise" | "colwise_gather_output"}``; by default the one
+    ``memcheck.training.strategies.tp.resolve_plan`` reads from the model (a
+    transformers config's ``base_model_tp_plan``), the plan ``tp.shard``
+    emulates.
+
+    ``build``, ``make_optimizer`` and ``loss_fn`` must be picklable module-level
+    functions, as for ``measure_ddp_cpu``.
+
+    Returns:
+        One ``Measured`` per rank, in rank order.
+
+    Raises:
+        UsageError: a bad argument or plan, or a callable that cannot be pickled.
+        DistributedMeasureError: this torch has no DTensor tensor parallelism, or
+            a rank could not start, raised, died or timed out.
+
+    Known limitations:
+        The whole model is built on every rank before it is sharded (as in
+        torch's tutorials), so the first step's peak holds the full weights
+        for a moment; the steady peak, from step 2, does not. gloo's scratch
+        (``malloc``, at most 2 MiB per all-reduce in flight) is not counted.
+    """
+    if plan is not None:
+        from memcheck.training.strategies.tp import check_plan
+
+        check_plan(plan)
+    return _run_ranks("tp", build, make_optimizer, loss_fn, world_size, steps, {"plan": plan}, timeout_s)
+
+PP_SCHEDULES = ("gpipe", "1f1b")  # the schedules measure_pp_cpu runs (one stage per rank)
+
+
+def measure_pp_cpu(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    world_size: int = 2,
+    schedule: str = "1f1b",
+    microbatches: int = 4,
+    steps: int = 2,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Measured]:
+    """Train one pipeline stage per CPU rank with ``torch.distributed.pipelining`` and measure each.
+
+    ``build()`` returns a transformers causal LM whose decoder has ``embed_tokens``,
+    ``layers`` and ``norm`` (LlamaForCausalLM and its kind) and one micro-batch
+    ``{"input_ids": [mb, S], "labels": [mb, S]}``. Every rank builds the whole model and
+    cuts its stage the way torchtitan does (its contiguous slice of the layers; the
+    embedding on the first stage, the final norm and head on the last; the rest dropped),
+    wraps it in a real ``PipelineStage`` and runs the real schedule (``ScheduleGPipe``
+    or ``Schedule1F1B``) for ``steps`` steps of ``microbatches`` micro-batches:
+    ``schedule.step(..., return_outputs=False)`` (as torchtitan calls it), then
+    ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. The step's batch is the
+    micro-batch repeated ``microbatches`` times, split by the schedule. The loss is the
+    model's own (``model.loss_function``, a mean over tokens; the schedule's
+    ``scale_grads`` divides the gradients by ``microbatches``). Build, cut and
+    optimizer are inside the profiled region, as in ``measure_ddp_cpu``.
+
+    Returns:
+        One ``Measured`` per rank (= stage), in rank order.
+
+    Raises:
+        UsageError: a bad argument, a schedule other than ``PP_SCHEDULES``, more stages than
+            layers, or a model without ``model.embed_tokens/layers/norm`` and ``lm_head``.
+        DistributedMeasureError: a rank could not start, raised, died or timed out.
+
+    Known limitations:
+        gloo's send/recv work on the tensors themselves (no scratch); a gloo send ``Work``
+        holds its tensor until the schedule drops the ``Work`` (NCCL's differ).
+    """
+    if schedule not in PP_SCHEDULES:
+        raise UsageError(f"schedule must be one of {', '.join(PP_SCHEDULES)} for measure_pp_cpu, got {schedule!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise UsageError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    options = {"schedule": schedule, "microbatches": microbatches}
+    return _run_ranks("pp", build, make_optimizer, None, world_size, steps, options, timeout_s)
 
 
 def measure_ep_cpu(
@@ -312,15 +410,21 @@ def _rank_main(rank, world_size, init_method, results, strategy, build, make_opt
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
-        if strategy == "ddp":
-            setup = _ddp_setup(build, **options)
-        elif strategy == "cp":
-            setup = _cp_setup(build, world_size)
-        elif strategy == "ep":
-            setup = _ep_setup(build, rank, world_size, timeout_s)
+        if strategy == "pp":
+            report = (rank, True, _measure_pp_rank(build, make_optimizer, loss_fn, steps, rank, world_size,
+                                                   **options))
         else:
-            setup = _fsdp_setup(build, world_size, **options)
-        report = (rank, True, _measure_rank(setup, make_optimizer, loss_fn or default_loss, steps))
+            if strategy == "ddp":
+                setup = _ddp_setup(build, **options)
+            elif strategy == "cp":
+                setup = _cp_setup(build, world_size)
+            elif strategy == "ep":
+                setup = _ep_setup(build, rank, world_size, timeout_s)
+            elif strategy == "tp":
+                setup = _tp_setup(build, world_size, **options)
+            else:
+                setup = _fsdp_setup(build, world_size, **options)
+            report = (rank, True, _measure_rank(setup, make_optimizer, loss_fn or default_loss, steps))
     except BaseException:  # report everything, KeyboardInterrupt included: the parent is waiting
         report = (rank, False, traceback.format_exc())
     results.put(report)  # before the teardown, which can block while a peer is stuck in a collective
@@ -468,19 +572,146 @@ def _fsdp_setup(build, world_size, *, wrap):
     return setup
 
 
+def _tp_setup(build, world_size, *, plan):
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    except ImportError as e:
+        raise DistributedMeasureError(f"this torch ({torch.__version__}) has no DTensor tensor parallelism") from e
+    from torch.distributed.tensor import Replicate
+
+    from memcheck.training.strategies.tp import COLWISE, ROWWISE, resolve_plan
+
+    def torch_style(style):
+        if style == COLWISE:
+            return ColwiseParallel()
+        if style == ROWWISE:
+            return RowwiseParallel()
+        return ColwiseParallel(output_layouts=Replicate())  # colwise_gather_output, as transformers defines it
+
+    def setup():
+        model, batch = build()
+        mesh = init_device_mesh("cpu", (world_size,))
+        resolved = resolve_plan(model, plan)
+        styles = {key: torch_style(style) for key, style in resolved.items()}
+        parallelize_module(model, mesh, styles)
+        return model, batch
+
+    return setup
+
+class HFCausalLMStage(torch.nn.Module):
+    """One pipeline stage of a transformers causal LM, cut the way torchtitan cuts its models
+    (``torchtitan/distributed/pipeline_parallel.py``: a copy of the model with the other stages'
+    layers deleted and the embedding / norm / output set to None where the stage does not hold them).
+
+    transformers' decoder (``LlamaModel.forward``) cannot skip a missing embedding or norm, so
+    the decoder keeps its own ``forward`` on the kept ``layers`` only: the first stage feeds it
+    ``input_ids``, the others ``inputs_embeds`` (the received activation); the norm of a non-last
+    stage is an ``Identity`` and its output is the last kept layer's output. The last stage runs
+    the head on ``hidden_states[:, slice(0, None), :]`` exactly as ``LlamaForCausalLM.forward``
+    does (``logits_to_keep=0``), and the schedule's loss is the model's own ``loss_function``.
+    """
+
+    def __init__(self, causal_lm: torch.nn.Module, first: bool, last: bool, layers: range):
+        super().__init__()
+        decoder = causal_lm.model
+        decoder.layers = torch.nn.ModuleList(decoder.layers[i] for i in layers)
+        decoder.config.use_cache = False  # training: no KV cache, as torchtitan's models have none
+        if not first:
+            decoder.embed_tokens = None
+        if not last:
+            decoder.norm = torch.nn.Identity()
+        self.decoder = decoder
+        self.first = first
+        self.lm_head = causal_lm.lm_head if last else None
+
+    def forward(self, x):
+        out = self.decoder(input_ids=x) if self.first else self.decoder(inputs_embeds=x)
+        hidden = out.last_hidden_state
+        if self.lm_head is None:
+            return hidden
+        return self.lm_head(hidden[:, slice(0, None), :])
+
+
+def _hf_stage(model: torch.nn.Module, rank: int, stages: int) -> tuple[torch.nn.Module, Callable]:
+    """``(stage module, loss_fn(logits, target))`` of ``rank`` for a transformers causal LM."""
+    decoder = getattr(model, "model", None)
+    if not all(hasattr(decoder, n) for n in ("embed_tokens", "layers", "norm")) or not hasattr(model, "lm_head"):
+        raise UsageError(f"measure_pp_cpu cuts transformers causal LMs with model.embed_tokens/layers/norm and "
+                         f"lm_head (LlamaForCausalLM and its kind), not {type(model).__name__}")
+    blocks = len(decoder.layers)
+    if stages > blocks:
+        raise UsageError(f"{stages} pipeline stages for {blocks} layers of {type(model).__name__}: "
+                         "at most one stage per layer")
+    first, count = _stage_span(blocks, stages, rank)
+    vocab = model.config.vocab_size
+    loss_function = model.loss_function
+
+    def loss_fn(logits, target):
+        return loss_function(logits=logits, labels=target, vocab_size=vocab)
+
+    return HFCausalLMStage(model, rank == 0, rank == stages - 1, range(first, first + count)), loss_fn
+
+
+def _stage_span(blocks: int, stages: int, index: int) -> tuple[int, int]:
+    """(first block, number of blocks) of stage ``index``: contiguous, the first ``blocks % stages`` stages one
+    more (torchtitan's even split when ``stages`` divides ``blocks``)."""
+    base, extra = divmod(blocks, stages)
+    return index * base + min(index, extra), base + (1 if index < extra else 0)
+
+
+def _measure_pp_rank(build, make_optimizer, loss_fn, steps, rank, world_size, *, schedule, microbatches) -> Measured:
+    """One pipeline rank: build, cut its stage, wrap it in ``PipelineStage``, run the schedule ``steps`` times."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    def train():
+        model, batch = build()
+        stage_module, stage_loss = _hf_stage(model, rank, world_size)
+        del model
+        step_batch = {k: torch.cat([v] * microbatches) for k, v in batch.items()}
+        del batch
+        stage = PipelineStage(stage_module, rank, world_size, torch.device("cpu"))
+        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        pipe = kind(stage, n_microbatches=microbatches, loss_fn=stage_loss)
+        optimizer = make_optimizer(stage_module.parameters())
+        first, last = rank == 0, rank == world_size - 1
+        for step in range(steps):
+            mark_step(step, Phase.FORWARD)
+            target = step_batch["labels"] if last else None
+            losses = [] if last else None
+            if first:
+                pipe.step(step_batch["input_ids"], target=target, losses=losses, return_outputs=False)
+            else:
+                pipe.step(target=target, losses=losses, return_outputs=False)
+            del losses
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return _measured(train)
+
+
 def _children_with_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [child for child in model.children() if any(True for _ in child.parameters())]
 
 
 def _measure_rank(setup, make_optimizer, loss_fn, steps) -> Measured:
     """``measure_cpu``'s measurement, with ``setup()`` (build and wrap) inside the profiled region."""
+
+    def train():
+        model, batch, *around = setup()  # a context to run the steps in (cp), or none
+        optimizer = make_optimizer(model.parameters())
+        with around[0] if around else contextlib.nullcontext():
+            run_steps(model, batch, loss_fn, optimizer, steps, mark_step)
+
+    return _measured(train)
+
+
+def _measured(train: Callable[[], None]) -> Measured:
+    """Run ``train()`` under the profiler with process-wide accounting; its peaks from the allocator's events
+    (the steady peak from the ``STEP_MARK.1`` marker on)."""
     with _process_wide_cpu_accounting() as process_wide:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            model, batch, *around = setup()  # a context to run the steps in (cp), or none
-            optimizer = make_optimizer(model.parameters())
-            with around[0] if around else contextlib.nullcontext():
-                run_steps(model, batch, loss_fn, optimizer, steps, mark_step)
-            del model, batch, optimizer, around
+            train()
     events, step_start = allocator_events(prof.profiler.kineto_results.experimental_event_tree())
     live = live_bytes_process_wide(events) if process_wide else live_bytes_paired(events)
     steady_from = step_start.get(1, step_start.get(0, 0))

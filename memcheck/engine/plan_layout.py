@@ -290,7 +290,8 @@ class _Search:
             self.traces += len(est.devices)
             busiest = est.busiest.total_bytes
             fits = busiest <= self.limit
-            row = self._row(c, "fits" if fits else "traced: does not fit", traced=busiest, fits=fits)
+            row = self._row(c, "fits" if fits else "traced: does not fit", traced=busiest, fits=fits,
+                            predicted=predicted)
             considered.append(row)
             if fits:
                 return c, considered, est

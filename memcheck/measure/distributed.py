@@ -1,4 +1,5 @@
-"""Measure what DDP, FSDP2 and tensor parallelism really allocate per process, on CPU with the gloo backend.
+"""Measure what DDP, FSDP2, tensor, pipeline, context and expert parallelism really allocate per process, on
+CPU with gloo.
 
 Each rank is a fresh process (``torch.multiprocessing``, start method ``spawn``)
 that joins a gloo process group over a file store, wraps the model, trains
@@ -252,6 +253,60 @@ def measure_pp_cpu(
     return _run_ranks("pp", build, make_optimizer, None, world_size, steps, options, timeout_s)
 
 
+def measure_ep_cpu(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    loss_fn: LossFn | None = None,
+    world_size: int = 2,
+    steps: int = 2,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Measured]:
+    """Train a mixture-of-experts model under expert parallelism on ``world_size`` CPU ranks and measure each.
+
+    Every rank calls ``build()``, then ``memcheck.training.strategies.ep.shard_experts(model,
+    world_size, rank=rank)`` over the default group, then ``make_optimizer(model.parameters())``,
+    all inside the profiled region. torch has no expert-parallel module: the layer is memcheck's
+    own (``ep.ExpertParallelDispatch``, written after torchtitan's ``ExpertParallel``), run with
+    real all-to-all exchanges over a one-thread gloo group (``_FencedGlooGroup``: so that gloo's
+    worker thread never holds the last reference to an exchanged tensor). No gradient is synchronised across ranks (no DDP or
+    FSDP over the dense parameters): what is measured is the experts' sharding and the dispatch.
+
+    ``build``, ``make_optimizer`` and ``loss_fn`` must be picklable module-level functions, as
+    for ``measure_ddp_cpu``. Returns one ``Measured`` per rank, in rank order.
+    """
+    return _run_ranks("ep", build, make_optimizer, loss_fn, world_size, steps, {}, timeout_s)
+
+
+def measure_cp_cpu(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    loss_fn: LossFn | None = None,
+    world_size: int = 2,
+    steps: int = 2,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Measured]:
+    """Train under torch's ``context_parallel`` on ``world_size`` CPU ranks and measure each.
+
+    Every rank calls ``build()`` (a dict batch whose ``input_ids`` and ``labels`` are sharded
+    along dimension 1, in place, with ``no_restore_buffers``, as torchtitan passes them), then
+    ``make_optimizer``, then runs the steps inside ``context_parallel(mesh, buffers=...)``.
+
+    torch 2.13's context parallelism has no CPU kernel: its SDPA handler and sharding rules
+    cover the CUDA flash, efficient and cuDNN ops only, so on CPU it raises
+    ``NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default
+    does not have a sharding strategy registered``. The ranks register the CPU flash kernel
+    with it (``_register_cpu_flash_with_cp``): its sharding rules (the sequence dimension
+    sharded, as for flash) and a handler that calls torch's own ``_templated_ring_attention``
+    and ``_templated_ring_attention_backward`` with the CPU kernel, as
+    ``_scaled_dot_product_ring_flash_attention`` does with CUDA flash. Everything else (the
+    sharding and load balancing of the buffers, the ring, the merge, the rotations over gloo)
+    is torch's code.
+    """
+    return _run_ranks("cp", build, make_optimizer, loss_fn, world_size, steps, {}, timeout_s)
+
+
 def _run_ranks(strategy, build, make_optimizer, loss_fn, world_size, steps, options, timeout_s) -> list[Measured]:
     """Validate, spawn one process per rank, and collect their ``Measured`` in rank order."""
     if not isinstance(world_size, int) or world_size < 1:
@@ -368,6 +423,10 @@ def _rank_main(rank, world_size, init_method, results, strategy, build, make_opt
         else:
             if strategy == "ddp":
                 setup = _ddp_setup(build, **options)
+            elif strategy == "cp":
+                setup = _cp_setup(build, world_size)
+            elif strategy == "ep":
+                setup = _ep_setup(build, rank, world_size, timeout_s)
             elif strategy == "tp":
                 setup = _tp_setup(build, world_size, **options)
             else:
@@ -389,6 +448,113 @@ def _ddp_setup(build, *, bucket_cap_mb, gradient_as_bucket_view):
         return ddp, batch
 
     return setup
+
+
+def _cp_setup(build, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    _register_cpu_flash_with_cp()
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def setup():
+        model, batch = build()
+        buffers = [batch["input_ids"], batch["labels"]]
+        sharded = context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1], no_restore_buffers=set(buffers))
+        return model, batch, sharded
+
+    return setup
+
+
+def _register_cpu_flash_with_cp() -> None:
+    """Let torch's context parallelism run the CPU flash kernel (``measure_cp_cpu``)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    from torch.distributed.tensor.experimental._context_parallel import _sharding_rules as rules
+
+    aten = torch.ops.aten
+    forward, backward = aten._scaled_dot_product_flash_attention_for_cpu.default, \
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    if forward in cp.custom_ops:
+        return
+
+    def forward_strategy(op_schema):  # outputs (output, logsumexp), inputs q, k, v
+        strategies = [[Replicate()] * 5, [Shard(rules.SEQ_DIM)] * 5]
+        return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(), op_schema, strategies, input_index=2)
+
+    def backward_strategy(op_schema):  # outputs dq, dk, dv; inputs grad_out, q, k, v, out, logsumexp
+        strategies = [[Replicate()] * 9, [Shard(rules.SEQ_DIM)] * 9]
+        return expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(validate=False), op_schema,
+                                               strategies, input_index=3)
+
+    def ring_forward(mesh, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        if attn_mask is not None:
+            raise NotImplementedError("context parallel attention takes no mask")
+        return cp._templated_ring_attention(mesh.get_group(), rules.SEQ_DIM, forward, query=query, key=key,
+                                            value=value, is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+
+    def ring_backward(mesh, grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
+                      scale=None):
+        return cp._templated_ring_attention_backward(
+            mesh.get_group(), rules.SEQ_DIM, backward, grad_out=grad_out, grad_out_name="grad_out", query=query,
+            key=key, value=value, out=out, logsumexp=logsumexp, is_causal=is_causal, dropout_p=dropout_p,
+            scale=scale)
+
+    def handler(op_call, args, kwargs):  # cp._sdpa_handler, with the CPU kernel
+        op_info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+        DTensor._op_dispatcher.sharding_propagator.propagate(op_info)
+        output_sharding = op_info.output_sharding
+        ring = ring_forward if op_call is forward else ring_backward
+        results = ring(op_info.compute_mesh, *op_info.local_args, **op_info.local_kwargs)
+        return DTensor._op_dispatcher.wrap(results, output_sharding.output_spec)
+
+    for op, strategy in ((forward, forward_strategy), (backward, backward_strategy)):
+        register_op_strategy(op)(strategy)  # for the life of the rank
+        cp.custom_ops[op] = handler
+
+
+def _ep_setup(build, rank, world_size, timeout_s):
+    from memcheck.training.strategies.ep import shard_experts
+
+    group = _FencedGlooGroup(rank, world_size, timeout_s)
+
+    def setup():
+        model, batch = build()
+        return shard_experts(model, world_size, rank=rank, group=group), batch
+
+    return setup
+
+
+class _FencedGlooGroup:
+    """A gloo group with one worker thread whose all-to-all returns once gloo has let go of its tensors.
+
+    ``ProcessGroupGloo``'s worker thread holds its own reference to a collective's work, and
+    through it to the input and output tensors, until it has finished the work and moved on
+    (``ProcessGroupGloo.cpp``, ``runLoop``), which can be after the caller's ``wait`` has
+    returned and the caller has dropped its references. The last reference to the exchange's
+    input then dies on the worker thread, at a moment that races the caller's next
+    allocations (seen: +64 KiB on one rank of a 2.9 MB EP run, in one run of four). With one
+    worker thread, a one-element allreduce queued after the exchange starts only once the
+    worker has let go of the exchange, so every free happens on the caller's thread, where a
+    GPU run's happen. The fence's tensor is allocated once, before the steps.
+    """
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float):
+        dist = torch.distributed
+        store = dist.PrefixStore("memcheck-ep/", dist.distributed_c10d._get_default_store())
+        options = dist.ProcessGroupGloo._Options()
+        options._threads = 1
+        options._timeout = timedelta(seconds=timeout_s)
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        self.backend = dist.ProcessGroupGloo(store, rank, world_size, options)
+        self.fence = torch.zeros(1)
+
+    def all_to_all_single(self, out, x, output_splits, input_splits) -> None:
+        dist = torch.distributed
+        self.backend.alltoall_base(out, x, list(output_splits or []), list(input_splits or []),
+                                   dist.AllToAllOptions()).wait()
+        self.backend.allreduce([self.fence]).wait()
 
 
 def _fsdp_setup(build, world_size, *, wrap):
@@ -551,9 +717,10 @@ def _measure_rank(setup, make_optimizer, loss_fn, steps) -> Measured:
     """``measure_cpu``'s measurement, with ``setup()`` (build and wrap) inside the profiled region."""
 
     def train():
-        model, batch = setup()
+        model, batch, *around = setup()  # a context to run the steps in (cp), or none
         optimizer = make_optimizer(model.parameters())
-        run_steps(model, batch, loss_fn, optimizer, steps, mark_step)
+        with around[0] if around else contextlib.nullcontext():
+            run_steps(model, batch, loss_fn, optimizer, steps, mark_step)
 
     return _measured(train)
 

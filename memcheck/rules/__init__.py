@@ -19,6 +19,8 @@ rules when imported; importing this package imports them all:
 * ``data_dependent``: ops whose output size depends on values take the worst case (and
   the routing masks of mixture-of-experts layers, tokens x top_k rows in all);
 * ``dropout``: the fused CUDA dropout kernel (a bool mask) instead of the CPU's noise tensor;
+* ``expert_parallel``: the split sizes of expert parallelism's all-to-all, from the routing
+  choice point;
 * ``autocast``: ``torch.autocast``'s casts, emulated on meta tensors;
 * ``extensions``: flash-attn and bitsandbytes, by qualified op name.
 
@@ -36,6 +38,7 @@ from memcheck.rules import (  # noqa: F401  (each registers its rules)
     cuda_sort,
     data_dependent,
     dropout,
+    expert_parallel,
     extensions,
     grouped_mm,
     sdpa,

@@ -160,7 +160,11 @@ def cpu_flash_attention_backward(ctx, func, args, kwargs):
     """Backward: a grad_out-sized copy, a per-thread buffer of ``2*qSplit*kvSplit``
     accumulators (``cpu_flash_attention_backward``) and, from the calling thread,
     a ``qSplit`` accumulator ``dsum``; all freed before it returns. Measured
-    with the profiler on 5 shapes, 1 and 2 threads: exact."""
+    with the profiler on 5 shapes, 1 and 2 threads: exact. The kernel works on
+    ``grad_out.transpose(1, 2)`` (attention.cpp, ``_scaled_dot_product_flash_attention_cpu_backward``)
+    and copies it only when that is not contiguous: a grad_out that is itself the transpose of a
+    contiguous (batch, sequence, heads, dim) tensor, as transformers' ``attn_output.transpose(1, 2)``
+    gives it, is not copied (measured: (2, 4, 32, 16) float32, 16,384 B less)."""
     out = func(*args, **kwargs)
     if ctx.device is Device.CPU:
         grad_out, q, v = args[0], args[1], args[3]
@@ -172,8 +176,9 @@ def cpu_flash_attention_backward(ctx, func, args, kwargs):
         if q.dtype in (torch.bfloat16, torch.float16):
             reduced = threads * 2 * q_split * kv_split * q.element_size()
         ctx.track(out)
+        copy = 0 if grad_out.transpose(1, 2).is_contiguous() else nbytes(grad_out)
         ctx.scratch(
-            nbytes(grad_out),
+            copy,
             threads * 2 * q_split * kv_split * acc,
             reduced,
             q_split * acc,

@@ -236,6 +236,11 @@ def estimate(
         return _estimate_rank(model, batch, job, target, name, None, loss_fn=loss_fn, eval_batch=eval_batch,
                               top_modules=top_modules, progress=progress, timeline=timeline, train_step=train_step)
     _check_layout(job, train_step, eval_batch)
+    if job.layout.cp > 1 and NO_PADDING not in job.assume:  # torch's context_parallel takes no attention mask
+        if PADDING in job.assume:
+            raise SettingError("assume", "{name} padding (an attention mask) does not combine with cp: torch's "
+                                         "context_parallel takes causal attention with no mask")
+        job = job.replace(assume=(*job.assume, NO_PADDING))
     ranks = [_estimate_rank(model, batch, job, target, name, role, loss_fn=loss_fn, eval_batch=eval_batch,
                             top_modules=top_modules, progress=progress, timeline=timeline, train_step=train_step)
              for role in roles(job.layout)]
@@ -277,8 +282,8 @@ def _check_layout(job: Job, train_step, eval_batch) -> None:
     if train_step is not None:
         raise SettingError("layout", "{name} traces each rank's own step (its pipeline schedule); a train_step "
                                      "of your own is not combined with a layout yet")
-    if eval_batch is not None and job.layout.pp > 1:
-        raise SettingError("layout", "{name}: an evaluation pass under pipeline parallelism (pp) is not modelled; "
+    if eval_batch is not None and (job.layout.pp > 1 or job.layout.cp > 1):
+        raise SettingError("layout", "{name}: an evaluation pass under pipeline or context parallelism is not modelled; "
                                      "leave out the eval batch")
 
 
@@ -483,6 +488,7 @@ class _Run:
     scaler: Any = None
     weights_dtype: str = "float32"  # the floating dtype of the traced weights (most bytes)
     user_autocast: UserAutocast | None = None  # a train_step's own torch.autocast regions, once traced
+    rank_context: Callable | None = None  # a layout rank's context for its steps (cp's ring attention)
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -542,8 +548,9 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
         twin = meta_twin(quantize_4bit(twin))
     twin, adapted = apply_adapters(twin, job.lora, job.qlora)  # LoRA / QLoRA over the cast base
     wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
+    rank_context = None
     if role is not None:  # what one rank of the layout holds: its experts, shards, stage and tokens
-        twin, batch, noted = role.view(twin, meta_batch(batch))
+        twin, batch, noted, rank_context = role.view(twin, meta_batch(batch), job.device.value)
         adapted = [*adapted, *noted]
     dtype = precision.weights_dtype  # pure bf16/fp16: float inputs in that dtype too
 
@@ -573,7 +580,7 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
     for note in adapted:
         tracer.assume(note)
     run = _Run(twin, wrapped, mbatch, ebatch, info, tracer, arch, opt_label, make_optimizer,
-               weights_dtype=_dtype_name(weights))
+               weights_dtype=_dtype_name(weights), rank_context=rank_context)
     if precision.autocast_dtype is not None:
         tracer.autocast = MetaAutocast(device, precision.autocast_dtype)
         run.autocast = tracer.autocast.region
@@ -615,8 +622,9 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
     regions = run.user_autocast.patched() if run.user_autocast is not None else contextlib.nullcontext()
     try:
         # the model's .cuda() and torch.cuda.* never reach the GPU; a train_step's torch.autocast is emulated
+        rank = run.rank_context() if run.rank_context is not None else contextlib.nullcontext()
         with redirect_cuda(target), tracer, regions, meta_autocast_queries(tracer, job.device), \
-                extensions.tracing(tracer, job.device):
+                extensions.tracing(tracer, job.device), rank:
             return train(job.strategy_config, tracer, run.twin, run.batch, loss_fn, run.make_optimizer, steps,
                          autocast=run.autocast, scaler=run.scaler, accumulate=min(job.accumulate, 2),
                          evaluate=evaluate if run.eval_batch is not None else None, train_step=train_step,

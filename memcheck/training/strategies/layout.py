@@ -204,8 +204,9 @@ class Role:
             return f"{gpus}\nstages {self.stage}-{self.through}"
         return f"{gpus}\nstage {self.stage}"
 
-    def view(self, model, batch) -> tuple[object, object, list[str]]:
-        """``model`` (on meta, changed in place) and ``batch`` as this rank holds them, with notes for the report."""
+    def view(self, model, batch, device: str = "cuda") -> tuple[object, object, list[str], object]:
+        """``model`` (on meta, changed in place) and ``batch`` as this rank holds them, notes for the
+        report, and a factory of the context the rank's steps run in (``cp``'s ring attention) or None."""
         layout, notes = self.layout, []
         if layout.ep > 1:
             from memcheck.training.strategies import ep
@@ -214,9 +215,14 @@ class Role:
         if layout.tp > 1:
             from memcheck.training.strategies import tp
 
-            rank = tp.shard(model, layout.tp, sequence_parallel=layout.sp)
+            plan, experts = tp.default_plan(model), []
+            if plan is not None:  # MoE experts: sharded by ep, not by tp (torchtitan's default, no ETP)
+                experts = [k for k in plan if ".experts" in k]
+                plan = {k: v for k, v in plan.items() if k not in experts} or None
+            rank = tp.shard(model, layout.tp, plan=plan, sequence_parallel=layout.sp)
             notes.append(f"tp={layout.tp}: {len(rank.colwise)} linear layers column-wise, {len(rank.rowwise)} "
-                         "row-wise (DTensor's ColwiseParallel/RowwiseParallel); the rest replicated")
+                         "row-wise (DTensor's ColwiseParallel/RowwiseParallel); the rest replicated"
+                         + ("; MoE experts are not tensor-parallel (ep shards them)" if experts else ""))
         if layout.pp > 1:
             from memcheck.training.strategies import pp
 
@@ -227,12 +233,19 @@ class Role:
                 notes.append(f"pp={layout.pp}: stages {self.stage + 1}-{self.through} are not traced: they hold no "
                              f"more blocks and, under 1F1B, fewer micro-batches at once than stage {self.stage}, "
                              "whose figures stand for them")
+        context = None
         if layout.cp > 1:
             from memcheck.training.strategies import cp
 
-            batch, more = cp.shard_sequence(model, batch, layout.cp)
-            notes += _notes(more)
-        return model, batch, notes
+            length = cp._sequence_length(batch, 1)
+            batch = cp.shard_sequence(batch, layout.cp, seq_len=length)
+            kernel = "cuda-flash" if device == "cuda" else "cpu-flash"
+            context = lambda: cp.cp_attention(layout.cp, seq_len=length, rank=0, kernel=kernel)  # noqa: E731
+            notes.append(f"cp={layout.cp}: {length // layout.cp} of the {length} tokens a rank "
+                         f"({'load-balanced head and tail chunks' if cp.load_balanced(length, layout.cp) else 'one chunk'}"
+                         f"), ring attention as torch's context_parallel runs it (keys and values all-gathered, "
+                         f"{kernel.replace('-', ' ')} kernel), causal attention with no mask")
+        return model, batch, notes, context
 
     def train_step(self, job):
         """The pipeline schedule's step for this rank; None without ``pp`` (memcheck's own loop).

@@ -252,6 +252,8 @@ def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, ro
     """``estimate()`` of one rank: every GPU of a strategy, or one pipeline rank of a layout."""
     if role is not None:
         train_step = role.train_step(job)
+        if role.layout.cp > 1 and NO_PADDING not in job.assume:  # torch's context_parallel takes no mask
+            job = job.replace(assume=(*(a for a in job.assume if a != PADDING), NO_PADDING))
 
     def traced(choices: Choices, forward_only: bool = False) -> tuple[_Run, list[int] | None]:
         run = _set_up(model, batch, eval_batch, job, target, name, progress, choices, role)

@@ -315,18 +315,24 @@ _WORKLOAD_OPTIONS = [
     click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE",
                  help="A memory budget such as 24GiB, checked against the device total (the peak on cpu)."),
     click.option("--strategy", default="single", show_default=True, metavar="NAME",
-                 help="single, dp, dp-balanced, ddp, fsdp, zero1, zero2, zero3 (multi-GPU ones need --gpus)."),
+                 help="single, dp, dp-balanced, ddp, fsdp (FSDP2), fsdp1 (FullyShardedDataParallel), zero1, zero2, zero3 "
+                      "(multi-GPU ones need --gpus)."),
     click.option("--gpus", type=int, default=None, help="GPUs for a multi-GPU strategy (default 2; 1 for single)."),
     click.option("--reentrant", is_flag=True, help="Checkpoint with use_reentrant=True (default False)."),
     click.option("--bucket-view/--no-bucket-view", default=False, show_default=True,
                  help="ddp: gradient_as_bucket_view."),
     click.option("--bucket-cap-mb", type=float, default=None, help="ddp: bucket_cap_mb (DDP's default: 25)."),
     click.option("--offload", default="none", show_default=True, metavar="none|optimizer|params",
-                 help="fsdp / zero: move the optimizer state or the parameters to CPU memory."),
+                 help="fsdp / fsdp1 / zero: move the optimizer state or the parameters to CPU memory."),
     click.option("--layout", default=None, metavar="dp=D,tp=T,pp=P,...",
                  help="Several kinds of parallelism at once: dp, dp_replicate, tp, pp, cp, ep degrees, and "
                       "schedule= (gpipe, 1f1b, interleaved-1f1b, zero-bubble), virtual=, sp=true. --strategy runs "
                       "over dp*cp (fsdp by default); one column per pipeline stage."),
+    click.option("--fsdp-sharding", default=None, metavar="full_shard|shard_grad_op|no_shard|hybrid_shard",
+                 help="fsdp1: FullyShardedDataParallel's sharding_strategy (default full_shard)."),
+    click.option("--gpus-per-node", type=int, default=None,
+                 help="GPUs a node: fsdp1 hybrid_shard's shard group (default: all of --gpus); for plan --gpus N "
+                      "with no --strategy, where tensor parallelism stays (default 8)."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table."),
     click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise)."),
     click.option("--trust-remote-code", is_flag=True,
@@ -395,7 +401,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
              reentrant, bucket_view, bucket_cap_mb,
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
              snapshot_path, plot_path, timeout, trust_remote_code=False, reduce_bucket_size=None,
-             prefetch_bucket_size=None, max_live_parameters=None, layout=None):
+             prefetch_bucket_size=None, max_live_parameters=None, layout=None, fsdp_sharding=None, gpus_per_node=None):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
 
     \b
@@ -421,7 +427,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
             raise UsageError("--snapshot and --plot draw one estimate; they cannot be used with --compare")
         zero_buckets = (reduce_bucket_size, prefetch_bucket_size, max_live_parameters)
         if compare and (strategy != "single" or bucket_view or bucket_cap_mb is not None or offload != "none"
-                        or any(b is not None for b in zero_buckets)):
+                        or any(b is not None for b in zero_buckets) or fsdp_sharding is not None
+                        or gpus_per_node is not None):
             raise UsageError("--compare lists every strategy with its defaults; drop --strategy and its settings")
         check_pictures(snapshot_path, plot_path)  # before anything is traced
         if compare and gpus is not None:  # --compare's GPUs, bounded before the model loads (issue 20)
@@ -435,7 +442,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
                    bucket_cap_mb=bucket_cap_mb, offload=offload, reduce_bucket_size=reduce_bucket_size,
                    prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
-                   eval_batch_size=eval_batch_size,
+                   fsdp_sharding=fsdp_sharding, gpus_per_node=gpus_per_node, eval_batch_size=eval_batch_size,
                    eval_accumulate_predictions=eval_accumulate_predictions, task=task, attn=attn, packing=packing,
                    assume=assume, trust_remote_code=trust_remote_code, layout=layout)
         if compare and job.layout is not None:
@@ -474,8 +481,6 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
 @click.option("--length-profile", is_flag=True,
               help="Also trace the recommendation at 25-75% of --max-len and search the longest length that fits "
                    "(up to 7 more traces).")
-@click.option("--gpus-per-node", "gpus_per_node", type=int, default=None,
-              help="With --gpus N and no --strategy: GPUs a node (default 8), where tensor parallelism stays.")
 @click.option("--measure", is_flag=True,
               help="Then run the recommendation for real (20 steps at the worst-case batch) on this machine's "
                    "GPU (or the CPU for --device cpu) and report measured vs predicted.")
@@ -487,7 +492,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
 def plan(model, max_len, target_len, task, attn, packing, assume, device, optimizer, steps, gpu, gpu_memory, strategy, gpus,
          reentrant, bucket_view, bucket_cap_mb, offload, as_json, allow_download, debug, global_batch, margin,
          precision, precision_options, checkpointing_options, length_profile, measure, measure_steps, snapshot_path,
-         plot_path, timeout, trust_remote_code=False, layout=None, gpus_per_node=None):
+         plot_path, timeout, trust_remote_code=False, layout=None, fsdp_sharding=None, gpus_per_node=None):
     """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
 
     \b
@@ -527,13 +532,15 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
         if spread is not None:
             check_setting("gpus", gpus)
             gpus = None
-        if gpus_per_node is not None and spread is None:
-            raise UsageError("--gpus-per-node applies to the layout search of memcheck plan --gpus N (no --strategy)")
+        if gpus_per_node is not None and spread is None and strategy != "fsdp1":
+            raise UsageError("--gpus-per-node applies to fsdp1's hybrid_shard and to the layout search of memcheck "
+                             "plan --gpus N (no --strategy)")
         # checked before the model file runs, so a bad flag is never hidden behind the model's errors
         job = Job(device=device, gpu=gpu, budget_bytes=budget, max_len=max_len, target_len=target_len,
                    precision=precision if precision and not precision_options else "fp32",  # plan checks options
                    optimizer=optimizer or "adamw", steps=steps, use_reentrant=reentrant, strategy=strategy,
                    gpus=gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload, margin=margin,
+                   fsdp_sharding=fsdp_sharding, gpus_per_node=None if spread is not None else gpus_per_node,
                    global_batch=global_batch, task=task, attn=attn, packing=packing,
                    assume=assume, trust_remote_code=trust_remote_code, layout=layout)
         work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)

@@ -131,6 +131,7 @@ class Strategy(_Choice):
     DP_BALANCED = "dp-balanced"
     DDP = "ddp"
     FSDP = "fsdp"
+    FSDP1 = "fsdp1"
     ZERO1 = "zero1"
     ZERO2 = "zero2"
     ZERO3 = "zero3"
@@ -138,6 +139,17 @@ class Strategy(_Choice):
     @property
     def multi_gpu(self) -> bool:
         return self is not Strategy.SINGLE
+
+
+class FsdpSharding(_Choice):
+    """fsdp1's ``sharding_strategy`` (``--fsdp-sharding``): torch's ``ShardingStrategy`` members,
+    lower case (torch/distributed/fsdp/api.py ``ShardingStrategy``; the same words as HF
+    ``TrainingArguments.fsdp``'s options)."""
+
+    FULL_SHARD = "full_shard"
+    SHARD_GRAD_OP = "shard_grad_op"
+    NO_SHARD = "no_shard"
+    HYBRID_SHARD = "hybrid_shard"
 
 
 class Offload(_Choice):

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from memcheck.choices import parse_assume
 from memcheck.cuda.gpus import GpuSpec, resolve_gpu
-from memcheck.enums import Attention, Device, Offload, Padding, Precision, Strategy, Task, WeightsDtype
+from memcheck.enums import Attention, Device, FsdpSharding, Offload, Padding, Precision, Strategy, Task, WeightsDtype
 from memcheck.errors import UsageError, closest
 from memcheck.training.adapters import Lora
 from memcheck.training.checkpointing import parse_checkpointing
@@ -124,6 +124,8 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("max_live_parameters", "--max-live-parameters", "max_live_parameters", "max_live_parameters",
              aliases=("stage3_max_live_parameters",)),
     Spelling("layout", "--layout", "layout", "layout"),
+    Spelling("fsdp_sharding", "--fsdp-sharding", "fsdp_sharding", "fsdp_sharding"),
+    Spelling("gpus_per_node", "--gpus-per-node", "gpus_per_node", "gpus_per_node"),
     Spelling("eval_batch_size", "--eval-batch-size", "eval_batch", "eval_batch_size",
              aliases=("per_device_eval_batch_size",)),  # HF TrainingArguments
     Spelling("eval_accumulate_predictions", "--eval-accumulate-predictions", "eval_accumulate_predictions",
@@ -280,7 +282,7 @@ class Job:
     """Gradient clipping before each optimizer step (``clip_grad_norm_``); None or 0: none. For
     ``hf:`` models the installed Trainer's default (1.0)."""
     strategy: Strategy = Strategy.SINGLE
-    """``single``, ``dp``, ``dp-balanced``, ``ddp``, ``fsdp``, ``zero1``, ``zero2``, ``zero3``."""
+    """``single``, ``dp``, ``dp-balanced``, ``ddp``, ``fsdp`` (FSDP2), ``fsdp1``, ``zero1``, ``zero2``, ``zero3``."""
     gpus: int | None = None
     """GPUs of a multi-GPU strategy (None: 2 for those, 1 for single)."""
     bucket_view: bool = False
@@ -288,7 +290,7 @@ class Job:
     bucket_cap_mb: float | None = None
     """ddp: ``bucket_cap_mb`` (None: DDP's default, 25)."""
     offload: Offload = Offload.NONE
-    """fsdp / zero: ``optimizer`` or ``params`` moved to CPU memory."""
+    """fsdp / fsdp1 / zero: ``optimizer`` or ``params`` moved to CPU memory."""
     reduce_bucket_size: int | None = None
     """zero1-3: DeepSpeed's ``reduce_bucket_size``, the IPG gradient bucket in elements (None: DeepSpeed's 5e8)."""
     prefetch_bucket_size: int | None = None
@@ -302,6 +304,12 @@ class Job:
     ``memcheck.training.strategies.layout``): ``strategy`` then runs over the layout's ``dp * cp``
     ranks (``fsdp`` when not given), ``gpus`` is the whole world, and under ``pp`` ``accumulate``
     is the pipeline's micro-batches per step. None: one kind, ``strategy`` over ``gpus``."""
+    fsdp_sharding: FsdpSharding | None = None
+    """fsdp1: ``full_shard`` (None: torch's default), ``shard_grad_op``, ``no_shard`` or ``hybrid_shard``.
+    HF ``TrainingArguments.fsdp`` is not an alias: it is a list of options (``"full_shard offload
+    auto_wrap"``); the transformers integration reads it."""
+    gpus_per_node: int | None = None
+    """fsdp1 ``hybrid_shard``: GPUs per node, the group a rank shards over (None: every GPU on one node)."""
     eval_batch_size: int | None = None
     """Also trace an evaluation pass at this batch size."""
     eval_accumulate_predictions: int = 0
@@ -354,7 +362,8 @@ class Job:
                                         bucket_cap_mb=self.bucket_cap_mb, offload=self.offload,
                                         reduce_bucket_size=self.reduce_bucket_size,
                                         prefetch_bucket_size=self.prefetch_bucket_size,
-                                        max_live_parameters=self.max_live_parameters)
+                                        max_live_parameters=self.max_live_parameters,
+                                        fsdp_sharding=self.fsdp_sharding, gpus_per_node=self.gpus_per_node)
         except UsageError as exc:
             raise SettingError("strategy", escape(str(exc))) from None
 
@@ -622,6 +631,8 @@ _CHECKS = {
                                           text="{name} must be an integer of 0 or more (elements)",
                                           maximum=MAX_ZERO_ELEMENTS, why=" elements (2**40)"),
     "layout": lambda v: _layout(v),
+    "fsdp_sharding": lambda v: _choice("fsdp_sharding", FsdpSharding, v, optional=True),
+    "gpus_per_node": lambda v: _int("gpus_per_node", v, maximum=MAX_GPUS, why=" (2**16)"),
     "eval_batch_size": lambda v: _int("eval_batch_size", v, maximum=MAX_BATCH, why=" (2**24 rows)"),
     "eval_accumulate_predictions": lambda v: _int("eval_accumulate_predictions", v, minimum=0, optional=False,
                                                   text="{name} must be an integer of 0 or more",

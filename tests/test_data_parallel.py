@@ -104,7 +104,7 @@ def test_dp_with_a_batch_smaller_than_the_gpus_is_a_clear_error():
     (dict(strategy="single", gpus=4), "strategy 'single' runs on one GPU"),
     (dict(strategy="ddp", gpus=1), "needs at least 2 GPUs"),
     (dict(strategy="zero2", gpus=1), "zero1-3 run on one GPU with an offload"),
-    (dict(strategy="dp", offload="optimizer"), "offload='optimizer' applies to fsdp and zero1-3"),
+    (dict(strategy="dp", offload="optimizer"), "offload='optimizer' applies to fsdp, fsdp1 and zero1-3"),
     (dict(strategy="dp", bucket_view=True), "bucket settings apply to ddp only"),
     (dict(accumulate=0), "accumulate must be a positive integer"),
 ])

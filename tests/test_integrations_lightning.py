@@ -261,7 +261,10 @@ def _strategy_named(name: str, world_size: int, **attrs):
 @pytest.mark.parametrize("trainer, expected", [
     (_strategy_named("SingleDeviceStrategy", 1), ("single", None, {})),
     (_strategy_named("DDPStrategy", 4), ("ddp", 4, {})),
-    (_strategy_named("FSDPStrategy", 8), ("fsdp", 8, {})),
+    # Lightning's FSDPStrategy runs FSDP1's FullyShardedDataParallel (FULL_SHARD by default)
+    (_strategy_named("FSDPStrategy", 8), ("fsdp1", 8, {"fsdp_sharding": "full_shard"})),
+    (_strategy_named("FSDPStrategy", 8, sharding_strategy="SHARD_GRAD_OP"), ("fsdp1", 8,
+                                                                              {"fsdp_sharding": "shard_grad_op"})),
     (_strategy_named("DeepSpeedStrategy", 4, config={"zero_optimization": {"stage": 3}}), ("zero3", 4, {})),
 ])
 def test_the_strategy_maps_to_memchecks(trainer, expected):

@@ -297,6 +297,12 @@ def _launch(world_size=1, n_gpu=1, deepspeed=None, fsdp=None, fsdp_config=None, 
     (_launch(world_size=8), ("ddp", 8, {})),
     (_launch(world_size=8, ddp_bucket_cap_mb=50), ("ddp", 8, {"bucket_cap_mb": 50})),
     (_launch(world_size=8, fsdp=True, fsdp_config={"cpu_offload": True}), ("fsdp", 8, {"offload": "params"})),
+    # fsdp_config version 1 is FSDP1: reshard_after_forward names its sharding strategy (training_args.py)
+    (_launch(world_size=8, fsdp=True, fsdp_config={"version": 1}), ("fsdp1", 8, {"fsdp_sharding": "full_shard"})),
+    (_launch(world_size=8, fsdp="shard_grad_op offload", fsdp_config={"version": 1, "cpu_offload": True}),
+     ("fsdp1", 8, {"fsdp_sharding": "shard_grad_op", "offload": "params"})),
+    (_launch(world_size=8, fsdp=True, fsdp_config={"version": 1, "reshard_after_forward": "no_shard"}),
+     ("fsdp1", 8, {"fsdp_sharding": "no_shard"})),
     (_launch(world_size=4, deepspeed={"zero_optimization": {"stage": 2}}), ("zero2", 4, {})),
     (_launch(world_size=4, deepspeed={"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
      ("zero3", 4, {"offload": "params"})),
@@ -307,6 +313,22 @@ def test_the_launch_maps_to_a_memcheck_strategy(launch, expected):
     from memcheck.integrations.transformers import _strategy
 
     assert _strategy(launch) == expected
+
+
+def test_fsdp1_hybrid_shard_shards_over_the_launchers_local_world(monkeypatch):
+    from memcheck.integrations.transformers import _strategy
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun on 2 nodes of 4 GPUs
+    launch = _launch(world_size=8, fsdp=True, fsdp_config={"version": 1, "reshard_after_forward": "hybrid_shard"})
+    assert _strategy(launch) == ("fsdp1", 8, {"fsdp_sharding": "hybrid_shard", "gpus_per_node": 4})
+
+
+def test_an_fsdp1_strategy_memcheck_does_not_model_is_named():
+    from memcheck.integrations.transformers import _strategy
+
+    with pytest.raises(UsageError, match="'hybrid_shard_zero2'"):
+        _strategy(_launch(world_size=8, fsdp=True, fsdp_config={"version": 1,
+                                                                "reshard_after_forward": "hybrid_shard_zero2"}))
 
 
 def test_a_gpu_named_is_the_target_though_the_trainer_runs_on_the_cpu(tmp_path, caplog):

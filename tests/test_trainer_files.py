@@ -28,7 +28,15 @@ def _write(tmp_path, name, text):
      "LightningCLI", {"precision": "bf16-mixed", "accumulation": 2, "strategy": "zero3", "gpus": 4, "micro_batch": 16}),
     ("accelerate.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: bf16\n"
                         "num_processes: 8\nfsdp_config:\n  fsdp_offload_params: true\n",
-     "accelerate", {"precision": "amp-bf16", "strategy": "fsdp", "offload": "params", "gpus": 8}),
+     # accelerate's fsdp_version defaults to 1: FSDP1, FULL_SHARD
+     "accelerate", {"precision": "amp-bf16", "strategy": "fsdp1", "fsdp_sharding": "full_shard", "offload": "params",
+                    "gpus": 8}),
+    ("accelerate2.yaml", "distributed_type: FSDP\nnum_processes: 4\nfsdp_config:\n  fsdp_version: 2\n",
+     "accelerate", {"strategy": "fsdp", "gpus": 4}),
+    ("accelerate1.yaml", "distributed_type: FSDP\nnum_processes: 4\nfsdp_config:\n  fsdp_sharding_strategy: 2\n",
+     "accelerate", {"strategy": "fsdp1", "fsdp_sharding": "shard_grad_op", "gpus": 4}),
+    ("args1.json", json.dumps({"output_dir": "out", "fsdp": "hybrid_shard auto_wrap", "fsdp_config": {"version": 1}}),
+     "TrainingArguments", {"strategy": "fsdp1", "fsdp_sharding": "hybrid_shard"}),
     ("ds.json", json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto",
                             "bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer":
                                                                              {"device": "cpu"}}}),

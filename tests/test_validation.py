@@ -45,7 +45,7 @@ def make_batch(batch_size, max_len):
     return torch.randn(batch_size, max_len, 8)
 """
 GPUS_ALLOWED = "allowed: V100-16GB"
-STRATEGIES = "allowed: single, dp, dp-balanced, ddp, fsdp, zero1, zero2, zero3"
+STRATEGIES = "allowed: single, dp, dp-balanced, ddp, fsdp, fsdp1, zero1, zero2, zero3"
 PRECISIONS = "allowed: fp32, bf16, fp16, amp-bf16, amp-fp16"
 
 
@@ -137,7 +137,7 @@ ESTIMATE_CASES = [
     (["--strategy", "ddp", "--gpus", "0"], ["gpus", "positive integer", "got 0"]),
     (["--strategy", "ddp", "--gpus", "-1"], ["gpus", "positive integer", "got -1"]),
     (["--strategy", "ddp", "--gpus", "1"], ["strategy 'ddp'", "at least 2 GPUs", "gpus=1"]),
-    (["--gpus", "4"], ["strategy 'single'", "gpus=4", "dp, dp-balanced, ddp, fsdp or zero1-3"]),
+    (["--gpus", "4"], ["strategy 'single'", "gpus=4", "dp, dp-balanced, ddp, fsdp, fsdp1 or zero1-3"]),
     (["--compare", "--gpus", "0"], ["gpus", "positive integer", "got 0"]),
     (["--bucket-cap-mb", "0", "--strategy", "ddp"], ["--bucket-cap-mb", "positive number", "got 0.0"]),
     (["--bucket-cap-mb", "-1", "--strategy", "ddp"], ["--bucket-cap-mb", "positive number", "got -1.0"]),
@@ -157,7 +157,7 @@ ESTIMATE_CASES = [
     (["--device", "mps"], ["unknown device 'mps'", "allowed: cpu, cuda"]),
     (["--offload", "optimzer", "--strategy", "zero2"], ["unknown offload 'optimzer'", "did you mean 'optimizer'?",
                                                          "allowed: none, optimizer, params"]),
-    (["--offload", "params"], ["offload='params'", "fsdp and zero1-3", "'single'"]),
+    (["--offload", "params"], ["offload='params'", "fsdp, fsdp1 and zero1-3", "'single'"]),
     (["--offload", "params", "--strategy", "zero1"], ["offload='params' needs zero3", "offload='optimizer'"]),
     (["--checkpointing", "ful"], ["checkpointing", "'ful'", "did you mean 'full'?", "blocks.0"]),
     (["--checkpointing", "blocks.9"], ["checkpointing", "'blocks.9'", "did you mean 'blocks.1'?"]),

@@ -445,6 +445,10 @@ class _Search:
             precision=precision, gpu=gpu if self.device is Device.CUDA else None, budget_bytes=self.budget,
             strategy=strategy, gpus=gpus if strategy.multi_gpu else None, accumulate=accumulate, optimizer=optimizer,
             offload=Offload.OPTIMIZER if offload else self.job.offload,
+            # fsdp1's settings hold for the user's own strategy and GPU count only (the ZeRO-Offload
+            # option and the sharded GPU-count search trace other strategies)
+            fsdp_sharding=self.job.fsdp_sharding if strategy is Strategy.FSDP1 else None,
+            gpus_per_node=self.job.gpus_per_node if strategy is Strategy.FSDP1 and gpus == self.gpus else None,
             checkpointing=spec, batch_size=micro, max_len=length or self.max_len, global_batch=None,
             eval_batch_size=None, eval_accumulate_predictions=0)
         est = estimate(self.model, batch, traced, loss_fn=self.loss_fn, model_name=self.name, top_modules=0)

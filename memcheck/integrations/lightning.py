@@ -48,7 +48,7 @@ from memcheck.integrations._common import (
     target,
 )
 from memcheck.job import Job
-from memcheck.workloads.trainer_files import zero_strategy
+from memcheck.workloads.trainer_files import fsdp1_sharding, zero_strategy
 from memcheck.report.results import Verdict
 
 # A child of Lightning's own logger, which shows INFO by default (lightning/pytorch/__init__.py)
@@ -210,9 +210,15 @@ def _strategy(trainer) -> tuple[str, int | None, dict]:
         return "single", None, {}
     if "DeepSpeedStrategy" in classes:
         return zero_strategy(getattr(trainer.strategy, "config", None), world)
-    if "FSDPStrategy" in classes:
+    if "FSDPStrategy" in classes:  # FSDP1's FullyShardedDataParallel (ModelParallelStrategy is FSDP2)
         offloaded = bool(getattr(getattr(trainer.strategy, "cpu_offload", None), "offload_params", False))
-        return "fsdp", world, ({"offload": "params"} if offloaded else {})
+        sharding = fsdp1_sharding(getattr(trainer.strategy, "sharding_strategy", None) or "full_shard",
+                                  where="FSDPStrategy sharding_strategy")
+        extra = {"fsdp_sharding": sharding, **({"offload": "params"} if offloaded else {})}
+        per_node = getattr(trainer, "num_devices", None)  # the devices of one node
+        if sharding == "hybrid_shard" and isinstance(per_node, int) and 0 < per_node < world and world % per_node == 0:
+            extra["gpus_per_node"] = per_node
+        return "fsdp1", world, extra
     if "DDPStrategy" in classes:
         return "ddp", world, {}
     raise UsageError(f"strategy {type(trainer.strategy).__name__} is not one memcheck emulates; it knows "

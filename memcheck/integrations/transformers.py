@@ -26,6 +26,7 @@ import copy
 import inspect
 import logging
 import math
+import os
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from transformers import TrainerCallback
 
 from memcheck.engine.estimate import meta_twin
 from memcheck.engine.preflight import check
-from memcheck.enums import Task
+from memcheck.enums import FsdpSharding, Task
 from memcheck.errors import UsageError, require_int
 from memcheck.integrations._common import (
     CallbackSettings,
@@ -42,7 +43,7 @@ from memcheck.integrations._common import (
     target,
 )
 from memcheck.job import Job
-from memcheck.workloads.trainer_files import zero_strategy
+from memcheck.workloads.trainer_files import fsdp1_sharding, zero_strategy
 from memcheck.training.optimizers import hf_optimizer
 from memcheck.report.results import Verdict
 from memcheck.workloads import hf
@@ -349,9 +350,32 @@ def _strategy(args) -> tuple[str, int | None, dict]:
     if args.fsdp:
         fsdp = args.fsdp_config if isinstance(getattr(args, "fsdp_config", None), dict) else {}
         offloaded = "offload" in str(args.fsdp) or bool(fsdp.get("cpu_offload"))
-        return "fsdp", world, ({"offload": "params"} if offloaded else {})
+        extra = {"offload": "params"} if offloaded else {}
+        if str(fsdp.get("version", 2)).strip() == "1":
+            return "fsdp1", world, {**_fsdp1_sharding(args.fsdp, fsdp, world), **extra}
+        return "fsdp", world, extra
     cap = getattr(args, "ddp_bucket_cap_mb", None)
     return "ddp", world, ({"bucket_cap_mb": cap} if cap else {})
+
+
+def _fsdp1_sharding(words, fsdp_config: dict, world: int) -> dict:
+    """fsdp1's settings for ``fsdp_config["version"] == 1`` (training_args.py, ``_fsdp_plugin_args``:
+    FSDP1's sharding strategy is ``fsdp_config["reshard_after_forward"]``, default ``"full_shard"``,
+    or the strategy word of the legacy ``fsdp`` string). ``hybrid_shard`` shards over the GPUs
+    of this node, as FSDP1 does without a mesh (torch/distributed/fsdp/_init_utils.py:160-163,
+    ``device_count()``), read from the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, accelerate) so that
+    no device is probed here. The Trainer's FSDP1 default ``backward_prefetch="NO_PREFETCH"`` is not
+    modelled: memcheck gathers one unit ahead (torch's ``BACKWARD_PRE``), an upper bound."""
+    listed = words.split() if isinstance(words, str) else list(words) if isinstance(words, (list, tuple)) else []
+    named = [w for w in listed if str(w).lower() in {s.value for s in FsdpSharding} | {"hybrid_shard_zero2"}]
+    sharding = fsdp1_sharding(fsdp_config.get("reshard_after_forward", named[0] if named else "full_shard"),
+                              where="fsdp_config reshard_after_forward")
+    out: dict = {"fsdp_sharding": sharding}
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per_node = int(local) if local.isdigit() else 0
+    if sharding == "hybrid_shard" and 0 < per_node < world and world % per_node == 0:
+        out["gpus_per_node"] = per_node
+    return out
 
 
 def _optimizer(args, optimizer) -> Any:

@@ -1,12 +1,12 @@
-"""Measure what DDP, FSDP2, tensor, pipeline, context and expert parallelism really allocate per process, on
-CPU with gloo.
+"""Measure what DDP, FSDP2, FSDP1, tensor, pipeline, context and expert parallelism really allocate per
+process, on CPU with gloo.
 
 Each rank is a fresh process (``torch.multiprocessing``, start method ``spawn``)
 that joins a gloo process group over a file store, wraps the model, trains
 ``steps`` steps with ``memcheck.training.loop.run_steps``, and measures the
 allocator the way ``memcheck.measure.local.measure_cpu`` does: the profiler's
 allocation events (``profile_memory=True``), the steady-state peak taken from the
-start of step 2. The results are the oracle for the ``ddp``, ``fsdp`` and ``tp``
+start of step 2. The results are the oracle for the ``ddp``, ``fsdp``, ``fsdp1`` and ``tp``
 strategies' estimates; nothing here uses the tracer.
 
 One difference from ``measure_cpu``, because gloo runs collectives on worker
@@ -38,7 +38,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -307,6 +307,69 @@ def measure_cp_cpu(
     return _run_ranks("cp", build, make_optimizer, loss_fn, world_size, steps, {}, timeout_s)
 
 
+FSDP1_SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+
+
+def measure_fsdp1_cpu(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    loss_fn: LossFn | None = None,
+    world_size: int = 2,
+    steps: int = 2,
+    shardings: Sequence[str] = ("full_shard",),
+    gpus_per_node: int | None = None,
+    wrap: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> dict[str, list[Measured]]:
+    """Train under FSDP1 (``FullyShardedDataParallel``) on ``world_size`` CPU ranks, once per sharding
+    strategy in ``shardings``, and measure each rank each time.
+
+    The ranks are started once; for each strategy every rank calls ``build()``, then wraps it in
+    ``FullyShardedDataParallel(model, auto_wrap_policy=..., sharding_strategy=..., device_id=
+    torch.device("cpu"))`` with one unit per module ``wrap(model)`` returns (by default the root's
+    direct children that own parameters) and the root with the rest, then calls
+    ``make_optimizer(fsdp.parameters())``, all inside that strategy's own profiled region. Every
+    other FSDP1 setting is torch's default (``use_orig_params=False``, ``BACKWARD_PRE`` prefetch,
+    ``limit_all_gathers=True``). ``hybrid_shard`` shards over groups of ``gpus_per_node`` ranks
+    (default ``world_size``) through ``init_device_mesh("cpu", (world_size // gpus_per_node,
+    gpus_per_node))``: without a mesh FSDP1 asks CUDA for the node size. ``build``,
+    ``make_optimizer``, ``loss_fn`` and ``wrap`` must be picklable module-level functions, as for
+    ``measure_ddp_cpu``.
+
+    Returns:
+        ``{sharding: [Measured of rank 0, rank 1, ...]}``, in the order of ``shardings``.
+
+    Raises:
+        UsageError: a bad argument, or a callable that cannot be pickled.
+        DistributedMeasureError: a rank could not start, raised, died or timed out.
+
+    Known limitations:
+        ``CPUOffload(offload_params=True)`` cannot run here: FSDP1 pins the host shard and
+        gradient (``_flat_param.py`` ``init_flat_param_attributes``: ``pin_memory()``), which
+        needs an accelerator ("Cannot access accelerator device when none is available"), so
+        it is not offered. On gloo, FSDP1 all-gathers a CPU flat parameter into a list of
+        chunks (``_flat_param.py`` ``_all_gather_flat_param``, "HACK"), which gloo stages
+        through a flat temporary of the whole padded unsharded size, and reduce-scatter
+        clones its whole input (as for ``measure_fsdp_cpu``); NCCL makes neither copy.
+    """
+    shardings = (shardings,) if isinstance(shardings, str) else tuple(shardings)
+    bad = [s for s in shardings if s not in FSDP1_SHARDING]
+    if not shardings or bad:
+        raise UsageError(f"shardings must name some of {', '.join(FSDP1_SHARDING)}, got {bad or shardings!r}")
+    if gpus_per_node is not None:
+        if "hybrid_shard" not in shardings:
+            raise UsageError(f"gpus_per_node={gpus_per_node!r} applies to 'hybrid_shard', which shardings "
+                             f"{shardings!r} leaves out")
+        if (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1
+                or not isinstance(world_size, int) or world_size % gpus_per_node):
+            raise UsageError(f"gpus_per_node must be a positive integer dividing world_size={world_size!r}, "
+                             f"got {gpus_per_node!r}")
+    options = {"wrap": wrap, "shardings": shardings, "gpus_per_node": gpus_per_node}
+    ranks = _run_ranks("fsdp1", build, make_optimizer, loss_fn, world_size, steps, options, timeout_s)
+    return {name: [rank[name] for rank in ranks] for name in shardings}
+
+
 def _run_ranks(strategy, build, make_optimizer, loss_fn, world_size, steps, options, timeout_s) -> list[Measured]:
     """Validate, spawn one process per rank, and collect their ``Measured`` in rank order."""
     if not isinstance(world_size, int) or world_size < 1:
@@ -420,6 +483,11 @@ def _rank_main(rank, world_size, init_method, results, strategy, build, make_opt
         if strategy == "pp":
             report = (rank, True, _measure_pp_rank(build, make_optimizer, loss_fn, steps, rank, world_size,
                                                    **options))
+        elif strategy == "fsdp1":  # each sharding strategy in turn, each measured on its own
+            shardings, rest = options["shardings"], {k: v for k, v in options.items() if k != "shardings"}
+            report = (rank, True, {name: _measure_rank(_fsdp1_setup(build, world_size, sharding=name, **rest),
+                                                       make_optimizer, loss_fn or default_loss, steps)
+                                   for name in shardings})
         else:
             if strategy == "ddp":
                 setup = _ddp_setup(build, **options)
@@ -707,6 +775,27 @@ def _measure_pp_rank(build, make_optimizer, loss_fn, steps, rank, world_size, *,
             optimizer.zero_grad(set_to_none=True)
 
     return _measured(train)
+
+def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node):
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    def setup():
+        model, batch = build()
+        units = {id(m) for m in (wrap(model) if wrap is not None else _children_with_parameters(model))}
+        extra = {}
+        if sharding == "hybrid_shard":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            per_node = gpus_per_node or world_size
+            extra["device_mesh"] = init_device_mesh("cpu", (world_size // per_node, per_node))
+        fsdp = FullyShardedDataParallel(
+            model, auto_wrap_policy=CustomPolicy(lambda m: id(m) in units),
+            sharding_strategy=ShardingStrategy[sharding.upper()], device_id=torch.device("cpu"), **extra,
+        )
+        return fsdp, batch
+
+    return setup
 
 
 def _children_with_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:

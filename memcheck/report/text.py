@@ -512,10 +512,22 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
         args.append('deepspeed= a ZeRO stage 2 config with "offload_optimizer": {"device": "cpu"}')
     elif plan.strategy != "single":
         flags.extend((f"--strategy {plan.strategy}", f"--gpus {plan.gpus}"))
-        args.append({"fsdp": 'fsdp="full_shard"', "zero3": "deepspeed= a ZeRO stage 3 config",
+        sharding = _fsdp1_sharding(plan)
+        if plan.strategy == "fsdp1" and sharding != "full_shard":
+            flags.append(f"--fsdp-sharding {sharding}")
+        if plan.job is not None and plan.job.gpus_per_node is not None:
+            flags.append(f"--gpus-per-node {plan.job.gpus_per_node}")
+        args.append({"fsdp": 'fsdp="full_shard"', "fsdp1": f'fsdp="{sharding}", fsdp_config={{"version": 1}}',
+                     "zero3": "deepspeed= a ZeRO stage 3 config",
                      "zero2": "deepspeed= a ZeRO stage 2 config", "zero1": "deepspeed= a ZeRO stage 1 config"}
                     .get(plan.strategy, f"launched on {plan.gpus} GPUs (torchrun --nproc_per_node {plan.gpus})"))
     return flags, args
+
+
+def _fsdp1_sharding(plan: Plan) -> str:
+    """The plan's fsdp1 sharding strategy (FSDP1's default, full_shard, when the job names none)."""
+    sharding = plan.job.fsdp_sharding if plan.job is not None else None
+    return sharding.value if sharding is not None else "full_shard"
 
 
 # Lightning's Trainer(precision=...) for each precision: the first of its names memcheck reads.
@@ -532,6 +544,10 @@ def _lightning_parts(plan: Plan, r: PlanOption) -> list[str]:
         parts.append('strategy="deepspeed_stage_2_offload"')
     elif plan.strategy in ("ddp", "fsdp"):
         parts.extend((f'strategy="{plan.strategy}"', f"devices={plan.gpus}"))
+    elif plan.strategy == "fsdp1":  # Lightning's FSDPStrategy is FSDP1's FullyShardedDataParallel
+        sharding = _fsdp1_sharding(plan)
+        parts.extend(('strategy="fsdp"' if sharding == "full_shard"
+                      else f'strategy=FSDPStrategy(sharding_strategy="{sharding.upper()}")', f"devices={plan.gpus}"))
     elif plan.strategy.startswith("zero"):
         parts.extend((f'strategy="deepspeed_stage_{plan.strategy[-1]}"', f"devices={plan.gpus}"))
     parts.append(f"DataLoader(batch_size={r.micro_batch_size})")
@@ -555,6 +571,10 @@ def _toml_lines(plan: Plan, r: PlanOption) -> list[str]:
         lines += ['strategy = "zero2"', "gpus = 1", 'offload = "optimizer"']
     elif plan.strategy != "single":
         lines += [f'strategy = "{plan.strategy}"', f"gpus = {plan.gpus}"]
+        if plan.strategy == "fsdp1":
+            lines.append(f'fsdp_sharding = "{_fsdp1_sharding(plan)}"')
+        if plan.job is not None and plan.job.gpus_per_node is not None:
+            lines.append(f"gpus_per_node = {plan.job.gpus_per_node}")
     if plan.job is not None and plan.job.assume:
         lines.append("assume = [" + ", ".join(f'"{a}"' for a in plan.job.assume) + "]")
     if plan.job is not None and plan.job.trust_remote_code:

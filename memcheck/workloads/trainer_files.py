@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from memcheck.enums import FsdpSharding
 from memcheck.errors import UsageError
 from memcheck.job import SPELLING, translate_alias
 
@@ -62,6 +63,24 @@ def parse_limited(path: Path, parse, text: str) -> Any:
         elif isinstance(value, (list, tuple)):
             stack.extend((v, depth + 1) for v in value)
     return data
+
+
+# accelerate's FSDP1 sharding strategies, by name or by their 1-based number in a config file
+# (accelerate/utils/constants.py FSDP_SHARDING_STRATEGY).
+_ACCELERATE_SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
+
+
+def fsdp1_sharding(value, *, where: str) -> str:
+    """FSDP1's sharding strategy as memcheck's ``fsdp_sharding``: a torch ``ShardingStrategy``, its
+    name in any case, or accelerate's number for it; UsageError naming ``where`` otherwise."""
+    text = str(getattr(value, "name", value)).strip().lower()
+    if text.isdigit() and 1 <= int(text) <= len(_ACCELERATE_SHARDING):
+        text = _ACCELERATE_SHARDING[int(text) - 1]
+    known = [s.value for s in FsdpSharding]
+    if text not in known:
+        raise UsageError(f"{where} {value!r} is not an FSDP1 sharding strategy memcheck models; it knows "
+                         f"{', '.join(known)}")
+    return text
 
 
 def zero_strategy(config: dict | None, world: int) -> tuple[str, int, dict]:
@@ -191,7 +210,15 @@ def _training_arguments(data: dict, path: Path) -> dict[str, Any]:
     fsdp = data.get("fsdp")
     if fsdp and not ds:
         words = " ".join(fsdp) if isinstance(fsdp, list) else str(fsdp)
-        if "full_shard" in words or "shard_grad_op" in words:
+        config = data.get("fsdp_config") if isinstance(data.get("fsdp_config"), dict) else {}
+        if str(config.get("version", 2)).strip() == "1":  # FSDP1 (training_args.py, _fsdp_plugin_args)
+            named = [w for w in words.split() if w.lower() in _ACCELERATE_SHARDING]
+            out["strategy"] = "fsdp1"
+            out["fsdp_sharding"] = fsdp1_sharding(config.get("reshard_after_forward", named[0] if named else
+                                                             "full_shard"), where="fsdp_config reshard_after_forward")
+            if "offload" in words or config.get("cpu_offload"):
+                out["offload"] = "params"
+        elif "full_shard" in words or "shard_grad_op" in words:
             out["strategy"] = "fsdp"
             if "offload" in words:
                 out["offload"] = "params"
@@ -200,7 +227,7 @@ def _training_arguments(data: dict, path: Path) -> dict[str, Any]:
 
 _LIGHTNING_STRATEGIES = {
     "ddp": ("ddp", {}), "ddp_spawn": ("ddp", {}), "ddp_find_unused_parameters_true": ("ddp", {}),
-    "fsdp": ("fsdp", {}), "deepspeed_stage_1": ("zero1", {}), "deepspeed_stage_2": ("zero2", {}),
+    "fsdp": ("fsdp1", {}), "deepspeed_stage_1": ("zero1", {}), "deepspeed_stage_2": ("zero2", {}),
     "deepspeed_stage_2_offload": ("zero2", {"offload": "optimizer"}), "deepspeed_stage_3": ("zero3", {}),
     "deepspeed_stage_3_offload": ("zero3", {"offload": "params"}),
 }  # lightning/pytorch/strategies: the registered names
@@ -247,8 +274,16 @@ def _accelerate(data: dict, path: Path) -> dict[str, Any]:
     if kind == "MULTI_GPU":
         out["strategy"] = "ddp"
     elif kind == "FSDP":
-        out["strategy"] = "fsdp"
-        if (data.get("fsdp_config") or {}).get("fsdp_offload_params"):
+        config = data.get("fsdp_config") or {}
+        # accelerate's fsdp_version defaults to 1 (FullyShardedDataParallelPlugin: FSDP_VERSION, "1"); FSDP1's
+        # strategy is fsdp_reshard_after_forward, or the older fsdp_sharding_strategy (a name or a number)
+        if str(config.get("fsdp_version", 1)).strip() == "2":
+            out["strategy"] = "fsdp"
+        else:
+            out["strategy"] = "fsdp1"
+            key = "fsdp_reshard_after_forward" if "fsdp_reshard_after_forward" in config else "fsdp_sharding_strategy"
+            out["fsdp_sharding"] = fsdp1_sharding(config.get(key, "FULL_SHARD"), where=key)
+        if config.get("fsdp_offload_params"):
             out["offload"] = "params"
     elif kind == "DEEPSPEED":
         ds = data.get("deepspeed_config") or {}

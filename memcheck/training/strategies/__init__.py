@@ -10,8 +10,10 @@ allocates and when; ``base`` is the contract they share:
 - ``data_parallel``: ``dp`` and ``dp-balanced`` (``torch.nn.DataParallel``);
 - ``ddp``: ``DistributedDataParallel``'s gradient buckets;
 - ``fsdp``: FSDP2's ``fully_shard``, with ``--offload params``;
+- ``fsdp1``: FSDP1's ``FullyShardedDataParallel`` in its four sharding strategies, with
+  ``--offload params``;
 - ``zero``: DeepSpeed's ``zero1``/``zero2``/``zero3``, with ``--offload``;
-- ``_sharding``: what ``fsdp`` and ``zero`` share;
+- ``_sharding``: what ``fsdp``, ``fsdp1`` and ``zero`` share;
 - ``tp``: tensor parallelism, not a ``train`` family: ``tp.shard`` turns a meta model into
   what one tensor-parallel rank holds and computes, before it is traced.
 
@@ -63,6 +65,8 @@ def train(
         from memcheck.training.strategies import ddp as family
     elif strategy is Strategy.FSDP:
         from memcheck.training.strategies import fsdp as family
+    elif strategy is Strategy.FSDP1:
+        from memcheck.training.strategies import fsdp1 as family
     elif strategy in SHARDED:
         from memcheck.training.strategies import zero as family
     else:

@@ -9,7 +9,7 @@ index of the traced GPU whose figures hold for it:
   ``tracer.multi_gpu``, watches the model and batch itself with ``root_outputs=False``
   (the DataParallel wrapper's outputs are the model's outputs) and runs its own loop
   around the wrapper, so it needs no ``Emulation``. It returns ``[0, 1, ..., gpus - 1]``.
-- ``single``, ``ddp``, ``fsdp`` and ``zero`` (``zero1``-``zero3``) trace one rank, whose
+- ``single``, ``ddp``, ``fsdp``, ``fsdp1`` and ``zero`` (``zero1``-``zero3``) trace one rank, whose
   figures hold for every rank, and return ``[0] * gpus``. They run the loop of
   ``single.train_one_rank``: it calls ``tracer.watch(model=..., batch=...)``, then builds
   the family's ``Emulation`` (none for ``single``), so the emulation's hooks run after
@@ -18,7 +18,7 @@ index of the traced GPU whose figures hold for it:
   every phase, runs the evaluation with the bare model, and calls ``close`` last, also
   when a step fails. An emulation never calls ``tracer.watch``: it allocates what its
   rank holds itself (``tracer.register``) and stops counting what the rank does not
-  hold (``tracer.ignore``). ``fsdp`` and ``zero3`` build the model on meta: they ignore
+  hold (``tracer.ignore``). ``fsdp``, ``fsdp1`` and ``zero3`` build the model on meta: they ignore
   its parameters before the model is watched.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from memcheck.enums import Offload, Phase, Strategy
+from memcheck.enums import FsdpSharding, Offload, Phase, Strategy
 from memcheck.errors import UsageError, require_int, require_positive_number
 from memcheck.training.loop import LossFn, run_steps, run_train_steps
 
@@ -42,27 +42,32 @@ class StrategyConfig:
     gpus: int = 1
     bucket_view: bool = False  # ddp: gradient_as_bucket_view=True
     bucket_cap_mb: float | None = None  # ddp: None is DDP's default (25, first bucket 1 MiB)
-    offload: Offload = Offload.NONE  # fsdp / zero*
+    offload: Offload = Offload.NONE  # fsdp / fsdp1 / zero*
     # DeepSpeed's ZeRO buffers in elements (None: its defaults, memcheck.training.strategies.zero)
     reduce_bucket_size: int | None = None  # zero1-3: the IPG bucket
     prefetch_bucket_size: int | None = None  # zero3: stage3_prefetch_bucket_size
     max_live_parameters: int | None = None  # zero3: stage3_max_live_parameters
+    fsdp_sharding: FsdpSharding | None = None  # fsdp1: its ShardingStrategy (None: FULL_SHARD, torch's default)
+    gpus_per_node: int | None = None  # fsdp1 hybrid_shard: the shard group (None: every GPU on one node)
 
     @classmethod
     def parse(cls, strategy="single", gpus=None, *, bucket_view=False, bucket_cap_mb=None, offload=None,
-              reduce_bucket_size=None, prefetch_bucket_size=None, max_live_parameters=None):
+              reduce_bucket_size=None, prefetch_bucket_size=None, max_live_parameters=None, fsdp_sharding=None,
+              gpus_per_node=None):
         strategy = Strategy.parse(strategy, what="strategy")
         offload = Offload.parse(offload or "none", what="offload")
+        if fsdp_sharding is not None:
+            fsdp_sharding = FsdpSharding.parse(fsdp_sharding, what="fsdp_sharding")
         if gpus is None:
             gpus = 1 if strategy is Strategy.SINGLE else 2
         require_int(gpus, "gpus")
         if strategy is Strategy.SINGLE and gpus != 1:
             raise UsageError(
-                f"strategy 'single' runs on one GPU, got gpus={gpus}; choose dp, dp-balanced, ddp, fsdp or zero1-3"
+                f"strategy 'single' runs on one GPU, got gpus={gpus}; choose dp, dp-balanced, ddp, fsdp, fsdp1 or zero1-3"
             )
         # One GPU is allowed for zero1-3 with an offload: DeepSpeed's ZeRO-Offload runs on one GPU
         # (deepspeed --num_gpus 1 with offload_optimizer), moving the optimizer to the CPU.
-        one_gpu_offload = strategy in SHARDED and strategy is not Strategy.FSDP and offload is not Offload.NONE
+        one_gpu_offload = strategy in SHARDED and strategy not in FSDPS and offload is not Offload.NONE
         if strategy.multi_gpu and gpus < 2 and not (one_gpu_offload and gpus == 1):
             extra = "; zero1-3 run on one GPU with an offload (--offload optimizer)" if strategy in SHARDED else ""
             raise UsageError(f"strategy {strategy.value!r} needs at least 2 GPUs, got gpus={gpus}{extra}")
@@ -70,10 +75,14 @@ class StrategyConfig:
             raise UsageError(f"strategy {strategy.value!r} (DataParallel) drives the GPUs of one machine from one "
                              f"process, at most {MAX_DP_GPUS}, got gpus={gpus}; for more use ddp, fsdp or zero1-3")
         if offload is not Offload.NONE and strategy not in SHARDED:
-            raise UsageError(f"offload={offload.value!r} applies to fsdp and zero1-3, not {strategy.value!r}")
+            raise UsageError(f"offload={offload.value!r} applies to fsdp, fsdp1 and zero1-3, not {strategy.value!r}")
         if strategy is Strategy.FSDP and offload is Offload.OPTIMIZER:
             raise UsageError("fsdp has no optimizer-only offload (FSDP2's CPUOffloadPolicy moves the parameters, "
                              "gradients and optimizer state together); use offload='params', or zero1-3")
+        if strategy is Strategy.FSDP1 and offload is Offload.OPTIMIZER:
+            raise UsageError("fsdp1 has no optimizer-only offload (FSDP1's CPUOffload(offload_params=True) moves the "
+                             "parameters, gradients and optimizer step together); use offload='params', or zero1-3")
+        fsdp_sharding, gpus_per_node = _fsdp1_settings(strategy, gpus, offload, fsdp_sharding, gpus_per_node)
         if strategy in (Strategy.ZERO1, Strategy.ZERO2) and offload is Offload.PARAMS:
             raise UsageError(f"offload='params' needs zero3 (DeepSpeed offloads parameters in ZeRO-3 only), "
                              f"not {strategy.value}; use offload='optimizer'")
@@ -93,7 +102,7 @@ class StrategyConfig:
             require_int(value, name, minimum=minimum,
                         message=f"{name} must be an integer of at least {minimum} (elements), got {value!r}")
         return cls(strategy, gpus, bool(bucket_view), bucket_cap_mb, offload, reduce_bucket_size,
-                   prefetch_bucket_size, max_live_parameters)
+                   prefetch_bucket_size, max_live_parameters, fsdp_sharding, gpus_per_node)
 
     @property
     def label(self) -> str:
@@ -102,12 +111,42 @@ class StrategyConfig:
         extra = ""
         if self.strategy is Strategy.DDP and self.bucket_view:
             extra = ", bucket view"
+        if self.fsdp_sharding is not None:
+            extra = f", {self.fsdp_sharding.value}"
+            if self.gpus_per_node is not None:
+                extra += f" ({self.gpus_per_node} per node)"
         if self.offload is not Offload.NONE:
-            extra = f", offload {self.offload.value}"
+            extra += f", offload {self.offload.value}"
         return f"{self.strategy.value} x{self.gpus}{extra}"
 
 
-SHARDED = (Strategy.FSDP, Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3)
+def _fsdp1_settings(strategy: Strategy, gpus: int, offload: Offload, sharding, per_node):
+    """fsdp1's sharding strategy (FULL_SHARD by default) and shard group, checked."""
+    if strategy is not Strategy.FSDP1:
+        if sharding is not None:
+            raise UsageError(f"fsdp_sharding={sharding.value!r} applies to strategy fsdp1, not {strategy.value!r}")
+        if per_node is not None:
+            raise UsageError(f"gpus_per_node={per_node!r} applies to strategy fsdp1 with fsdp_sharding hybrid_shard, "
+                             f"not {strategy.value!r}")
+        return None, None
+    sharding = sharding or FsdpSharding.FULL_SHARD
+    if per_node is not None:
+        require_int(per_node, "gpus_per_node")
+        if sharding is not FsdpSharding.HYBRID_SHARD:
+            raise UsageError(f"gpus_per_node={per_node} applies to fsdp_sharding hybrid_shard, not {sharding.value!r} "
+                             "(the other strategies shard or replicate over every GPU)")
+        if per_node < 1 or per_node > gpus or gpus % per_node:
+            raise UsageError(f"gpus_per_node={per_node} must divide gpus={gpus} (hybrid_shard shards within a node "
+                             "and replicates across nodes of the same size)")
+    if offload is Offload.PARAMS and sharding is FsdpSharding.NO_SHARD:
+        raise UsageError("offload='params' with fsdp_sharding 'no_shard' is not modelled (FSDP1 moves the whole flat "
+                         "parameter to the device around each unit's use); use full_shard, shard_grad_op or "
+                         "hybrid_shard")
+    return sharding, per_node
+
+
+SHARDED = (Strategy.FSDP, Strategy.FSDP1, Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3)
+FSDPS = (Strategy.FSDP, Strategy.FSDP1)
 DATA_PARALLEL = (Strategy.DP, Strategy.DP_BALANCED)
 # DataParallel is one process driving the GPUs of one machine, 16 at most in any server (DGX-2,
 # HGX-2), and memcheck traces every one of them (data_parallel.py): its GPU count stops there.
@@ -115,11 +154,15 @@ MAX_DP_GPUS = 16
 
 
 def applicable(gpus: int) -> list[StrategyConfig]:
-    """The strategies ``--compare`` lists for ``gpus`` GPUs (DataParallel up to ``MAX_DP_GPUS``)."""
+    """The strategies ``--compare`` lists for ``gpus`` GPUs (DataParallel up to ``MAX_DP_GPUS``).
+
+    ``fsdp1`` is left out: its FULL_SHARD differs from ``fsdp`` (FSDP2) by the flat parameters'
+    padding and gradient copies only, and each row is one more trace of the model."""
     if gpus <= 1:
         return [StrategyConfig()]
     return [StrategyConfig()] + [StrategyConfig(s, gpus) for s in Strategy
-                                 if s.multi_gpu and (gpus <= MAX_DP_GPUS or s not in DATA_PARALLEL)]
+                                 if s.multi_gpu and s is not Strategy.FSDP1
+                                 and (gpus <= MAX_DP_GPUS or s not in DATA_PARALLEL)]
 
 
 @dataclass(frozen=True)

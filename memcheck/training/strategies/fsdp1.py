@@ -1,0 +1,261 @@
+"""``fsdp1``: FSDP1's ``FullyShardedDataParallel``, emulated on one rank (what ``_sharding.py`` says of
+every sharded strategy holds here); sources: torch 2.13 ``torch/distributed/fsdp/`` (``_flat_param.py``,
+``_runtime_utils.py``, ``fully_sharded_data_parallel.py``; the lines cited are theirs).
+
+Wrapping: one FSDP unit per repeated block (what transformers' / accelerate's
+``transformer_layer_cls_to_wrap`` auto wrap and ``ModuleWrapPolicy`` make), then the root
+with the rest. Defaults (``fully_sharded_data_parallel.py:397-412``): ``backward_prefetch
+=BACKWARD_PRE``, ``forward_prefetch=False``, ``limit_all_gathers=True``,
+``use_orig_params=False``, no mixed-precision policy. Each unit is one ``FlatParameter``:
+
+- its parameters flattened into ``N`` elements; a sharded strategy over ``W`` ranks keeps
+  ``S = ceil(N / W)`` of them per rank, the last chunk zero-padded (``_flat_param.py:1088-1139``,
+  ``_get_unpadded_shard`` / ``_get_shard``); the optimizer steps the flat shard, padding
+  included, so Adam's state is ``S`` elements (one step counter) per unit;
+- unshard: the padded unsharded flat parameter of ``W * S`` elements is allocated and
+  all-gathered into (``_flat_param.py:1285-1292``, ``1395-1409``, ``1440-1475``), with no
+  separate all-gather output (FSDP2 has one); the parameters are views of it;
+- forward: a unit unshards at its pre-forward; FULL_SHARD and HYBRID_SHARD free it at
+  post-forward, the root excepted; SHARD_GRAD_OP keeps every unit unsharded from its
+  forward to its post-backward (``_runtime_utils.py:486-500``; ``_flat_param.py:112-119``);
+- backward: a unit's pre-backward re-gathers it if freed and prefetches the unit before it
+  in post-forward order (``BACKWARD_PRE``: ``_runtime_utils.py:688-693``, ``1239-1290``);
+  autograd concatenates the unit's parameter gradients into one flat gradient of ``N``
+  elements (the views' ``split`` backward; the per-parameter gradients are freed after it);
+  autograd's ready queue runs the node created last in forward first (``ReadyQueue``'s
+  ``CompareNodeTaskTime``, by sequence number: torch/csrc/autograd/engine.h:91-105), so a block's split runs once its gradients exist, but the root's, made at
+  the root's pre-forward before every block, runs only when the rest of backward is done:
+  the root's parameter gradients and unsharded parameter stay to the end of backward;
+  the post-backward hook on the flat parameter's ``AccumulateGrad`` frees the unsharded
+  parameter, pads the flat gradient to ``W * S`` (a copy, only when ``N % W != 0``), allocates
+  the ``S``-element sharded gradient and reduce-scatters (``_runtime_utils.py:701-774``,
+  ``811-903``); the sharded gradient becomes ``.grad`` at the end of backward
+  (``_finalize_params``, ``1168-1205``);
+- ``no_shard``: the flat parameter is the whole unit on every rank, its flat gradient is
+  all-reduced in place and kept, like DDP with one bucket per unit (``_runtime_utils.py:932-950``);
+- ``hybrid_shard``: as ``full_shard`` over the ``gpus_per_node`` ranks of a node; the sharded
+  gradient is then all-reduced in place across nodes (``_runtime_utils.py:858-882``);
+- a unit mixing frozen and trainable parameters (``use_orig_params=True``, as under LoRA) keeps
+  a gradient of its whole flat parameter; the optimizer's share is taken as
+  ``ceil(trainable / W)`` elements (the real split follows where each parameter falls);
+- ``offload="params"`` (``CPUOffload(offload_params=True)``): the shards, the sharded
+  gradients' host copies (``_cpu_grad``) and the optimizer step are host memory; each
+  unshard copies the shard to the device first (``_flat_param.py:1335-1337``), and the
+  device's sharded gradients stay until the end of backward (``_saved_grad_shard``, deleted in
+  ``prepare_gradient_for_optim``, ``_flat_param.py:1679-1712``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from memcheck.enums import Category, FsdpSharding, Offload
+from memcheck.training.checkpointing import repeated_blocks
+from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, train_sharded
+from memcheck.training.strategies.base import Run
+
+
+def train(run: Run) -> list[int]:
+    """Rank 0 of ``fsdp1``: the model's full parameters never count, only the flat parameters."""
+    config = run.config
+    sharding = config.fsdp_sharding or FsdpSharding.FULL_SHARD
+    group = config.gpus_per_node if sharding is FsdpSharding.HYBRID_SHARD and config.gpus_per_node else config.gpus
+    offload = config.offload is Offload.PARAMS
+    return train_sharded(run, lambda: _MetaFSDP1(run.tracer, run.model, group, sharding, offload),
+                         built_on_meta=True)
+
+
+def shard_numel(numel: int, world: int) -> int:
+    """A FlatParameter's elements per rank: ``ceil(numel / world)``, rank 0's chunk of
+    ``torch.flatten(flat).chunk(world)``, every other rank padded to it (``_flat_param.py:1088-1139``)."""
+    return -(-numel // world)
+
+
+class _Unit:
+    """One FSDP unit's FlatParameter (a FlatParamHandle)."""
+
+    def __init__(self, name: str, module: torch.nn.Module, params: list, world: int, sharded: bool):
+        self.name, self.module, self.params = name, module, params
+        self.numel = sum(p.numel() for p in params)
+        self.shard = shard_numel(self.numel, world) if sharded else self.numel
+        self.padded = self.shard * world if sharded else self.numel  # the padded unsharded flat parameter
+        self.dtype = params[0].dtype if params else torch.float32
+        self.trainable = [p for p in params if p.requires_grad]
+        # what the optimizer steps on this rank: the whole flat shard, or for a unit mixing frozen and
+        # trainable parameters (use_orig_params=True, as under LoRA) the trainable elements' even share
+        trainable = sum(p.numel() for p in self.trainable)
+        self.stepped = (self.shard if trainable == self.numel
+                        else shard_numel(trainable, world) if sharded else trainable)
+        self.unsharded: torch.Tensor | None = None
+        self.in_backward = False
+        self.ready: set[int] = set()
+        self.device_grad: torch.Tensor | None = None  # offload: _saved_grad_shard, on the device to the end of backward
+
+
+class _MetaFSDP1(_Emulation):
+    """FSDP1 on one rank: flat parameter shards, unsharded flat parameters and gradient buffers, per unit."""
+
+    def __init__(self, tracer, model: torch.nn.Module, world: int, sharding: FsdpSharding, offload: bool):
+        super().__init__(tracer, model, world)
+        self.sharding, self.offload = sharding, offload
+        self.sharded = sharding is not FsdpSharding.NO_SHARD
+        self.reshard_after_forward = sharding in (FsdpSharding.FULL_SHARD, FsdpSharding.HYBRID_SHARD)
+        self._units()
+        self._assume()
+        self._allocate_flat_params()
+        self.order: list[_Unit] = []  # post-forward order, for backward prefetch
+        for u in self.units:
+            self.handles.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
+            self.handles.append(u.module.register_forward_hook(lambda m, a, o, u=u: self._post_forward(u, o)))
+        self.hook_gradients(self._on_grad)
+
+    def _units(self) -> None:
+        """One unit per repeated block (its parameters not already in one), then the root with the rest."""
+        modules = dict(self.model.named_modules())
+        seen: set[int] = set()
+        units = []
+        for name in repeated_blocks(self.model):
+            params = [p for p in modules[name].parameters() if id(p) not in seen]
+            seen.update(id(p) for p in params)
+            units.append(_Unit(name, modules[name], params, self.world, self.sharded))
+        self.root = _Unit("(root)", self.model, [p for p in self.full if id(p) not in seen], self.world, self.sharded)
+        self.units = [u for u in units if u.params] + [self.root]
+        self.unit_of = {id(p): u for u in self.units for p in u.params}
+
+    def _assume(self) -> None:
+        tracer, n = self.tracer, len(self.units) - 1
+        tracer.assume(f"fsdp1 {self.sharding.value}: FullyShardedDataParallel units on each of the {n} repeated "
+                      "blocks, then the root; torch's defaults (use_orig_params=False: one FlatParameter per unit, "
+                      "BACKWARD_PRE prefetch, no forward prefetch, no MixedPrecision policy)")
+        if self.sharding is FsdpSharding.HYBRID_SHARD:
+            tracer.assume(f"fsdp1 hybrid_shard: each rank shards over the {self.world} GPUs of its node and "
+                          "replicates across nodes")
+        if self.offload:
+            tracer.assume("fsdp1 offload: flat parameter shards, their gradients' host copies and the optimizer "
+                          "step are host memory; the optimizer's temporaries are not on the GPU")
+        if any(u.trainable and len(u.trainable) < len(u.params) for u in self.units):
+            tracer.assume("fsdp1: a unit mixing frozen and trainable parameters (use_orig_params=True, as under "
+                          "LoRA) gets a gradient of its whole flat parameter; its optimizer state is taken as the "
+                          "trainable elements' even share of the ranks (the real split follows where each parameter "
+                          "falls in the flat parameter)")
+
+    def _allocate_flat_params(self) -> None:
+        """Each unit's flat parameter on this rank (its shard, or the whole unit under no_shard), and
+        the optimizer's stand-in for it."""
+        self.stand_ins: dict[int, torch.nn.Parameter] = {}
+        for u in self.units:
+            if not u.params:
+                continue
+            flat = (self.host(u.shard, u.dtype) if self.offload
+                    else _empty(self.tracer, u.shard, u.dtype, Category.PARAMETER,
+                                "(FSDP1 flat param shards)" if self.sharded else "(FSDP1 flat params)"))
+            if not self.sharded:
+                u.unsharded = flat  # no_shard: the parameters are views of it all along
+            if u.trainable:
+                self.stand_ins[id(u)] = torch.nn.Parameter(flat[: u.stepped])
+                self.owner(self.stand_ins[id(u)], u.name if u is not self.root else None)
+
+    def make_optimizer(self, make_optimizer):
+        opt = make_optimizer(list(self.stand_ins.values()))
+        return self.wrap_step(opt, lambda inner, *a, **k: inner(*a, **k), host=self.offload)
+
+    # unshard / reshard
+    def _unshard(self, u: _Unit) -> None:
+        """``_unshard`` (``_runtime_utils.py:277-307``): the padded unsharded flat parameter, all-gathered into."""
+        if not self.sharded or u.unsharded is not None or not u.params:
+            return
+        # offload: pre_unshard copies the host shard to the device; it is the all-gather's input, dropped after
+        copy = (_empty(self.tracer, u.shard, u.dtype, Category.COMMUNICATION, "(FSDP1 host-to-device)")
+                if self.offload else None)
+        u.unsharded = _empty(self.tracer, u.padded, u.dtype, Category.PARAMETER, "(FSDP1 unsharded flat params)")
+        del copy
+
+    def _reshard(self, u: _Unit) -> None:
+        if self.sharded:
+            u.unsharded = None
+
+    def _pre_forward(self, u: _Unit) -> None:
+        if u.in_backward:
+            return  # a checkpointed block recomputed inside its backward: stays unsharded
+        self._unshard(u)
+
+    def _post_forward(self, u: _Unit, output) -> None:
+        if u.in_backward:
+            return
+        if self.reshard_after_forward and u is not self.root:  # _post_forward_reshard
+            self._reshard(u)
+        if u.params:
+            self.order.append(u)
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
+
+    # backward
+    def _pre_backward(self, u: _Unit) -> None:
+        if u.in_backward:
+            return
+        u.in_backward = True
+        self.queue_end_of_backward()
+        self._unshard(u)
+        index = max((i for i, h in enumerate(self.order) if h is u), default=0)
+        if index > 0:  # BACKWARD_PRE: the unit before it in post-forward order
+            self._unshard(self.order[index - 1])
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self.queue_end_of_backward()
+        u = self.unit_of[id(p)]
+        if u is self.root:
+            return  # its split backward runs last (see end_of_backward)
+        u.ready.add(id(p))
+        if len(u.ready) == len(u.trainable):
+            self._post_backward(u)
+
+    def _post_backward(self, u: _Unit) -> None:
+        """The views' split backward, then ``_post_backward_hook`` (``_runtime_utils.py:701-774``)."""
+        present = [p for p in u.trainable if p.grad is not None]
+        u.ready.clear()
+        u.in_backward = False
+        if not present:
+            self._reshard(u)
+            return
+        # autograd's split backward: one flat gradient of N elements from the per-parameter ones
+        flat_grad = _empty(self.tracer, u.numel, present[0].grad.dtype, Category.GRADIENT, "(FSDP1 flat grads)")
+        for p in present:
+            p.grad = None
+        self._reshard(u)  # _post_backward_reshard, before the reduction
+        stand_in = self.stand_ins[id(u)]
+        if not self.sharded:  # _reduce_grad_no_shard: all-reduced in place, kept as .grad
+            if stand_in.grad is None:
+                stand_in.grad = flat_grad[: u.stepped]
+            else:
+                stand_in.grad.add_(flat_grad[: u.stepped])  # AccumulateGrad adds the new gradient to the kept one
+            return
+        # _get_reduce_scatter_tensors (_runtime_utils.py:890-903): F.pad copies only when N % W != 0
+        padded = (_empty(self.tracer, u.padded, flat_grad.dtype, Category.COMMUNICATION, "(FSDP1 reduce-scatter)")
+                  if u.padded != u.numel else flat_grad)
+        sharded = _empty(self.tracer, u.shard, flat_grad.dtype, Category.GRADIENT, "(FSDP1 sharded grads)")
+        if self.offload:  # _offload_grad: copied to _cpu_grad; the device one stays as _saved_grad_shard
+            if u.device_grad is None:
+                u.device_grad = sharded
+            else:
+                u.device_grad.add_(sharded)
+            if stand_in.grad is None:
+                stand_in.grad = self.host(u.stepped, flat_grad.dtype)
+        elif stand_in.grad is None:
+            stand_in.grad = sharded[: u.stepped]
+        else:
+            stand_in.grad.add_(sharded[: u.stepped])  # _accumulate_sharded_grad
+        del sharded, padded, flat_grad  # the hook's locals: the unsharded gradient and its padded copy go
+
+    def end_of_backward(self) -> None:
+        """``_post_backward_final_callback`` (``_runtime_utils.py:1084-1127``): units whose hook did not run,
+        the catch-all reshard, and (offload) the device's sharded gradients dropped."""
+        for u in self.units:  # blocks first, the root last
+            if u.ready or u.in_backward or u is self.root:
+                self._post_backward(u)
+            self._reshard(u)
+            u.device_grad = None
+        self.order.clear()

@@ -899,6 +899,9 @@ def _sharded_sentence(fit: "ShardedFit", how: str, global_batch: int | None) -> 
     return text
 
 
+LAYOUT_ROWS = 8  # rows of the layout search's table
+
+
 def render_layout_plan(plan: "LayoutPlan") -> str:
     """The table printed by ``memcheck plan --gpus N`` (a layout search)."""
     where = plan.gpu.name if plan.gpu is not None else "the budget"
@@ -924,13 +927,16 @@ def render_layout_plan(plan: "LayoutPlan") -> str:
     else:
         lines.extend(_prose("NOTHING FITS: no layout searched keeps every rank under the limit"))
     lines.append("")
-    rows = [[c.layout, f"{c.micro_batch_size} x {c.microbatches}", c.checkpointing, f"{c.relative_cost:.3g}",
-             format_bytes(c.device_total_bytes) if c.device_total_bytes is not None else "-", c.status]
-            for c in plan.considered[-12:]]
+    rows = [[c.layout.replace(",schedule=", ","), f"{c.micro_batch_size} x {c.microbatches}", c.checkpointing,
+             f"{c.relative_cost:.3g}", format_bytes(c.device_total_bytes) if c.device_total_bytes is not None
+             else "-", c.status] for c in plan.considered[-LAYOUT_ROWS:]]
     lines.append(tabulate(rows, headers=["layout", "micro x M", "ckpt", "cost", "traced", "verdict"],
-                          tablefmt="simple", maxcolwidths=[None, None, None, None, None, 30]))
+                          tablefmt="simple"))
     lines.extend(_prose(
-        f"{plan.candidates} layouts ranked by the cost proxy (relative seconds a step: FLOPs, pipeline bubble, "
-        f"tensor- and context-parallel traffic over estimated link rates), {len(plan.considered)} looked at in "
-        f"that order, {plan.traces} traces, {plan.seconds:.1f} s"))
+        f"the last {min(LAYOUT_ROWS, len(plan.considered))} of {len(plan.considered)} layouts looked at, cheapest "
+        f"first, of {plan.candidates} ranked; cost: the proxy of seconds a step (FLOPs, pipeline bubble, tensor- "
+        "and context-parallel traffic over estimated link rates); skipped: weights, gradients and optimizer state "
+        "alone pass the limit (state), or one-block probe traces predict more than 1.25 x the limit (about; at "
+        "least: the tp=1 probes divided by tp x cp); "
+        f"{plan.traces} traces, {plan.seconds:.1f} s"))
     return "\n".join(lines)

@@ -305,18 +305,18 @@ class _Search:
         for c in candidates:
             bound = self.state_bound(c)
             if bound > self.limit:
-                considered.append(self._row(c, f"skipped: state {_gib(bound)}"))
+                considered.append(self._row(c, f"skipped, state {_gib(bound)}"))
                 continue
             bound = self.at_least(c)
             if bound is not None and bound > self.limit * (1 + PREDICTION_SLACK):
-                considered.append(self._row(c, f"skipped: at least {_gib(bound)}", predicted=bound))
+                considered.append(self._row(c, f"skipped, >= {_gib(bound)}", predicted=bound))
                 continue
             predicted = self.predict(c)
             if predicted is not None and predicted > self.limit * (1 + PREDICTION_SLACK):
-                considered.append(self._row(c, f"skipped: about {_gib(predicted)}", predicted=predicted))
+                considered.append(self._row(c, f"skipped, ~{_gib(predicted)}", predicted=predicted))
                 continue
             if full >= MAX_FULL_TRACES:
-                considered.append(self._row(c, "skipped: trace budget spent"))
+                considered.append(self._row(c, "skipped, no traces left"))
                 break
             full += 1
             job = self.job_for(c)
@@ -327,7 +327,7 @@ class _Search:
             self.traces += len(est.devices)
             busiest = est.busiest.total_bytes
             fits = busiest <= self.limit
-            row = self._row(c, "fits" if fits else "does not fit", traced=busiest, fits=fits,
+            row = self._row(c, f"{_gib(busiest)}, " + ("fits" if fits else "too big"), traced=busiest, fits=fits,
                             predicted=predicted)
             considered.append(row)
             if fits:

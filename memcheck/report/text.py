@@ -928,15 +928,14 @@ def render_layout_plan(plan: "LayoutPlan") -> str:
         lines.extend(_prose("NOTHING FITS: no layout searched keeps every rank under the limit"))
     lines.append("")
     rows = [[c.layout.replace(",schedule=", ","), f"{c.micro_batch_size} x {c.microbatches}", c.checkpointing,
-             f"{c.relative_cost:.3g}", format_bytes(c.device_total_bytes) if c.device_total_bytes is not None
-             else "-", c.status] for c in plan.considered[-LAYOUT_ROWS:]]
-    lines.append(tabulate(rows, headers=["layout", "micro x M", "ckpt", "cost", "traced", "verdict"],
+             f"{c.relative_cost:.3g}", c.status] for c in plan.considered[-LAYOUT_ROWS:]]
+    lines.append(tabulate(rows, headers=["layout", "micro x M", "ckpt", "cost", "device total (traced)"],
                           tablefmt="simple"))
     lines.extend(_prose(
         f"the last {min(LAYOUT_ROWS, len(plan.considered))} of {len(plan.considered)} layouts looked at, cheapest "
         f"first, of {plan.candidates} ranked; cost: the proxy of seconds a step (FLOPs, pipeline bubble, tensor- "
         "and context-parallel traffic over estimated link rates); skipped: weights, gradients and optimizer state "
-        "alone pass the limit (state), or one-block probe traces predict more than 1.25 x the limit (about; at "
-        "least: the tp=1 probes divided by tp x cp); "
+        "alone pass the limit (state), or one-block probe traces predict more than 1.25 x the limit (~; >=: the "
+        "tp=1 probes divided by tp x cp); "
         f"{plan.traces} traces, {plan.seconds:.1f} s"))
     return "\n".join(lines)

@@ -248,7 +248,9 @@ def render_estimate(est: Estimate) -> str:
         lines.append("")
         lines.append(render_devices(est.per_device))
     lines.append("")
-    where = f"GPU {est.busiest_gpu}, " if est.per_device else ""
+    busiest = est.busiest
+    where = (f"{busiest.role.replace(chr(10), ', ')}, " if busiest.role is not None
+             else f"GPU {est.busiest_gpu}, " if est.per_device else "")
     lines.extend(_prose(
         f"peak {where}in step {est.peak_step}, phase {est.peak_phase.value}, "
         f"module {_module_label(est, est.peak_module)}"

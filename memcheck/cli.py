@@ -333,6 +333,9 @@ _WORKLOAD_OPTIONS = [
     click.option("--gpus-per-node", type=int, default=None,
                  help="GPUs a node: fsdp1 hybrid_shard's shard group (default: all of --gpus); for plan --gpus N "
                       "with no --strategy, where tensor parallelism stays (default 8)."),
+    click.option("--tp-plan", "tp_plan", default=None, metavar="GLOB=STYLE,...",
+                 help="With a layout's tp: the modules to shard, colwise or rowwise (as parallelize_module takes "
+                      "them); default: the transformers config's base_model_tp_plan."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table."),
     click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise)."),
     click.option("--trust-remote-code", is_flag=True,
@@ -401,7 +404,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
              reentrant, bucket_view, bucket_cap_mb,
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
              snapshot_path, plot_path, timeout, trust_remote_code=False, reduce_bucket_size=None,
-             prefetch_bucket_size=None, max_live_parameters=None, layout=None, fsdp_sharding=None, gpus_per_node=None):
+             prefetch_bucket_size=None, max_live_parameters=None, layout=None, fsdp_sharding=None, gpus_per_node=None,
+             tp_plan=None):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
 
     \b
@@ -444,7 +448,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
                    prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
                    fsdp_sharding=fsdp_sharding, gpus_per_node=gpus_per_node, eval_batch_size=eval_batch_size,
                    eval_accumulate_predictions=eval_accumulate_predictions, task=task, attn=attn, packing=packing,
-                   assume=assume, trust_remote_code=trust_remote_code, layout=layout)
+                   assume=assume, trust_remote_code=trust_remote_code, layout=layout, tp_plan=tp_plan)
         if compare and job.layout is not None:
             raise UsageError("--compare lists the strategies of one kind over --gpus; drop --layout")
         if progress is not None:
@@ -492,7 +496,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
 def plan(model, max_len, target_len, task, attn, packing, assume, device, optimizer, steps, gpu, gpu_memory, strategy, gpus,
          reentrant, bucket_view, bucket_cap_mb, offload, as_json, allow_download, debug, global_batch, margin,
          precision, precision_options, checkpointing_options, length_profile, measure, measure_steps, snapshot_path,
-         plot_path, timeout, trust_remote_code=False, layout=None, fsdp_sharding=None, gpus_per_node=None):
+         plot_path, timeout, trust_remote_code=False, layout=None, fsdp_sharding=None, gpus_per_node=None,
+         tp_plan=None):
     """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
 
     \b
@@ -542,7 +547,7 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
                    gpus=gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload, margin=margin,
                    fsdp_sharding=fsdp_sharding, gpus_per_node=None if spread is not None else gpus_per_node,
                    global_batch=global_batch, task=task, attn=attn, packing=packing,
-                   assume=assume, trust_remote_code=trust_remote_code, layout=layout)
+                   assume=assume, trust_remote_code=trust_remote_code, layout=layout, tp_plan=tp_plan)
         work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)
         _no_train_step(work, "memcheck plan")
         if spread is not None:  # --gpus N with no strategy: search the layouts of N GPUs

@@ -124,6 +124,7 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("max_live_parameters", "--max-live-parameters", "max_live_parameters", "max_live_parameters",
              aliases=("stage3_max_live_parameters",)),
     Spelling("layout", "--layout", "layout", "layout"),
+    Spelling("tp_plan", "--tp-plan", "tp_plan", "tp_plan"),
     Spelling("fsdp_sharding", "--fsdp-sharding", "fsdp_sharding", "fsdp_sharding"),
     Spelling("gpus_per_node", "--gpus-per-node", "gpus_per_node", "gpus_per_node"),
     Spelling("eval_batch_size", "--eval-batch-size", "eval_batch", "eval_batch_size",
@@ -304,6 +305,10 @@ class Job:
     ``memcheck.training.strategies.layout``): ``strategy`` then runs over the layout's ``dp * cp``
     ranks (``fsdp`` when not given), ``gpus`` is the whole world, and under ``pp`` ``accumulate``
     is the pipeline's micro-batches per step. None: one kind, ``strategy`` over ``gpus``."""
+    tp_plan: tuple[tuple[str, str], ...] | None = None
+    """The layout's tensor-parallel plan, ``{module glob: "colwise" | "rowwise" | "colwise_gather_output"}``
+    as ``parallelize_module`` takes it (``"layers.*.attn.q_proj=colwise,..."`` on the command line);
+    None: the transformers config's ``base_model_tp_plan``."""
     fsdp_sharding: FsdpSharding | None = None
     """fsdp1: ``full_shard`` (None: torch's default), ``shard_grad_op``, ``no_shard`` or ``hybrid_shard``.
     HF ``TrainingArguments.fsdp`` is not an alias: it is a list of options (``"full_shard offload
@@ -435,6 +440,8 @@ class Job:
                 value = list(value)
             elif isinstance(value, (Lora, Layout)):
                 value = str(value)
+            elif s.field == "tp_plan" and value is not None:
+                value = dict(value)
             elif hasattr(value, "value"):  # an enum
                 value = value.value
             out[s.json] = value
@@ -555,6 +562,31 @@ def _layout(value):
     return None if layout.is_trivial else layout
 
 
+def _tp_plan(value):
+    if value is None:
+        return None
+    if isinstance(value, str):
+        pairs = []
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            key, eq, style = part.rpartition("=")
+            if not eq or not key:
+                raise SettingError("tp_plan", f"{{name}}: {escape(repr(part))} is not GLOB=STYLE (write e.g. "
+                                              "'layers.*.attn.q_proj=colwise,layers.*.attn.o_proj=rowwise')")
+            pairs.append((key.strip(), style.strip()))
+        value = pairs
+    elif isinstance(value, dict):
+        value = list(value.items())
+    elif not isinstance(value, (list, tuple)):
+        raise SettingError("tp_plan", f"{{name}} must be a table of module globs to styles, got {escape(short_repr(value))}")
+    from memcheck.training.strategies.tp import check_plan
+
+    try:
+        plan = check_plan(dict(tuple(pair) for pair in value))
+    except (UsageError, TypeError, ValueError) as exc:
+        raise SettingError("tp_plan", "{name}: " + escape(str(exc))) from None
+    return tuple(plan.items())
+
+
 def _layout_strategy(layout: Layout, strategy: Strategy, gpus: int | None) -> tuple[Strategy, int]:
     """The strategy and GPUs of a layout's ``dp * cp`` group; ``gpus``, when given, is the world."""
     if gpus is not None and gpus != layout.world:
@@ -631,6 +663,7 @@ _CHECKS = {
                                           text="{name} must be an integer of 0 or more (elements)",
                                           maximum=MAX_ZERO_ELEMENTS, why=" elements (2**40)"),
     "layout": lambda v: _layout(v),
+    "tp_plan": lambda v: _tp_plan(v),
     "fsdp_sharding": lambda v: _choice("fsdp_sharding", FsdpSharding, v, optional=True),
     "gpus_per_node": lambda v: _int("gpus_per_node", v, maximum=MAX_GPUS, why=" (2**16)"),
     "eval_batch_size": lambda v: _int("eval_batch_size", v, maximum=MAX_BATCH, why=" (2**24 rows)"),

@@ -54,6 +54,15 @@ def test_1f1b_two_stages_estimate_matches_each_measured_rank():
     # (4 - 1) x 2 x 32 x 8 B x (input_ids + labels) = 3,072 B, 0.07% of rank 0's peak here.
     micro = _estimate_rank("1f1b", 0, 2, M, whole_batch=False).peak_bytes
     assert estimates[0] - micro == 3 * 2 * 32 * 8 * 2
+    # the user's way in: the whole model with --layout pp=2 --accumulate 4 (a column per stage), whose
+    # step is traced with min(M, 2 x pp) = 4 micro-batches: the same 3,072 B short of each measured rank
+    import memcheck
+
+    with torch.device("meta"):
+        model, batch = build_llama()
+    layout = memcheck.estimate(model, batch, device="cpu", optimizer="adamw", layout="pp=2", accumulate=M)
+    for rank, (measured, device) in enumerate(zip(ranks, layout.devices)):
+        assert measured.steady_peak_bytes - device.peak_bytes == 3 * 2 * 32 * 8 * 2, (rank, device.peak_bytes)
 
 
 # ---- the schedules' orders and live micro-batches, by hand ----

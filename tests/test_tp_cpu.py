@@ -142,9 +142,14 @@ def test_each_tp_rank_of_a_llama_matches_the_estimate_of_its_shard():
     # LlamaConfig's base_model_tp_plan under parallelize_module on 2 gloo ranks, AdamW, 2 steps.
     ranks = measure_tp_cpu(build_llama, adamw, world_size=2, steps=2)
     estimated = _estimate_llama(2, device="cpu").peak_bytes
+    # the user's way in: the whole model with --layout tp=2 (memcheck cuts the rank itself)
+    with torch.device("meta"):
+        whole, batch = make_llama("meta")
+    through_layout = memcheck.estimate(whole, batch, memcheck.Job(optimizer="adamw", device="cpu", layout="tp=2"))
     assert len(ranks) == 2
     for rank, measured in enumerate(ranks):
         _check(f"llama tp=2 rank {rank}", estimated, measured.steady_peak_bytes)
+        _check(f"llama --layout tp=2 rank {rank}", through_layout.peak_bytes, measured.steady_peak_bytes)
 
 
 @pytest.mark.slow

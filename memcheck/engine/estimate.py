@@ -243,7 +243,7 @@ def estimate(
         job = job.replace(assume=(*job.assume, NO_PADDING))
     ranks = [_estimate_rank(model, batch, job, target, name, role, loss_fn=loss_fn, eval_batch=eval_batch,
                             top_modules=top_modules, progress=progress, timeline=timeline, train_step=train_step)
-             for role in roles(job.layout)]
+             for role in roles(job.layout, job.tp_plan)]
     return _merge_roles(ranks, job)
 
 
@@ -293,7 +293,7 @@ def _merge_roles(ranks: list[Estimate], job: Job) -> Estimate:
     """One Estimate of a layout: a column per pipeline rank (every rank alike without pp)."""
     layout = job.layout
     devices = tuple(dataclasses.replace(e.busiest, index=i, role=role.label)
-                    for i, (e, role) in enumerate(zip(ranks, roles(layout))))
+                    for i, (e, role) in enumerate(zip(ranks, roles(layout, job.tp_plan))))
     busiest = max(devices, key=lambda d: (d.total_bytes, -d.index))
     first = ranks[busiest.index]
     assumptions = list(dict.fromkeys(a for e in ranks for a in e.assumptions))

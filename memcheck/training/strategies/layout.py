@@ -186,6 +186,7 @@ class Role:
     layout: Layout
     stage: int = 0  # the pipeline rank
     through: int | None = None  # the last pipeline rank this one's figures stand for (module docstring)
+    tp_plan: tuple[tuple[str, str], ...] | None = None  # the job's tensor-parallel plan; None: the model's
 
     @property
     def ranks(self) -> tuple[int, int]:
@@ -215,7 +216,7 @@ class Role:
         if layout.tp > 1:
             from memcheck.training.strategies import tp
 
-            plan, experts = tp.default_plan(model), []
+            plan, experts = (dict(self.tp_plan) if self.tp_plan else tp.default_plan(model)), []
             if plan is not None:  # MoE experts: sharded by ep, not by tp (torchtitan's default, no ETP)
                 experts = [k for k in plan if ".experts" in k]
                 plan = {k: v for k, v in plan.items() if k not in experts} or None
@@ -275,7 +276,7 @@ class Role:
                              autocast=autocast)
 
 
-def roles(layout: Layout) -> list[Role]:
+def roles(layout: Layout, tp_plan=None) -> list[Role]:
     """The ranks of ``layout`` traced: one per pipeline rank up to 3 stages; beyond that the first,
     the second (standing for every middle stage) and the last.
 
@@ -285,8 +286,9 @@ def roles(layout: Layout) -> list[Role]:
     theirs."""
     p = layout.pp
     if p <= 3:
-        return [Role(layout, stage) for stage in range(p)]
-    return [Role(layout, 0), Role(layout, 1, through=p - 2), Role(layout, p - 1)]
+        return [Role(layout, stage, tp_plan=tp_plan) for stage in range(p)]
+    return [Role(layout, 0, tp_plan=tp_plan), Role(layout, 1, through=p - 2, tp_plan=tp_plan),
+            Role(layout, p - 1, tp_plan=tp_plan)]
 
 
 def _notes(summary) -> list[str]:

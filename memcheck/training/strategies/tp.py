@@ -124,7 +124,8 @@ def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[s
     if found is None:
         raise UsageError(
             f"{type(model).__name__} has no tensor-parallel plan (its config carries no base_model_tp_plan); "
-            "pass one, e.g. plan={'layers.*.attn.q_proj': 'colwise', 'layers.*.attn.o_proj': 'rowwise'}"
+            "give one: --tp-plan 'h.*.attn.c_attn=colwise,h.*.attn.c_proj=rowwise' (tp_plan= in Python, "
+            "{module glob: 'colwise' | 'rowwise'})"
         )
     for key, style in found.items():
         if style not in STYLES:

@@ -108,6 +108,11 @@ def plan_layout(
     base = job.replace(gpus=None, strategy="single", layout=None, global_batch=None, margin=job.margin)
     search = _Search(model, make_batch, base, shape, target, limit, name, loss_fn, progress, world, node)
     candidates = search.candidates(checkpointing_options)
+    if not candidates:
+        raise UsageError(f"no layout of {world} GPUs applies to {name} with global batch {job.global_batch}: the "
+                         "data-parallel degree must divide the global batch, a pipeline needs at least as many "
+                         "micro-batches as stages, and tensor parallelism needs the model's plan"
+                         + (f" ({search.tp_refusal})" if search.tp_refusal else ""))
     chosen, considered, est = search.run(candidates)
     recommended = considered[-1] if chosen is not None else None
     return LayoutPlan(
@@ -115,7 +120,7 @@ def plan_layout(
         gpus=world, gpus_per_node=node, global_batch=job.global_batch, max_len=job.max_len,
         recommended=recommended, considered=tuple(considered), traces=search.traces, estimate=est,
         job=None if chosen is None else search.job_for(chosen),
-        seconds=round(time.perf_counter() - start, 2), candidates=len(candidates),
+        seconds=round(time.perf_counter() - start, 2), candidates=len(candidates), refusals=tuple(search.refusals),
     )
 
 
@@ -178,6 +183,7 @@ class _Search:
         self._tp_ok: dict[int, str | None] = {}
         self._probes: dict[tuple, tuple[int, int, int, int] | None] = {}
         self.assume: tuple[str, ...] = tuple(base.assume)
+        self.refusals: list[str] = []  # layouts the model cannot be cut into, and why
         self._probe_model: torch.nn.Module | None = None
         self._batches: dict[int, Any] = {}
 
@@ -243,6 +249,10 @@ class _Search:
             comm += max(0.0, fsdp - compute)  # overlapped with compute where it can be
         return compute + comm
 
+    @property
+    def tp_refusal(self) -> str | None:
+        return next((why for why in self._tp_ok.values() if why), None)
+
     def _tp_refused(self, tp: int) -> str | None:
         if tp == 1:
             return None
@@ -302,37 +312,57 @@ class _Search:
     def run(self, candidates: list[_Candidate]):
         considered: list[LayoutCandidate] = []
         full = 0
+        refused: dict[tuple, str] = {}  # a kind of rank the model cannot be cut into, and why
         for c in candidates:
-            bound = self.state_bound(c)
-            if bound > self.limit:
-                considered.append(self._row(c, f"skipped, state {_gib(bound)}"))
+            kind = (c.layout.tp, c.layout.pp > 1, c.layout.cp)
+            if kind in refused:
                 continue
-            bound = self.at_least(c)
-            if bound is not None and bound > self.limit * (1 + PREDICTION_SLACK):
-                considered.append(self._row(c, f"skipped, >= {_gib(bound)}", predicted=bound))
+            try:
+                outcome = self._consider(c, considered, full)
+            except UsageError as exc:  # e.g. a model whose pipeline stages cannot be cut
+                refused[kind] = str(exc)
+                self.refusals.append(f"{c.layout.label}: {exc}")
+                considered.append(self._row(c, "not possible (below)"))
                 continue
-            predicted = self.predict(c)
-            if predicted is not None and predicted > self.limit * (1 + PREDICTION_SLACK):
-                considered.append(self._row(c, f"skipped, ~{_gib(predicted)}", predicted=predicted))
+            if outcome is None:
                 continue
-            if full >= MAX_FULL_TRACES:
-                considered.append(self._row(c, "skipped, no traces left"))
-                break
-            full += 1
-            job = self.job_for(c)
-            self._say(f"tracing {c.layout.label}, micro-batch {c.micro} x {c.microbatches}, "
-                      f"checkpointing {c.checkpointing}")
-            est = estimate(self.model, self.batch(c.micro), job, loss_fn=self.loss_fn, model_name=self.name,
-                           top_modules=4)
-            self.traces += len(est.devices)
-            busiest = est.busiest.total_bytes
-            fits = busiest <= self.limit
-            row = self._row(c, f"{_gib(busiest)}, " + ("fits" if fits else "too big"), traced=busiest, fits=fits,
-                            predicted=predicted)
-            considered.append(row)
+            full, est, fits = outcome
             if fits:
                 return c, considered, est
+            if full > MAX_FULL_TRACES:
+                break
         return None, considered, None
+
+    def _consider(self, c: _Candidate, considered: list, full: int):
+        """One candidate: skipped (None, a row added), or traced: (full traces so far, estimate, fits)."""
+        bound = self.state_bound(c)
+        if bound > self.limit:
+            considered.append(self._row(c, f"skipped, state {_gib(bound)}"))
+            return None
+        bound = self.at_least(c)
+        if bound is not None and bound > self.limit * (1 + PREDICTION_SLACK):
+            considered.append(self._row(c, f"skipped, >= {_gib(bound)}", predicted=bound))
+            return None
+        predicted = self.predict(c)
+        if predicted is not None and predicted > self.limit * (1 + PREDICTION_SLACK):
+            considered.append(self._row(c, f"skipped, ~{_gib(predicted)}", predicted=predicted))
+            return None
+        if full >= MAX_FULL_TRACES:
+            considered.append(self._row(c, "skipped, no traces left"))
+            return full + 1, None, False
+        full += 1
+        job = self.job_for(c)
+        self._say(f"tracing {c.layout.label}, micro-batch {c.micro} x {c.microbatches}, "
+                  f"checkpointing {c.checkpointing}")
+        est = estimate(self.model, self.batch(c.micro), job, loss_fn=self.loss_fn, model_name=self.name,
+                       top_modules=4)
+        self.traces += len(est.devices)
+        busiest = est.busiest.total_bytes
+        fits = busiest <= self.limit
+        row = self._row(c, f"{_gib(busiest)}, " + ("fits" if fits else "too big"), traced=busiest, fits=fits,
+                        predicted=predicted)
+        considered.append(row)
+        return full, est, fits
 
     def state_bound(self, c: _Candidate) -> int:
         """Weights, gradients and AdamW state of the busiest rank's parameters, sharded over dp*cp
@@ -376,7 +406,10 @@ class _Search:
     def _probe(self, tp: int, cp: int, ckpt: str):
         key = (tp, cp, ckpt)
         if key not in self._probes:
-            self._probes[key] = self._run_probe(tp, cp, ckpt)
+            try:
+                self._probes[key] = self._run_probe(tp, cp, ckpt)
+            except UsageError:  # a model the probes' pipeline cannot cut: no screen, candidates are traced
+                self._probes[key] = None
         return self._probes[key]
 
     def _run_probe(self, tp: int, cp: int, ckpt: str):

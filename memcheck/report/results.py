@@ -647,6 +647,7 @@ class LayoutPlan:
     job: Job | None  # the recommended job, exactly as traced
     seconds: float
     candidates: int  # layouts ranked in all
+    refusals: tuple[str, ...] = ()  # kinds of layout the model cannot be cut into, with the reason (skipped)
 
     @property
     def fits(self) -> bool:
@@ -670,6 +671,7 @@ class LayoutPlan:
             "per_rank": [d.to_dict() for d in self.estimate.devices] if self.estimate is not None else [],
             "considered": [c.to_dict() for c in self.considered],
             "candidates": self.candidates,
+            "not_possible": list(self.refusals),
             "traces": self.traces,
             "seconds": self.seconds,
         }

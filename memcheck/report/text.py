@@ -940,4 +940,6 @@ def render_layout_plan(plan: "LayoutPlan") -> str:
         "alone pass the limit (state), or one-block probe traces predict more than 1.25 x the limit (~; >=: the "
         "tp=1 probes divided by tp x cp); "
         f"{plan.traces} traces, {plan.seconds:.1f} s"))
+    for why in plan.refusals:  # every later layout of the same kind was left out too
+        lines.extend(_prose(f"not possible: {why}"))
     return "\n".join(lines)

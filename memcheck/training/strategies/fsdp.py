@@ -43,7 +43,7 @@ class _FsdpGroup:
     """One ``fully_shard`` call's parameters (an FSDPParamGroup)."""
 
     def __init__(self, name: str, module: torch.nn.Module, params: list, world: int):
-        self.name, self.module, self.params = name, module, params
+        self.name, self.module, self.params, self.world = name, module, params, world
         self.rows = []  # per parameter: (padded shard elements, local unpadded shape of rank 0)
         for p in params:
             shape = tuple(p.shape) or (1,)
@@ -56,8 +56,8 @@ class _FsdpGroup:
         self.in_backward = False
         self.ready: set[int] = set()
 
-    def gathered_bytes(self, world: int) -> int:
-        return sum(n * world * p.element_size() for (n, _), p in zip(self.rows, self.params))
+    def gathered_bytes(self) -> int:
+        return sum(n * self.world * p.element_size() for (n, _), p in zip(self.rows, self.params))
 
 
 class _MetaFSDP(_Emulation):
@@ -76,10 +76,24 @@ class _MetaFSDP(_Emulation):
         self._register_hooks()
 
     def _group_parameters(self) -> None:
-        """One group per repeated block (its parameters not already in one), then the root with the rest."""
+        """One group per repeated block (its parameters not already in one), then the root with the rest.
+
+        Under a layout's expert parallelism (``memcheck_expert_parallel`` on the model, set by
+        ``layout.Role.view``), each block's experts are a group of their own first, sharded over
+        ``world / ep`` ranks: torchtitan's ``fully_shard(block.moe.experts, mesh=dp_mod_ep_mesh)``
+        (``torchtitan/models/llama4/infra/parallelize.py``, ``apply_fsdp``), the ep ranks already
+        holding different experts."""
         modules = dict(self.model.named_modules())
         seen: set[int] = set()
         self.blocks = []
+        ep = getattr(self.model, "memcheck_expert_parallel", 1)
+        if ep > 1:
+            from memcheck.training.strategies.ep import experts_modules
+
+            for name, module in experts_modules(self.model):
+                params = [p for p in module.parameters() if id(p) not in seen]
+                seen.update(id(p) for p in params)
+                self.blocks.append(_FsdpGroup(name, module, params, max(1, self.world // ep)))
         for name in repeated_blocks(self.model):
             params = [p for p in modules[name].parameters() if id(p) not in seen]
             seen.update(id(p) for p in params)
@@ -90,8 +104,12 @@ class _MetaFSDP(_Emulation):
     def _assume(self) -> None:
         """State the wrapping, the defaults and the offload in the report."""
         tracer = self.tracer
-        tracer.assume(f"fsdp: fully_shard on each of the {len(self.blocks)} repeated blocks, then on the root; FSDP2 "
-                      "defaults (no mixed-precision policy; blocks resharded after forward, the root not)")
+        experts = sum(1 for g in self.blocks if g.world != self.world)
+        tracer.assume(f"fsdp: fully_shard on each of the {len(self.blocks) - experts} repeated blocks, then on the "
+                      "root; FSDP2 defaults (no mixed-precision policy; blocks resharded after forward, the root not)")
+        if experts:
+            tracer.assume(f"fsdp with ep: each block's experts sharded apart over {self.blocks[0].world} rank(s), "
+                          "dp*cp / ep, as torchtitan's apply_fsdp does")
         tracer.assume("fsdp: a block's reduce-scatter runs when its last gradient is accumulated "
                       "(FSDP2 hooks the gradients of its inputs)")
         if self.offload:
@@ -126,7 +144,7 @@ class _MetaFSDP(_Emulation):
     def _all_gather(self, g: _FsdpGroup) -> torch.Tensor:
         copies = ([_empty(self.tracer, n, p.dtype, Category.COMMUNICATION, "(FSDP host-to-device)")
                    for (n, _), p in zip(g.rows, g.params)] if self.offload else [])
-        out = _empty(self.tracer, g.gathered_bytes(self.world), torch.uint8, Category.COMMUNICATION,
+        out = _empty(self.tracer, g.gathered_bytes(), torch.uint8, Category.COMMUNICATION,
                      "(FSDP all-gather)")
         del copies  # the all-gather inputs, freed after the copy-in
         return out
@@ -136,7 +154,7 @@ class _MetaFSDP(_Emulation):
         g.prefetched = None
         if forward:
             self.kept_all_gather = None  # the previous group's output (wait_for_unshard)
-        g.unsharded = [_empty(self.tracer, n * self.world, p.dtype, Category.PARAMETER, "(FSDP unsharded params)")
+        g.unsharded = [_empty(self.tracer, n * g.world, p.dtype, Category.PARAMETER, "(FSDP unsharded params)")
                        for (n, _), p in zip(g.rows, g.params)]
         if forward:
             self.kept_all_gather = gathered  # kept in all_gather_state until the next group's unshard
@@ -197,7 +215,7 @@ class _MetaFSDP(_Emulation):
             return
         self.kept_reduce_scatter = None  # reduce_scatter_max_input_buffers=1: the previous input goes
         padded = sum(g.rows[i][0] for i in present)
-        rs_in = _empty(self.tracer, padded * self.world, dtype, Category.COMMUNICATION, "(FSDP reduce-scatter)")
+        rs_in = _empty(self.tracer, padded * g.world, dtype, Category.COMMUNICATION, "(FSDP reduce-scatter)")
         del grads  # chunk_cat copied them; autograd's unsharded gradients are freed
         rs_out = _empty(self.tracer, padded, dtype, Category.GRADIENT, "(FSDP sharded grads)")
         offset = 0

@@ -213,6 +213,7 @@ class Role:
             from memcheck.training.strategies import ep
 
             notes += _notes(ep.shard_experts(model, layout.ep))
+            model.memcheck_expert_parallel = layout.ep  # fsdp shards the experts over dp*cp / ep ranks
         if layout.tp > 1:
             from memcheck.training.strategies import tp
 

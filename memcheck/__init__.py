@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from memcheck.engine.compare import compare
     from memcheck.engine.estimate import estimate
     from memcheck.engine.plan import plan
+    from memcheck.engine.plan_layout import plan_layout
     from memcheck.engine.preflight import check, preflight
     from memcheck.engine.script import run_script
     from memcheck.enums import Category, Device, Offload, Phase, Precision, Strategy, Task
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
         DeviceMemory,
         Estimate,
         EvalFix,
+        LayoutPlan,
         ModuleMemory,
         Plan,
         Verdict,
@@ -41,12 +43,14 @@ if TYPE_CHECKING:
     from memcheck.report.timeline import Timeline
     from memcheck.rules.registry import register_op_rule
     from memcheck.config_gate import deepspeed_job
+    from memcheck.training.strategies.layout import Layout
 
 # Each public name and the module that defines it.
 _HOME = {
     "compare": "memcheck.engine.compare",
     "estimate": "memcheck.engine.estimate",
     "plan": "memcheck.engine.plan",
+    "plan_layout": "memcheck.engine.plan_layout",
     "check": "memcheck.engine.preflight",
     "preflight": "memcheck.engine.preflight",
     "run_script": "memcheck.engine.script",
@@ -72,12 +76,14 @@ _HOME = {
     "DeviceMemory": "memcheck.report.results",
     "Estimate": "memcheck.report.results",
     "EvalFix": "memcheck.report.results",
+    "LayoutPlan": "memcheck.report.results",
     "ModuleMemory": "memcheck.report.results",
     "Plan": "memcheck.report.results",
     "Verdict": "memcheck.report.results",
     "Timeline": "memcheck.report.timeline",
     "register_op_rule": "memcheck.rules.registry",
     "deepspeed_job": "memcheck.config_gate",
+    "Layout": "memcheck.training.strategies.layout",
 }
 
 __all__ = [
@@ -90,6 +96,8 @@ __all__ = [
     "Estimate",
     "EvalFix",
     "Job",
+    "Layout",
+    "LayoutPlan",
     "MemcheckError",
     "ModelLoadError",
     "ModuleMemory",
@@ -111,6 +119,7 @@ __all__ = [
     "deepspeed_job",
     "estimate",
     "plan",
+    "plan_layout",
     "plot_timeline",
     "preflight",
     "register_op_rule",

@@ -432,7 +432,9 @@ class Job:
         out = {}
         for s in SPELLINGS:
             value = getattr(self, s.field)
-            if s.field == "optimizer" and not isinstance(value, str):
+            if s.field == "tp_plan" and value is not None:
+                value = dict(value)
+            elif s.field == "optimizer" and not isinstance(value, str):
                 value = getattr(value, "__name__", type(value).__name__)
             elif s.field == "gpu" and isinstance(value, GpuSpec):
                 value = value.name
@@ -440,8 +442,7 @@ class Job:
                 value = list(value)
             elif isinstance(value, (Lora, Layout)):
                 value = str(value)
-            elif s.field == "tp_plan" and value is not None:
-                value = dict(value)
+
             elif hasattr(value, "value"):  # an enum
                 value = value.value
             out[s.json] = value
@@ -581,8 +582,13 @@ def _tp_plan(value):
     from memcheck.training.strategies.tp import check_plan
 
     try:
-        plan = check_plan(dict(tuple(pair) for pair in value))
-    except (UsageError, TypeError, ValueError) as exc:
+        pairs = dict(tuple(pair) for pair in value)
+    except (TypeError, ValueError):
+        raise SettingError("tp_plan", "{name} must be a table of module globs to styles ('colwise', 'rowwise'), "
+                                      f"got {escape(short_repr(value))}") from None
+    try:
+        plan = check_plan(pairs)
+    except UsageError as exc:
         raise SettingError("tp_plan", "{name}: " + escape(str(exc))) from None
     return tuple(plan.items())
 

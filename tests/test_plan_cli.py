@@ -463,3 +463,18 @@ def test_the_toml_the_plan_prints_is_a_memcheck_check_job_with_the_same_device_t
     (checked,) = json.loads(result.stdout)["results"]
     data = json.loads(as_json.stdout)["plan"]
     assert checked["fits"] and checked["total_bytes"] == data["predicted_device_total_bytes"]
+
+
+def test_a_model_files_own_optimizer_is_named_in_the_plan_and_left_out_of_its_toml():
+    # examples/two_branch.py defines make_optimizer: the plan traces it and names it; a config key
+    # cannot name a function, so the TOML job leaves the optimizer to the file (it was a crash: exit 3).
+    from click.testing import CliRunner
+
+    from memcheck.cli import main
+
+    args = ["plan", "examples/two_branch.py", "--device", "cpu", "--gpu-memory", "1GiB", "--max-len", "8"]
+    text = CliRunner().invoke(main, args)
+    assert text.exit_code == 0, text.output
+    assert "make_optimizer" in text.output and 'optimizer = "' not in text.output
+    as_json = CliRunner().invoke(main, [*args, "--json"])
+    assert as_json.exit_code == 0 and '"optimizer": "make_optimizer"' in as_json.output

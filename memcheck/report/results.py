@@ -10,6 +10,7 @@ from memcheck.cuda.gpus import GpuSpec
 from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.job import SCHEMA_VERSION, Job
 from memcheck.training.checkpointing import half_of
+from memcheck.training.optimizers import optimizer_name
 
 if TYPE_CHECKING:
     from memcheck.report.timeline import Timeline
@@ -387,6 +388,7 @@ class PlanOption:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["relative_cost"] = None if self.relative_cost == float("inf") else self.relative_cost
+        out["optimizer"] = optimizer_name(self.optimizer)  # a model file's make_optimizer: its name
         return out
 
 
@@ -501,7 +503,7 @@ class Plan:
             "checkpointing": r.checkpointing if r else None,
             "checkpointed_modules": list(self.checkpointed_modules),
             "precision": r.precision if r else None,
-            "optimizer": r.optimizer if r else None,
+            "optimizer": optimizer_name(r.optimizer) if r else None,
             "offload": r.offload if r else None,
             "predicted_device_total_bytes": r.predicted_device_total_bytes if r else None,
             "capacity_bytes": self.capacity_bytes,

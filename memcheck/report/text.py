@@ -16,7 +16,7 @@ from tabulate import tabulate
 from memcheck.choices import ANSWERS, words
 from memcheck.enums import PRECISION_ALIASES, Phase
 from memcheck.training.checkpointing import half_of
-from memcheck.training.optimizers import HF_OPTIMIZERS
+from memcheck.training.optimizers import HF_OPTIMIZERS, optimizer_name
 from memcheck.workloads.hf import checkpointing_argument
 from memcheck.units import format_bytes
 
@@ -559,7 +559,7 @@ def _lightning_parts(plan: Plan, r: PlanOption) -> list[str]:
         parts.append("torch.utils.checkpoint around the blocks listed")
     optimizer = {"adamw-fused": "torch.optim.AdamW(params, fused=True)",
                  "adamw-8bit": "bitsandbytes.optim.AdamW8bit(params)",
-                 "adamw": "torch.optim.AdamW(params)"}.get(r.optimizer)
+                 "adamw": "torch.optim.AdamW(params)"}.get(optimizer_name(r.optimizer))
     if optimizer and r.offload != "optimizer":
         parts.append(optimizer)
     return parts
@@ -568,7 +568,9 @@ def _lightning_parts(plan: Plan, r: PlanOption) -> list[str]:
 def _toml_lines(plan: Plan, r: PlanOption) -> list[str]:
     """The recommendation as a ``memcheck check`` job (its config keys, memcheck.job.SPELLINGS)."""
     lines = ["[jobs.recommended]", f"micro_batch = {r.micro_batch_size}", f"accumulation = {r.accumulation_steps}",
-             f'checkpointing = "{r.checkpointing}"', f'precision = "{r.precision}"', f'optimizer = "{r.optimizer}"']
+             f'checkpointing = "{r.checkpointing}"', f'precision = "{r.precision}"']
+    if isinstance(r.optimizer, str):  # a model file's make_optimizer: the file's own, not a config key
+        lines.append(f'optimizer = "{r.optimizer}"')
     if r.offload == "optimizer":
         lines += ['strategy = "zero2"', "gpus = 1", 'offload = "optimizer"']
     elif plan.strategy != "single":
@@ -587,7 +589,8 @@ def _toml_lines(plan: Plan, r: PlanOption) -> list[str]:
 def _optimizer_cell(option: PlanOption) -> str:
     if option.offload == "optimizer":
         return "offload"
-    return {"adamw-fused": "fused", "adamw-8bit": "8-bit"}.get(option.optimizer, option.optimizer)
+    name = optimizer_name(option.optimizer)
+    return {"adamw-fused": "fused", "adamw-8bit": "8-bit"}.get(name, name)
 
 
 def _checkpointing_label(plan: Plan, option: PlanOption, short: bool = False) -> str:
@@ -626,7 +629,7 @@ def render_plan(plan: Plan) -> str:
         lines.extend(_prose(
             f"RECOMMENDED: micro-batch {r.micro_batch_size} x {r.accumulation_steps} accumulation step(s)"
             + (f" x {plan.gpus} GPUs" if plan.gpus > 1 else "") + f" = {per_step} samples per optimizer step, "
-            f"checkpointing {_checkpointing_label(plan, r)}, {r.precision}, {r.optimizer}"
+            f"checkpointing {_checkpointing_label(plan, r)}, {r.precision}, {optimizer_name(r.optimizer)}"
             + (", optimizer offloaded to the CPU (DeepSpeed ZeRO-2)" if r.offload == "optimizer" else "")
         ))
         if plan.global_batch is not None and per_step != plan.global_batch:
@@ -919,7 +922,7 @@ def render_layout_plan(plan: "LayoutPlan") -> str:
         lines.extend(_prose(
             f"RECOMMENDED: --layout {r.layout} ({job.strategy_config.label} inside), micro-batch "
             f"{r.micro_batch_size} x {r.microbatches} micro-batches a step, checkpointing {r.checkpointing}, "
-            f"{job.precision.value}, {job.optimizer if isinstance(job.optimizer, str) else 'custom optimizer'}"))
+            f"{job.precision.value}, {optimizer_name(job.optimizer)}"))
         lines.extend(continued("  memcheck flags:", [
             f"--layout {r.layout}", f"--batch-size {r.micro_batch_size}", f"--accumulate {r.microbatches}",
             f"--checkpointing {r.checkpointing}", f"--precision {job.precision.value}",

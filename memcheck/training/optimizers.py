@@ -484,3 +484,11 @@ def _sgd_momentum(optim_args) -> float:
     if not 0 <= momentum < float("inf"):  # nan too
         raise UsageError(f"optim_args momentum must be a finite number of 0 or more, got {text[:40]!r}")
     return momentum
+
+
+def optimizer_name(optimizer) -> str:
+    """An optimizer setting as a report names it: its name (``adamw-fused``), or the name of a model
+    file's ``make_optimizer`` function (or an Optimizer's class)."""
+    if isinstance(optimizer, str):
+        return optimizer
+    return getattr(optimizer, "__name__", type(optimizer).__name__)

@@ -534,6 +534,13 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
         # --gpus N (N > 1) without a strategy or layout: the layouts of N GPUs are searched
         spread = gpus if (gpus is not None and gpus > 1 and strategy == "single" and layout is None
                           and not measure) else None
+        fixed = check_setting("layout", layout)  # --layout: its micro-batch and checkpointing, by the layout search
+        if fixed is not None:
+            if measure:
+                raise UsageError("--measure runs one process on one device; it cannot run a layout")
+            if strategy != "single":
+                raise UsageError("memcheck plan --layout runs FSDP2 over the layout's dp*cp ranks; drop --strategy")
+            spread = gpus or 0
         if spread is not None:
             check_setting("gpus", gpus)
             gpus = None
@@ -547,7 +554,7 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
                    gpus=gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload, margin=margin,
                    fsdp_sharding=fsdp_sharding, gpus_per_node=None if spread is not None else gpus_per_node,
                    global_batch=global_batch, task=task, attn=attn, packing=packing,
-                   assume=assume, trust_remote_code=trust_remote_code, layout=layout, tp_plan=tp_plan)
+                   assume=assume, trust_remote_code=trust_remote_code, tp_plan=tp_plan)
         work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)
         _no_train_step(work, "memcheck plan")
         if spread is not None:  # --gpus N with no strategy: search the layouts of N GPUs
@@ -555,7 +562,8 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
 
             job = job.replace(precision=_auto_precision(job, precision, precision_options),
                               optimizer=optimizer or ("adamw-fused" if job.device.value == "cuda" else "adamw"))
-            result = plan_layout(work.model, work.batch_at, job, gpus=spread, gpus_per_node=gpus_per_node,
+            result = plan_layout(work.model, work.batch_at, job, gpus=spread or None, gpus_per_node=gpus_per_node,
+                                 layout=fixed,
                                  checkpointing_options=tuple(c.strip() for c in checkpointing_options.split(",")
                                                              if c.strip() in ("none", "full")) or ("full",),
                                  loss_fn=work.loss_fn, model_name=work.name, progress=progress)

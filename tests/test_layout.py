@@ -170,3 +170,15 @@ def test_the_layout_search_recommends_a_traced_layout_and_skips_only_what_does_n
                 layout=layout, gpus=layout.world, batch_size=c.micro_batch_size, accumulate=c.microbatches,
                 checkpointing=c.checkpointing))
             assert est.total_bytes > budget, (c, est.total_bytes)
+
+
+def test_plan_with_a_layout_picks_its_micro_batch_and_checkpointing():
+    args = ["plan", "examples/gpt2_small.py", "--layout", "dp=2", "--max-len", "64", "--global-batch", "8",
+            "--device", "cpu", "--gpu-memory", "2GiB"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "RECOMMENDED: --layout dp=2 (fsdp x2 inside)" in result.output
+    refused = CliRunner().invoke(main, [*args, "--strategy", "ddp"])
+    assert refused.exit_code == 2 and "drop --strategy" in refused.output
+    with pytest.raises(UsageError, match="plan_layout"):
+        memcheck.plan(tiny_llama(), lambda b: batch(b), device="cpu", budget_bytes=2**30, layout="dp=2")

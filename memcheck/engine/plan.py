@@ -194,6 +194,9 @@ def plan(
         >>> p.recommended.micro_batch_size, p.recommended.accumulation_steps
     """
     job = as_job(job, settings, caller="plan()")
+    if job.layout is not None:
+        raise UsageError("plan() searches one strategy; a layout is planned by memcheck.plan_layout(model, "
+                         "make_batch, job) (memcheck plan --layout on the command line)")
     space = _validate(model, make_batch, job, precision_options, optimizer_options, checkpointing_options,
                       max_len_limit)
     search = _Search(model, make_batch, _arity(make_batch), job, gpu=space.target, budget=space.budget,

@@ -68,13 +68,15 @@ def plan_layout(
     *,
     gpus: int | None = None,
     gpus_per_node: int | None = None,
+    layout: Layout | str | None = None,
     checkpointing_options=(NONE, FULL),
     loss_fn=None,
     model_name: str | None = None,
     progress: Callable[[str], None] | None = None,
     **settings,
 ) -> LayoutPlan:
-    """The layout of ``gpus`` GPUs that fits every rank and has the lowest cost proxy.
+    """The layout of ``gpus`` GPUs that fits every rank and has the lowest cost proxy; with ``layout``
+    (or the job's), that layout's micro-batch and checkpointing.
 
     ``job`` needs ``global_batch``, ``max_len`` and the GPU; its precision and optimizer are
     used as they are; its strategy is FSDP2 over each layout's ``dp * cp`` ranks.
@@ -82,6 +84,12 @@ def plan_layout(
     """
     job = as_job(job, settings, caller="plan_layout()")
     start = time.perf_counter()
+    fixed = Layout.parse(layout) if layout is not None else job.layout
+    job = job.replace(layout=None, gpus=None, tp_plan=job.tp_plan)
+    if fixed is not None:
+        if gpus is not None and gpus != fixed.world:
+            raise UsageError(f"gpus={gpus} differs from layout {fixed.label}, which is {fixed.world:,} GPUs")
+        gpus = fixed.world
     world = gpus
     if not isinstance(world, int) or isinstance(world, bool) or world < 2:
         raise UsageError("a layout plan needs the GPUs to spread over: give gpus (--gpus N, at least 2)")
@@ -107,7 +115,7 @@ def plan_layout(
     shape = _Shape.of(model, blocks, job)
     base = job.replace(gpus=None, strategy="single", layout=None, global_batch=None, margin=job.margin)
     search = _Search(model, make_batch, base, shape, target, limit, name, loss_fn, progress, world, node)
-    candidates = search.candidates(checkpointing_options)
+    candidates = search.candidates(checkpointing_options, fixed)
     if not candidates:
         raise UsageError(f"no layout of {world} GPUs applies to {name} with global batch {job.global_batch}: the "
                          "data-parallel degree must divide the global batch, a pipeline needs at least as many "
@@ -188,7 +196,25 @@ class _Search:
         self._batches: dict[int, Any] = {}
 
     # ---- candidates and their cost -------------------------------------------------------------
-    def candidates(self, checkpointing_options) -> list[_Candidate]:
+    def candidates(self, checkpointing_options, fixed: Layout | None = None) -> list[_Candidate]:
+        """Every layout the module docstring names (or only ``fixed``'s degrees), each micro-batch and
+        checkpointing, cheapest first."""
+        layouts = [fixed] if fixed is not None else self._layouts()
+        out = []
+        for layout in layouts:
+            if layout.data_parallel == 0 or self.base_global % layout.data_parallel:
+                continue
+            share = self.base_global // layout.data_parallel
+            for micro in divisors(share):
+                m_count = share // micro
+                if layout.pp > 1 and m_count < layout.pp:
+                    continue
+                for ckpt in checkpointing_options:
+                    out.append(_Candidate(layout, micro, m_count, ckpt, self.cost(layout, micro, m_count, ckpt)))
+        out.sort(key=lambda c: (c.cost, c.layout.tp, c.layout.pp, c.layout.cp, -c.micro))
+        return out
+
+    def _layouts(self) -> list[Layout]:
         s, world, node = self.shape, self.world, self.node
         out = []
         for tp in divisors(min(node, world)):
@@ -201,19 +227,7 @@ class _Search:
                     rest = world // tp // pp
                     if rest % cp or s.length % (2 * cp) or (cp > 1 and s.length // cp < MIN_CP_TOKENS):
                         continue
-                    dp = rest // cp
-                    if self.base_global % dp:
-                        continue
-                    share = self.base_global // dp
-                    for micro in divisors(share):
-                        m_count = share // micro
-                        if pp > 1 and m_count < pp:
-                            continue
-                        layout = Layout(dp=dp, cp=cp, tp=tp, pp=pp)
-                        for ckpt in checkpointing_options:
-                            out.append(_Candidate(layout, micro, m_count, ckpt,
-                                                  self.cost(layout, micro, m_count, ckpt)))
-        out.sort(key=lambda c: (c.cost, c.layout.tp, c.layout.pp, c.layout.cp, -c.micro))
+                    out.append(Layout(dp=rest // cp, cp=cp, tp=tp, pp=pp))
         return out
 
     @property

@@ -419,11 +419,13 @@ def test_global_batch_below_the_gpu_count_suggests_two_different_sizes(small):
     assert "use 2 or 2" not in line
 
 
-def test_gpus_without_a_multi_gpu_strategy_is_refused_as_estimate_does(small):
+def test_gpus_without_a_strategy_is_refused_by_estimate_and_searched_by_plan(small):
     assert run(small, "--max-len", "32", "--gpu", "1GiB", "--gpus", "2").exit_code == 2  # estimate refuses
+    # issue 21: plan --gpus N with no strategy searches the layouts of N GPUs (memcheck.engine.plan_layout)
     result = plan(small, "--max-len", "32", "--gpu", "1GiB", "--gpus", "2", "--global-batch", "4",
                   "--checkpointing-options", "none")
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 0, result.output
+    assert "RECOMMENDED: --layout dp=2" in result.output
 
 
 def test_measure_runs_the_attention_implementation_it_planned(tmp_path):

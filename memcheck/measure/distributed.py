@@ -158,6 +158,7 @@ def measure_tp_cpu(
     world_size: int = 2,
     steps: int = 2,
     plan: dict[str, str] | None = None,
+    sequence_parallel: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Measured]:
     """Train under tensor parallelism (DTensor ``parallelize_module``) on ``world_size`` CPU ranks and measure each.
@@ -196,7 +197,10 @@ def measure_tp_cpu(
         from memcheck.training.strategies.tp import check_plan
 
         check_plan(plan)
-    return _run_ranks("tp", build, make_optimizer, loss_fn, world_size, steps, {"plan": plan}, timeout_s)
+    if not isinstance(sequence_parallel, bool):
+        raise UsageError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    return _run_ranks("tp", build, make_optimizer, loss_fn, world_size, steps,
+                      {"plan": plan, "sequence_parallel": sequence_parallel}, timeout_s)
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # the schedules measure_pp_cpu runs
@@ -647,13 +651,14 @@ def _fsdp_setup(build, world_size, *, wrap):
     return setup
 
 
-def _tp_setup(build, world_size, *, plan):
+def _tp_setup(build, world_size, *, plan, sequence_parallel=False):
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
     except ImportError as e:
         raise DistributedMeasureError(f"this torch ({torch.__version__}) has no DTensor tensor parallelism") from e
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
 
     from memcheck.training.strategies.tp import COLWISE, ROWWISE, resolve_plan
 
@@ -661,7 +666,7 @@ def _tp_setup(build, world_size, *, plan):
         if style == COLWISE:
             return ColwiseParallel()
         if style == ROWWISE:
-            return RowwiseParallel()
+            return RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
         return ColwiseParallel(output_layouts=Replicate())  # colwise_gather_output, as transformers defines it
 
     def setup():
@@ -669,10 +674,41 @@ def _tp_setup(build, world_size, *, plan):
         mesh = init_device_mesh("cpu", (world_size,))
         resolved = resolve_plan(model, plan)
         styles = {key: torch_style(style) for key, style in resolved.items()}
+        if sequence_parallel:
+            styles.update(_sequence_parallel_styles(model, Replicate, Shard, PrepareModuleInput, SequenceParallel))
         parallelize_module(model, mesh, styles)
         return model, batch
 
     return setup
+
+def _sequence_parallel_styles(model, Replicate, Shard, PrepareModuleInput, SequenceParallel) -> dict:
+    """torchtitan's sequence-parallel styles (llama3/infra/parallelize.py ``apply_tp``) for a transformers decoder.
+
+    transformers' ``LlamaModel.forward`` builds positions and the causal mask from the
+    embedding's whole sequence, so the cut comes at the first decoder layer's input
+    (Replicate -> Shard(1)); the norms run on ``[B, S/T, H]`` (``SequenceParallel``); the
+    attention (``hidden_states=`` keyword) and MLP inputs are gathered (Shard(1) -> Replicate);
+    the final norm's output is gathered before the LM head, which stays whole.
+    """
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else None
+    head = f"{prefix}." if isinstance(base, torch.nn.Module) and base is not model else ""
+    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+    styles = {
+        f"{head}layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                              use_local_output=True),
+        f"{head}layers.*.input_layernorm": SequenceParallel(),
+        f"{head}layers.*.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                                        use_local_output=True),
+        f"{head}layers.*.post_attention_layernorm": SequenceParallel(),
+        f"{head}layers.*.mlp": PrepareModuleInput(**gather),
+        f"{head}norm": SequenceParallel(),
+    }
+    if head:
+        styles["lm_head"] = PrepareModuleInput(**gather)
+    return styles
+
 
 class HFCausalLMStage(torch.nn.Module):
     """One pipeline stage of a transformers causal LM, cut the way torchtitan cuts its models

@@ -191,8 +191,8 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
     """
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
         raise UsageError(f"tensor-parallel degree must be an integer >= 1, got {short_repr(degree)}")
-    if sequence_parallel:
-        raise UsageError("sequence parallel is not modelled yet")
+    if not isinstance(sequence_parallel, bool):
+        raise UsageError(f"sequence_parallel must be True or False, got {short_repr(sequence_parallel)}")
     on_device = next((name for name, t in [*model.named_parameters(), *model.named_buffers()]
                       if t.device.type != "meta"), None)
     if on_device is not None:
@@ -206,13 +206,16 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
             raise UsageError(f"tensor-parallel plan shards {name!r} ({type(modules[name]).__name__}) as {style!r}; "
                              "memcheck models column- and row-wise sharding of nn.Linear only")
     _check_divisible(model, modules, matched, degree)
+    decoder = _sequence_parallel_decoder(model, matched) if sequence_parallel else None
     full = _parameter_bytes(model)
     for name, style in matched.items():
         linear = modules[name]
         if style == ROWWISE:
-            _rowwise(linear, degree)
+            _rowwise(linear, degree, scatter_sequence=sequence_parallel)
         else:
             _colwise(linear, degree, gather_output=style == COLWISE_GATHER_OUTPUT)
+    if decoder is not None:
+        _sequence_parallel_hooks(model, decoder, degree)
     sharded = {id(p) for name in matched for p in modules[name].parameters()
                if not (matched[name] == ROWWISE and p is modules[name].bias)}
     seen: set[int] = set()
@@ -220,7 +223,7 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
                      if id(p) not in sharded and not (id(p) in seen or seen.add(id(p))))
     return TensorParallelRank(
         degree=degree,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
         plan=tuple(resolved.items()),
         colwise=tuple(n for n, s in matched.items() if s != ROWWISE),
         rowwise=tuple(n for n, s in matched.items() if s == ROWWISE),
@@ -276,12 +279,147 @@ def _colwise(linear: nn.Linear, degree: int, *, gather_output: bool = False) -> 
         linear.register_forward_hook(partial(_colwise_gathered_output, degree))
 
 
-def _rowwise(linear: nn.Linear, degree: int) -> None:
+def _rowwise(linear: nn.Linear, degree: int, *, scatter_sequence: bool = False) -> None:
     # RowwiseParallel._partition_linear_fn (style.py:250-278): weight Shard(1), bias Replicate.
     inp = linear.in_features // degree
     linear.weight = _meta_parameter(linear.weight, (linear.out_features, inp))
     linear.in_features = inp
-    linear.register_forward_hook(_rowwise_output)
+    if scatter_sequence:  # RowwiseParallel(output_layouts=Shard(1)): Partial -> Shard(1)
+        linear.register_forward_hook(partial(_rowwise_scattered_output, degree))
+    else:
+        linear.register_forward_hook(_rowwise_output)
+
+
+def _sequence_parallel_decoder(model: nn.Module, matched: dict[str, str]):
+    """``(base prefix, base model)`` of a transformers decoder that sequence parallelism can cut, checked.
+
+    It needs ``layers`` (each with ``input_layernorm``, ``self_attn``, ``post_attention_layernorm``
+    and ``mlp``), a final ``norm``, and a plan whose row-wise modules are the attention and MLP
+    outputs (their Shard(1) outputs are what the residual stream adds)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else None
+    head = f"{prefix}." if isinstance(base, nn.Module) and base is not model else ""
+    base = base if head else model
+    layers = getattr(base, "layers", None)
+    parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    if (not isinstance(layers, nn.ModuleList) or not len(layers) or not isinstance(getattr(base, "norm", None), nn.Module)
+            or any(not isinstance(getattr(layer, part, None), nn.Module) for layer in layers for part in parts)):
+        raise UsageError(f"sequence parallelism is modelled for transformers decoders (layers.N.input_layernorm, "
+                         f"self_attn, post_attention_layernorm, mlp and a final norm, as LlamaForCausalLM); "
+                         f"{type(model).__name__} is not one")
+    for name, style in matched.items():
+        if style == ROWWISE and not any(name.startswith(f"{head}layers.{i}.self_attn.")
+                                        or name.startswith(f"{head}layers.{i}.mlp.") for i in range(len(layers))):
+            raise UsageError(f"sequence parallelism needs the row-wise modules inside the attention and MLP blocks; "
+                             f"the plan shards {name!r} row-wise")
+    return head, base
+
+
+def _sequence_parallel_hooks(model: nn.Module, decoder, degree: int) -> None:
+    """torchtitan's ``apply_tp`` styles (llama3/infra/parallelize.py) as measure_tp_cpu applies them to a
+    transformers decoder: the first layer's input cut to S/T tokens, the norms on the cut, the attention
+    and MLP inputs gathered, the final norm's output gathered before the LM head."""
+    head, base = decoder
+    # PrepareModuleInput(Replicate -> Shard(1)) on layers.0: positions and the causal mask are built in
+    # LlamaModel.forward from the whole sequence, so the cut cannot come at the embedding.
+    base.layers[0].register_forward_pre_hook(partial(_scatter_first_arg, degree))
+    for layer in base.layers:
+        # SequenceParallel on the norms (style.py:339-422): from_local / to_local, views; they compute on
+        # [B, S/T, H]. PrepareModuleInput(Shard(1) -> Replicate) on self_attn (hidden_states=) and mlp.
+        layer.self_attn.register_forward_pre_hook(partial(_gather_hidden_states, degree), with_kwargs=True)
+        layer.mlp.register_forward_pre_hook(partial(_gather_first_arg, degree))
+    lm_head = getattr(model, "lm_head", None) if head else None
+    if isinstance(lm_head, nn.Module):
+        lm_head.register_forward_pre_hook(partial(_gather_first_arg, degree))
+
+
+def _scatter_first_arg(degree, module, args):
+    return (_ScatterSequence.apply(args[0], degree), *args[1:])
+
+
+def _gather_first_arg(degree, module, args):
+    return (_GatherSequence.apply(args[0], degree), *args[1:])
+
+
+def _gather_hidden_states(degree, module, args, kwargs):
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": _GatherSequence.apply(kwargs["hidden_states"], degree)}
+    return (_GatherSequence.apply(args[0], degree), *args[1:]), kwargs
+
+
+def _rowwise_scattered_output(degree, module, args, output):
+    return _ReduceScatterSequence.apply(output, degree)
+
+
+def _all_gather_dim1(local: torch.Tensor, degree: int) -> torch.Tensor:
+    # Shard._to_replicate_tensor (placement_types.py:591-617) -> funcol.all_gather_single
+    # (_functional_collectives.py:185-222): all_gather_into_tensor allocates [T*B, S/T, H]
+    # (Functional.cpp allocate_all_gather_output), _maybe_view_chunk_cat concatenates its T chunks
+    # along dim 1 into [B, S, H]; the gathered buffer is then dropped.
+    gathered = local.new_empty((degree * local.shape[0], *local.shape[1:]))
+    return torch.cat(torch.chunk(gathered, degree, dim=0), dim=1)
+
+
+def _chunk_dim1(whole: torch.Tensor, degree: int) -> torch.Tensor:
+    # Shard._replicate_to_shard (placement_types.py:619-637): _select_split_tensor(clone=True), this
+    # rank's [B, S/T, H] chunk cloned.
+    return torch.chunk(whole, degree, dim=1)[0].clone()
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """The first layer's input, Replicate -> Shard(1) (PrepareModuleInput, style.py:522-544). Forward:
+    this rank's chunk cloned. Backward: Redistribute.backward (_redistribute.py:1953) takes the Shard(1)
+    gradient back to Replicate, an all-gather."""
+
+    @staticmethod
+    def forward(ctx, whole, degree):
+        if whole.shape[1] % degree:
+            raise UsageError(f"sequence parallelism cuts the sequence into tp={degree} equal parts, but its length "
+                             f"is {whole.shape[1]}; use a sequence length divisible by {degree}")
+        ctx.degree = degree
+        return _chunk_dim1(whole, degree)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim1(grad.contiguous(), ctx.degree), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """An attention / MLP / LM-head input, Shard(1) -> Replicate (PrepareModuleInput, style.py:522-544):
+    the all-gather's [T*B, S/T, H] buffer and the [B, S, H] it is concatenated into. Backward: the
+    Replicate gradient (the column-wise inputs' all-reduced gradients, summed) back to Shard(1), this
+    rank's chunk cloned."""
+
+    @staticmethod
+    def forward(ctx, local, degree):
+        ctx.degree = degree
+        return _all_gather_dim1(local.contiguous(), degree)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _chunk_dim1(grad, ctx.degree), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """A row-wise output, Partial -> Shard(1) (RowwiseParallel(output_layouts=Shard(1)), style.py:293-300).
+
+    Forward: ``Shard._reduce_shard_tensor`` (placement_types.py:475-520) calls
+    ``funcol.reduce_scatter_single`` (_functional_collectives.py:247-286), which for a scatter dim
+    other than 0 first concatenates the T chunks along dim 0 (``_chunk_or_narrow_cat``, a whole-size
+    copy); ``_c10d_functional::reduce_scatter_tensor`` allocates the [B, S/T, H] output
+    (Functional.cpp); the copy is then dropped. Backward: ``Redistribute.backward`` turns
+    Shard(1) -> Partial into Shard(1) -> Replicate (_redistribute.py:1824-1829), an all-gather.
+    """
+
+    @staticmethod
+    def forward(ctx, whole, degree):
+        ctx.degree = degree
+        chunks = torch.cat(torch.chunk(whole, degree, dim=1), dim=0)
+        return chunks.new_empty((whole.shape[0], whole.shape[1] // degree, *whole.shape[2:]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim1(grad.contiguous(), ctx.degree), None
 
 
 def _colwise_input(module, args):

@@ -111,8 +111,6 @@ def test_layouts_that_cannot_be_traced_are_refused_in_one_line():
     model = tiny_llama()
     with pytest.raises(UsageError, match="ep=2 needs a mixture-of-experts model"):
         memcheck.estimate(model, batch(), device="cpu", layout="dp=2,ep=2")
-    with pytest.raises(UsageError, match="sequence parallel is not modelled yet"):
-        memcheck.estimate(model, batch(), device="cpu", layout="tp=2,sp=true")
     with pytest.raises(UsageError, match="5 pipeline stages for the 4 repeated blocks"):
         memcheck.estimate(model, batch(), device="cpu", layout="pp=5", accumulate=5)
     with pytest.raises(UsageError, match="evaluation pass under pipeline"):

@@ -171,6 +171,26 @@ def test_the_row_wise_all_reduce_copy_is_measured():
         _check(f"block tp=2 rank {rank}", estimated, measured.steady_peak_bytes)
 
 
+@pytest.mark.slow
+def test_each_sequence_parallel_rank_of_a_llama_matches_the_estimate_of_its_shard():
+    # torchtitan's SP styles on the HF Llama (measure_tp_cpu(sequence_parallel=True): SequenceParallel
+    # norms, PrepareModuleInput gathers, RowwiseParallel(output_layouts=Shard(1))), 2 gloo ranks, AdamW.
+    ranks = measure_tp_cpu(build_llama, adamw, world_size=2, steps=2, sequence_parallel=True)
+    with torch.device("meta"):
+        model, batch = make_llama("meta")
+    tp.shard(model, 2, sequence_parallel=True)
+    estimated = memcheck.estimate(model, batch, memcheck.Job(optimizer="adamw", device="cpu")).peak_bytes
+    with torch.device("meta"):
+        whole, batch = make_llama("meta")
+    through_layout = memcheck.estimate(whole, batch, memcheck.Job(optimizer="adamw", device="cpu",
+                                                                  layout="tp=2,sp=true"))
+    assert len(ranks) == 2
+    for rank, measured in enumerate(ranks):
+        _check(f"llama tp=2 sp rank {rank}", estimated, measured.steady_peak_bytes)
+        _check(f"llama --layout tp=2,sp=true rank {rank}", through_layout.peak_bytes,
+               measured.steady_peak_bytes)
+
+
 # The suite's time budget holds two real runs; these three more run with MEMCHECK_TP_EXTRA=1.
 extra = pytest.mark.skipif(os.environ.get("MEMCHECK_TP_EXTRA") != "1",
                            reason="more gloo runs than the suite's time budget holds; MEMCHECK_TP_EXTRA=1 runs them")
@@ -319,13 +339,11 @@ def test_a_bad_plan_is_a_usage_error_naming_the_bad_entry(plan, match):
         tp.shard(model, 2, plan=plan)
 
 
-def test_sharding_an_embedding_or_a_real_model_or_sequence_parallel_is_a_usage_error():
+def test_sharding_an_embedding_or_a_real_model_is_a_usage_error():
     with torch.device("meta"):
         model, _ = make_llama("meta")
     with pytest.raises(UsageError, match=r"'model.embed_tokens' \(Embedding\) as 'rowwise'.*nn.Linear only"):
         tp.shard(model, 2, plan={"model.embed_tokens": "rowwise"})
-    with pytest.raises(UsageError, match="sequence parallel is not modelled yet"):
-        tp.shard(model, 2, sequence_parallel=True)
     real, _ = build_block()
     with pytest.raises(UsageError, match=r"needs it on the meta device, but 'inp.weight' is not"):
         tp.shard(real, 2, plan=BLOCK_PLAN)
@@ -334,3 +352,58 @@ def test_sharding_an_embedding_or_a_real_model_or_sequence_parallel_is_a_usage_e
 def test_measure_tp_cpu_rejects_a_bad_plan_before_starting_a_rank():
     with pytest.raises(UsageError, match=r"style 'row' for 'down' is not modelled"):
         measure_tp_cpu(build_block, sgd, plan={"down": "row"})
+
+
+# ---- sequence parallelism by hand -----------------------------------------------------------------
+
+def test_sequence_parallel_keeps_the_residual_stream_at_s_over_t_tokens_and_gathers_the_block_inputs():
+    # batch 2 x 32 tokens, hidden 64, T=2: norms and row-wise outputs see [2, 16, 64]; q/k/v, gate/up
+    # and the LM head see the gathered [2, 32, 64]; o/down's outputs are reduce-scattered to [2, 16, 64].
+    with torch.device("meta"):
+        model, batch = make_llama("meta")
+    rank = tp.shard(model, 2, sequence_parallel=True)
+    assert rank.sequence_parallel and rank.parameter_bytes == 214_272  # the same shards as tp=2 (above)
+    seen = {}
+    layer = model.model.layers[1]
+    for name, module in [("norm", layer.input_layernorm), ("q", layer.self_attn.q_proj),
+                         ("gate", layer.mlp.gate_proj), ("final", model.model.norm), ("head", model.lm_head)]:
+        module.register_forward_hook(lambda m, a, o, name=name: seen.setdefault(name, tuple(a[0].shape)))
+    for name, module in [("o", layer.self_attn.o_proj), ("down", layer.mlp.down_proj)]:
+        module.register_forward_hook(lambda m, a, o, name=name: seen.setdefault(name, tuple(o.shape)))
+    model(**batch).loss.backward()
+    assert seen == {"norm": (2, 16, 64), "q": (2, 32, 64), "o": (2, 16, 64), "gate": (2, 32, 64),
+                    "down": (2, 16, 64), "final": (2, 16, 64), "head": (2, 32, 64)}
+
+
+def test_the_sequence_collectives_allocate_what_torch_allocates():
+    # Shard(1) -> Replicate of [2, 16, 64] (T=2): the all-gather buffer [4, 16, 64] concatenated into
+    # [2, 32, 64]; backward: this rank's chunk [2, 16, 64]. Partial -> Shard(1) of [2, 32, 64]: the
+    # chunks concatenated on dim 0 ([4, 16, 64]) and the output [2, 16, 64]; backward an all-gather.
+    local = torch.randn(2, 16, 64, requires_grad=True)
+    whole = tp._GatherSequence.apply(local, 2)
+    assert whole.shape == (2, 32, 64)
+    whole.sum().backward()
+    assert local.grad.shape == (2, 16, 64) and local.grad.is_contiguous()
+    partial_out = torch.randn(2, 32, 64, requires_grad=True)
+    scattered = tp._ReduceScatterSequence.apply(partial_out, 2)
+    assert scattered.shape == (2, 16, 64)
+    scattered.sum().backward()
+    assert partial_out.grad.shape == (2, 32, 64)
+    cut = tp._ScatterSequence.apply(torch.randn(2, 32, 64), 2)
+    assert cut.shape == (2, 16, 64) and cut.is_contiguous()
+
+
+def test_sequence_parallel_refuses_what_it_cannot_cut():
+    with torch.device("meta"):
+        model, _ = build_block()
+    with pytest.raises(UsageError, match=r"modelled for transformers decoders.*Block is not one"):
+        tp.shard(model, 2, plan=BLOCK_PLAN, sequence_parallel=True)
+    with torch.device("meta"):
+        model, _ = make_llama("meta")
+    with pytest.raises(UsageError, match=r"sequence_parallel must be True or False, got 'yes'"):
+        tp.shard(model, 2, sequence_parallel="yes")
+    config = llama_config()
+    odd = hf.make_batch(model, config, Task.CAUSAL_LM, 2, 33, None, device="meta")  # 33 tokens, T=2
+    tp.shard(model, 2, sequence_parallel=True)
+    with pytest.raises(UsageError, match=r"tp=2 equal parts, but its length is 33"):
+        memcheck.estimate(model, odd, memcheck.Job(device="cpu", optimizer="adamw"))

@@ -50,6 +50,21 @@ def build_llama_kv4():
     return make_llama("cpu", kv_heads=4)
 
 
+def make_wide_llama(device):
+    # one layer, hidden 512, intermediate 16, vocab 16, 2 x 128 tokens: the row-wise outputs' [B, S, H] dominate
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=512, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
+                         intermediate_size=16, vocab_size=16, max_position_embeddings=128)
+    model = hf.build_model(config, Task.CAUSAL_LM, device=device)
+    return model, hf.make_batch(model, config, Task.CAUSAL_LM, 2, 128, None, device=device)
+
+
+def build_wide_llama():
+    torch.manual_seed(0)
+    return make_wide_llama("cpu")
+
+
 def build_llama_vocab():
     torch.manual_seed(0)
     return make_llama("cpu", vocab=4096)
@@ -178,7 +193,7 @@ def test_each_sequence_parallel_rank_of_a_llama_matches_the_estimate_of_its_shar
     ranks = measure_tp_cpu(build_llama, adamw, world_size=2, steps=2, sequence_parallel=True)
     with torch.device("meta"):
         model, batch = make_llama("meta")
-    tp.shard(model, 2, sequence_parallel=True)
+    tp.shard(model, 2, sequence_parallel=True, backend="gloo")
     estimated = memcheck.estimate(model, batch, memcheck.Job(optimizer="adamw", device="cpu")).peak_bytes
     with torch.device("meta"):
         whole, batch = make_llama("meta")
@@ -194,6 +209,21 @@ def test_each_sequence_parallel_rank_of_a_llama_matches_the_estimate_of_its_shar
 # The suite's time budget holds two real runs; these three more run with MEMCHECK_TP_EXTRA=1.
 extra = pytest.mark.skipif(os.environ.get("MEMCHECK_TP_EXTRA") != "1",
                            reason="more gloo runs than the suite's time budget holds; MEMCHECK_TP_EXTRA=1 runs them")
+
+
+@pytest.mark.slow
+@extra
+def test_the_sequence_parallel_reduce_scatter_copies_are_measured():
+    # The peak of this wide one-layer Llama (SGD) is a row-wise output's reduce-scatter: the Partial
+    # [2, 128, 512] (512 KiB), funcol's chunk-cat copy (512 KiB) and gloo's clone of it (512 KiB)
+    # while the [2, 64, 512] output is allocated. Without either copy the estimate is 524,288 B (6.2%) low.
+    ranks = measure_tp_cpu(build_wide_llama, sgd, world_size=2, steps=2, sequence_parallel=True)
+    with torch.device("meta"):
+        model, batch = make_wide_llama("meta")
+    tp.shard(model, 2, sequence_parallel=True, backend="gloo")
+    estimated = memcheck.estimate(model, batch, memcheck.Job(device="cpu", optimizer="sgd")).peak_bytes
+    for rank, measured in enumerate(ranks):
+        _check(f"wide llama tp=2 sp rank {rank}", estimated, measured.steady_peak_bytes)
 
 
 @pytest.mark.slow
@@ -389,6 +419,8 @@ def test_the_sequence_collectives_allocate_what_torch_allocates():
     assert scattered.shape == (2, 16, 64)
     scattered.sum().backward()
     assert partial_out.grad.shape == (2, 32, 64)
+    # gloo (CPU ranks) clones the [4, 16, 64] chunk-cat once more (ProcessGroupGloo); same shapes out
+    assert tp._ReduceScatterSequence.apply(torch.randn(2, 32, 64), 2, True).shape == (2, 16, 64)
     cut = tp._ScatterSequence.apply(torch.randn(2, 32, 64), 2)
     assert cut.shape == (2, 16, 64) and cut.is_contiguous()
 
@@ -402,6 +434,8 @@ def test_sequence_parallel_refuses_what_it_cannot_cut():
         model, _ = make_llama("meta")
     with pytest.raises(UsageError, match=r"sequence_parallel must be True or False, got 'yes'"):
         tp.shard(model, 2, sequence_parallel="yes")
+    with pytest.raises(UsageError, match=r"backend must be 'nccl' or 'gloo', got 'mpi'"):
+        tp.shard(model, 2, sequence_parallel=True, backend="mpi")
     config = llama_config()
     odd = hf.make_batch(model, config, Task.CAUSAL_LM, 2, 33, None, device="meta")  # 33 tokens, T=2
     tp.shard(model, 2, sequence_parallel=True)

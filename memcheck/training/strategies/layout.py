@@ -221,7 +221,8 @@ class Role:
             if plan is not None:  # MoE experts: sharded by ep, not by tp (torchtitan's default, no ETP)
                 experts = [k for k in plan if ".experts" in k]
                 plan = {k: v for k, v in plan.items() if k not in experts} or None
-            rank = tp.shard(model, layout.tp, plan=plan, sequence_parallel=layout.sp)
+            rank = tp.shard(model, layout.tp, plan=plan, sequence_parallel=layout.sp,
+                            backend="gloo" if device == "cpu" else "nccl")  # CPU ranks talk through gloo
             notes.append(f"tp={layout.tp}: {len(rank.colwise)} linear layers column-wise, {len(rank.rowwise)} "
                          "row-wise (DTensor's ColwiseParallel/RowwiseParallel); the rest replicated"
                          + ("; MoE experts are not tensor-parallel (ep shards them)" if experts else ""))

@@ -168,8 +168,11 @@ def _match(module: nn.Module, parts: list[str]) -> list[nn.Module]:
     return found
 
 
+BACKENDS = ("nccl", "gloo")  # the process group's backend: gloo's reduce-scatter clones its input, NCCL's does not
+
+
 def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
-          sequence_parallel: bool = False) -> TensorParallelRank:
+          sequence_parallel: bool = False, backend: str = "nccl") -> TensorParallelRank:
     """Turn ``model`` (parameters on the meta device) IN PLACE into one tensor-parallel rank of degree ``degree``.
 
     Column-wise ``nn.Linear`` keep ``out/T`` output features, row-wise ones ``in/T`` input
@@ -193,6 +196,8 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
         raise UsageError(f"tensor-parallel degree must be an integer >= 1, got {short_repr(degree)}")
     if not isinstance(sequence_parallel, bool):
         raise UsageError(f"sequence_parallel must be True or False, got {short_repr(sequence_parallel)}")
+    if backend not in BACKENDS:
+        raise UsageError(f"tensor-parallel backend must be 'nccl' or 'gloo', got {short_repr(backend)}")
     on_device = next((name for name, t in [*model.named_parameters(), *model.named_buffers()]
                       if t.device.type != "meta"), None)
     if on_device is not None:
@@ -211,7 +216,7 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
     for name, style in matched.items():
         linear = modules[name]
         if style == ROWWISE:
-            _rowwise(linear, degree, scatter_sequence=sequence_parallel)
+            _rowwise(linear, degree, scatter_sequence=sequence_parallel, gloo=backend == "gloo")
         else:
             _colwise(linear, degree, gather_output=style == COLWISE_GATHER_OUTPUT)
     if decoder is not None:
@@ -279,13 +284,13 @@ def _colwise(linear: nn.Linear, degree: int, *, gather_output: bool = False) -> 
         linear.register_forward_hook(partial(_colwise_gathered_output, degree))
 
 
-def _rowwise(linear: nn.Linear, degree: int, *, scatter_sequence: bool = False) -> None:
+def _rowwise(linear: nn.Linear, degree: int, *, scatter_sequence: bool = False, gloo: bool = False) -> None:
     # RowwiseParallel._partition_linear_fn (style.py:250-278): weight Shard(1), bias Replicate.
     inp = linear.in_features // degree
     linear.weight = _meta_parameter(linear.weight, (linear.out_features, inp))
     linear.in_features = inp
     if scatter_sequence:  # RowwiseParallel(output_layouts=Shard(1)): Partial -> Shard(1)
-        linear.register_forward_hook(partial(_rowwise_scattered_output, degree))
+        linear.register_forward_hook(partial(_rowwise_scattered_output, degree, gloo))
     else:
         linear.register_forward_hook(_rowwise_output)
 
@@ -347,8 +352,8 @@ def _gather_hidden_states(degree, module, args, kwargs):
     return (_GatherSequence.apply(args[0], degree), *args[1:]), kwargs
 
 
-def _rowwise_scattered_output(degree, module, args, output):
-    return _ReduceScatterSequence.apply(output, degree)
+def _rowwise_scattered_output(degree, gloo, module, args, output):
+    return _ReduceScatterSequence.apply(output, degree, gloo)
 
 
 def _all_gather_dim1(local: torch.Tensor, degree: int) -> torch.Tensor:
@@ -407,19 +412,23 @@ class _ReduceScatterSequence(torch.autograd.Function):
     ``funcol.reduce_scatter_single`` (_functional_collectives.py:247-286), which for a scatter dim
     other than 0 first concatenates the T chunks along dim 0 (``_chunk_or_narrow_cat``, a whole-size
     copy); ``_c10d_functional::reduce_scatter_tensor`` allocates the [B, S/T, H] output
-    (Functional.cpp); the copy is then dropped. Backward: ``Redistribute.backward`` turns
-    Shard(1) -> Partial into Shard(1) -> Replicate (_redistribute.py:1824-1829), an all-gather.
+    (Functional.cpp); the copy is then dropped. Under gloo (``backend="gloo"``, CPU ranks),
+    ``ProcessGroupGloo``'s ``reduce_scatter_tensor_coalesced`` clones that whole-size input once
+    more before the output is allocated (measured: the 2-rank SP runs in docs/tp.md); NCCL does
+    not. Backward: ``Redistribute.backward`` turns Shard(1) -> Partial into Shard(1) -> Replicate
+    (_redistribute.py:1824-1829), an all-gather.
     """
 
     @staticmethod
-    def forward(ctx, whole, degree):
+    def forward(ctx, whole, degree, gloo=False):
         ctx.degree = degree
         chunks = torch.cat(torch.chunk(whole, degree, dim=1), dim=0)
+        staged = chunks.clone() if gloo else None  # noqa: F841 (alive while the output is allocated)
         return chunks.new_empty((whole.shape[0], whole.shape[1] // degree, *whole.shape[2:]))
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim1(grad.contiguous(), ctx.degree), None
+        return _all_gather_dim1(grad.contiguous(), ctx.degree), None, None
 
 
 def _colwise_input(module, args):

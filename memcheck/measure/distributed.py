@@ -171,6 +171,10 @@ def measure_tp_cpu(
     row-wise output all-reduced to ``Replicate``; ``"colwise_gather_output"`` is
     ``ColwiseParallel(output_layouts=Replicate())``), then
     ``make_optimizer(model.parameters())``, all inside the profiled region.
+    ``sequence_parallel=True`` adds torchtitan's sequence-parallel styles for a transformers
+    decoder (``_sequence_parallel_styles``): row-wise outputs ``Shard(1)``, ``SequenceParallel``
+    norms, ``PrepareModuleInput`` cutting the first layer's input and gathering the attention
+    (``hidden_states=`` keyword, ``input_kwarg_layouts``), MLP and LM head inputs.
     ``plan`` is ``{glob: "colwise" | "rowwise" | "colwise_gather_output"}``; by default the one
     ``memcheck.training.strategies.tp.resolve_plan`` reads from the model (a
     transformers config's ``base_model_tp_plan``), the plan ``tp.shard``

@@ -225,6 +225,8 @@ class Role:
                             backend="gloo" if device == "cpu" else "nccl")  # CPU ranks talk through gloo
             notes.append(f"tp={layout.tp}: {len(rank.colwise)} linear layers column-wise, {len(rank.rowwise)} "
                          "row-wise (DTensor's ColwiseParallel/RowwiseParallel); the rest replicated"
+                         + ("; sequence parallel: norms and residual at S/tp tokens, block inputs all-gathered, "
+                            "row-wise outputs reduce-scattered" if layout.sp else "")
                          + ("; MoE experts are not tensor-parallel (ep shards them)" if experts else ""))
         if layout.pp > 1:
             from memcheck.training.strategies import pp

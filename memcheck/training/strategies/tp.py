@@ -51,7 +51,20 @@ module names). By default it is the transformers config's
 row-wise), each key prefixed with the base model's attribute
 (``base_model_prefix``, ``model`` for LlamaForCausalLM).
 
-Not modelled (``UsageError``): sequence parallelism; other styles
+Sequence parallelism (``sequence_parallel=True``; ``--layout tp=T,sp=true``): torchtitan's
+``apply_tp`` (llama3/infra/parallelize.py) as ``measure_tp_cpu(sequence_parallel=True)`` applies
+it to a transformers decoder (``layers.N.{input_layernorm, self_attn, post_attention_layernorm,
+mlp}`` and ``norm``): the first layer's input cut to ``[B, S/T, H]`` (``PrepareModuleInput``
+Replicate -> Shard(1), a chunk clone; transformers builds positions and the mask from the whole
+sequence, so the cut cannot come at the embedding), the residual stream and norms
+(``SequenceParallel``) at S/T tokens, the attention (``hidden_states=``) and MLP inputs and the
+LM head's input all-gathered to ``[B, S, H]`` (``_GatherSequence``: the ``[T*B, S/T, H]`` buffer
+and the concatenated copy, which the column-wise linears save), the row-wise outputs
+reduce-scattered to ``[B, S/T, H]`` (``_ReduceScatterSequence``: funcol's whole-size chunk-cat
+copy, gloo's clone of it under ``backend="gloo"``, the output); the backward swaps them
+(an all-gather for each reduce-scatter, a chunk clone for each gather). The LM head stays whole.
+
+Not modelled (``UsageError``): other styles
 (transformers' ``packed_colwise``, ``moe_tp_experts`` ...); sharding any
 module but ``nn.Linear``. See docs/tp.md.
 """

@@ -685,6 +685,7 @@ def _tp_setup(build, world_size, *, plan, sequence_parallel=False):
 
     return setup
 
+
 def _sequence_parallel_styles(model, Replicate, Shard, PrepareModuleInput, SequenceParallel) -> dict:
     """torchtitan's sequence-parallel styles (llama3/infra/parallelize.py ``apply_tp``) for a transformers decoder.
 

@@ -320,7 +320,8 @@ def _sequence_parallel_decoder(model: nn.Module, matched: dict[str, str]):
     base = base if head else model
     layers = getattr(base, "layers", None)
     parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-    if (not isinstance(layers, nn.ModuleList) or not len(layers) or not isinstance(getattr(base, "norm", None), nn.Module)
+    if (not isinstance(layers, nn.ModuleList) or not len(layers)
+            or not isinstance(getattr(base, "norm", None), nn.Module)
             or any(not isinstance(getattr(layer, part, None), nn.Module) for layer in layers for part in parts)):
         raise UsageError(f"sequence parallelism is modelled for transformers decoders (layers.N.input_layernorm, "
                          f"self_attn, post_attention_layernorm, mlp and a final norm, as LlamaForCausalLM); "

@@ -352,7 +352,7 @@ def test_a_gathered_column_wise_lm_head_keeps_a_vocabulary_shard():
 def test_a_model_without_a_plan_is_a_usage_error_that_says_how_to_pass_one():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(8, 8))
-    with pytest.raises(UsageError, match=r"Sequential has no tensor-parallel plan.*pass one, e.g. plan="):
+    with pytest.raises(UsageError, match=r"Sequential has no tensor-parallel plan.*give one: --tp-plan"):
         tp.shard(model, 2)
 
 

@@ -18,28 +18,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import memcheck
 from memcheck.enums import Phase
 from memcheck.errors import UsageError
 from memcheck.job import Job
 from memcheck.training.strategies.fsdp1 import shard_numel
+from test_sharded import Net  # the 3-block MLP of the FSDP2 and ZeRO tests
 
 TOLERANCE = 0.02
 STEPS = 4 * 4  # AdamW's step counters: 4 flat parameters x 4 B
-
-
-class Net(nn.Module):
-    def __init__(self, d: int = 10, layers: int = 3, out: int = 3):
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.ReLU()) for _ in range(layers)])
-        self.head = nn.Linear(d, out)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def _estimate(gpus=2, sharding=None, **kwargs):

@@ -236,15 +236,11 @@ def estimate(
         return _estimate_rank(model, batch, job, target, name, None, loss_fn=loss_fn, eval_batch=eval_batch,
                               top_modules=top_modules, progress=progress, timeline=timeline, train_step=train_step)
     _check_layout(job, train_step, eval_batch)
-    if job.layout.cp > 1 and NO_PADDING not in job.assume:  # torch's context_parallel takes no attention mask
-        if PADDING in job.assume:
-            raise SettingError("assume", "{name} padding (an attention mask) does not combine with cp: torch's "
-                                         "context_parallel takes causal attention with no mask")
-        job = job.replace(assume=(*job.assume, NO_PADDING))
+    traced = roles(job.layout, job.tp_plan)
     ranks = [_estimate_rank(model, batch, job, target, name, role, loss_fn=loss_fn, eval_batch=eval_batch,
                             top_modules=top_modules, progress=progress, timeline=timeline, train_step=train_step)
-             for role in roles(job.layout, job.tp_plan)]
-    return _merge_roles(ranks, job)
+             for role in traced]
+    return _merge_roles(ranks, traced)
 
 
 def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, role: Role | None, *,
@@ -253,7 +249,7 @@ def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, ro
     if role is not None:
         train_step = role.train_step(job)
         if role.layout.cp > 1 and NO_PADDING not in job.assume:  # torch's context_parallel takes no mask
-            job = job.replace(assume=(*(a for a in job.assume if a != PADDING), NO_PADDING))
+            job = job.replace(assume=(*job.assume, NO_PADDING))  # (_check_layout refused a pinned padding)
 
     def traced(choices: Choices, forward_only: bool = False) -> tuple[_Run, list[int] | None]:
         run = _set_up(model, batch, eval_batch, job, target, name, progress, choices, role)
@@ -284,16 +280,18 @@ def _check_layout(job: Job, train_step, eval_batch) -> None:
     if train_step is not None:
         raise SettingError("layout", "{name} traces each rank's own step (its pipeline schedule); a train_step "
                                      "of your own is not combined with a layout yet")
+    if job.layout.cp > 1 and PADDING in job.assume:
+        raise SettingError("assume", "{name} padding (an attention mask) does not combine with cp: torch's "
+                                     "context_parallel takes causal attention with no mask")
     if eval_batch is not None and (job.layout.pp > 1 or job.layout.cp > 1):
         raise SettingError("layout", "{name}: an evaluation pass under pipeline or context parallelism is not modelled; "
                                      "leave out the eval batch")
 
 
-def _merge_roles(ranks: list[Estimate], job: Job) -> Estimate:
-    """One Estimate of a layout: a column per pipeline rank (every rank alike without pp)."""
-    layout = job.layout
+def _merge_roles(ranks: list[Estimate], traced: list[Role]) -> Estimate:
+    """One Estimate of a layout: a column per traced pipeline rank (every rank alike without pp)."""
     devices = tuple(dataclasses.replace(e.busiest, index=i, role=role.label)
-                    for i, (e, role) in enumerate(zip(ranks, roles(layout, job.tp_plan))))
+                    for i, (e, role) in enumerate(zip(ranks, traced)))
     busiest = max(devices, key=lambda d: (d.total_bytes, -d.index))
     first = ranks[busiest.index]
     assumptions = list(dict.fromkeys(a for e in ranks for a in e.assumptions))

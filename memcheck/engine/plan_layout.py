@@ -85,7 +85,7 @@ def plan_layout(
     job = as_job(job, settings, caller="plan_layout()")
     start = time.perf_counter()
     fixed = Layout.parse(layout) if layout is not None else job.layout
-    job = job.replace(layout=None, gpus=None, tp_plan=job.tp_plan)
+    job = job.replace(layout=None, gpus=None)
     if fixed is not None:
         if gpus is not None and gpus != fixed.world:
             raise UsageError(f"gpus={gpus} differs from layout {fixed.label}, which is {fixed.world:,} GPUs")
@@ -113,7 +113,7 @@ def plan_layout(
         raise UsageError(f"{name} has no repeated blocks, so it has no pipeline stages or tensor-parallel blocks "
                          "to lay out; plan it with a strategy (--strategy fsdp --gpus N)")
     shape = _Shape.of(model, blocks, job)
-    base = job.replace(gpus=None, strategy="single", layout=None, global_batch=None, margin=job.margin)
+    base = job.replace(strategy="single", global_batch=None)
     search = _Search(model, make_batch, base, shape, target, limit, name, loss_fn, progress, world, node)
     candidates = search.candidates(checkpointing_options, fixed)
     if not candidates:
@@ -143,7 +143,7 @@ class _Shape:
     kv_hidden: int  # key/value width (grouped-query attention)
     layers_flops_per_token: float  # 6 x parameters in blocks and head (forward and backward), per token
     attention_flops_per_token: float  # causal attention's score and value matmuls, forward and backward
-    tokens: int  # the global batch's tokens per step
+    global_batch: int  # samples per optimizer step
     length: int
     first_block: str  # the first repeated block's qualified name
 
@@ -164,7 +164,12 @@ class _Shape:
         dense = total - embed_params  # lookups are not matmuls
         attention = 6 * len(blocks) * heads * head_dim * length  # QK^T and AV, fwd+bwd (x3), causal half of 2*2*S
         return cls(len(blocks), block_params, total - block_params * len(blocks), hidden, kv_heads * head_dim,
-                   6.0 * dense, float(attention), job.global_batch * length, length, blocks[0])
+                   6.0 * dense, float(attention), job.global_batch, length, blocks[0])
+
+    @property
+    def tokens(self) -> int:
+        """The global batch's tokens per step."""
+        return self.global_batch * self.length
 
 
 def _widest_linear(module) -> int:
@@ -202,9 +207,9 @@ class _Search:
         layouts = [fixed] if fixed is not None else self._layouts()
         out = []
         for layout in layouts:
-            if layout.data_parallel == 0 or self.base_global % layout.data_parallel:
+            if self.shape.global_batch % layout.data_parallel:
                 continue
-            share = self.base_global // layout.data_parallel
+            share = self.shape.global_batch // layout.data_parallel
             for micro in divisors(share):
                 m_count = share // micro
                 if layout.pp > 1 and m_count < layout.pp:
@@ -229,10 +234,6 @@ class _Search:
                         continue
                     out.append(Layout(dp=rest // cp, cp=cp, tp=tp, pp=pp))
         return out
-
-    @property
-    def base_global(self) -> int:
-        return self.shape.tokens // self.shape.length
 
     def cost(self, layout: Layout, micro: int, microbatches: int, ckpt: str) -> float:
         """The cost proxy of one optimizer step (module docstring), relative seconds."""
@@ -442,10 +443,9 @@ class _Search:
         job = self.base.replace(layout=layout, batch_size=1, accumulate=1, checkpointing=ckpt, gpus=layout.world,
                                 assume=self._answers(layout), optimizer="sgd")
         self._say(f"probing one block at tp={tp}, cp={cp}, checkpointing {ckpt}")
-        target = target_gpu(job)
 
         def trace(stage: int, microbatches: int):
-            est = _estimate_rank(self.probe_model, self.batch(1), job.replace(accumulate=microbatches), target,
+            est = _estimate_rank(self.probe_model, self.batch(1), job.replace(accumulate=microbatches), self.target,
                                  self.name, Role(layout, stage), loss_fn=self.loss_fn, eval_batch=None,
                                  top_modules=0, progress=None, timeline=False, train_step=None)
             self.traces += 1

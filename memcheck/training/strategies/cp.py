@@ -79,7 +79,7 @@ def shard_sequence(batch: Any, degree: int, *, seq_len: int | None = None, seq_d
     """
     require_int(degree, "cp")
     if seq_len is None:
-        seq_len = _sequence_length(batch, seq_dim)
+        seq_len = sequence_length(batch, seq_dim)
     if seq_len % degree:
         raise UsageError(f"cp={degree} does not divide the sequence length {seq_len}; "
                          f"choose a length that is a multiple of {degree} (of {2 * degree} for load balancing)")
@@ -92,7 +92,7 @@ def shard_sequence(batch: Any, degree: int, *, seq_len: int | None = None, seq_d
     return tree_map(cut, batch)
 
 
-def _sequence_length(batch: Any, seq_dim: int) -> int:
+def sequence_length(batch: Any, seq_dim: int) -> int:
     if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
         return batch["input_ids"].shape[seq_dim]
     for t in torch.utils._pytree.tree_leaves(batch):

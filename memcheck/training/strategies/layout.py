@@ -212,7 +212,7 @@ class Role:
         if layout.ep > 1:
             from memcheck.training.strategies import ep
 
-            notes += _notes(ep.shard_experts(model, layout.ep))
+            ep.shard_experts(model, layout.ep)
             model.memcheck_expert_parallel = layout.ep  # fsdp shards the experts over dp*cp / ep ranks
         if layout.tp > 1:
             from memcheck.training.strategies import tp
@@ -231,7 +231,7 @@ class Role:
         if layout.pp > 1:
             from memcheck.training.strategies import pp
 
-            notes += _notes(pp.make_stage(model, self.stage, layout.pp, virtual=layout.virtual))
+            pp.make_stage(model, self.stage, layout.pp, virtual=layout.virtual)
             notes.append(f"pp={layout.pp}: stage {self.stage} of {layout.pp}, schedule {layout.schedule.value}; "
                          "accumulate is the pipeline's micro-batches per step")
             if self.through is not None:
@@ -242,7 +242,7 @@ class Role:
         if layout.cp > 1:
             from memcheck.training.strategies import cp
 
-            length = cp._sequence_length(batch, 1)
+            length = cp.sequence_length(batch, 1)
             batch = cp.shard_sequence(batch, layout.cp, seq_len=length)
             kernel = "cuda-flash" if device == "cuda" else "cpu-flash"
             context = lambda: cp.cp_attention(layout.cp, seq_len=length, rank=0, kernel=kernel)  # noqa: E731
@@ -293,8 +293,3 @@ def roles(layout: Layout, tp_plan=None) -> list[Role]:
         return [Role(layout, stage, tp_plan=tp_plan) for stage in range(p)]
     return [Role(layout, 0, tp_plan=tp_plan), Role(layout, 1, through=p - 2, tp_plan=tp_plan),
             Role(layout, p - 1, tp_plan=tp_plan)]
-
-
-def _notes(summary) -> list[str]:
-    """A strategy's summary as report notes: its ``notes`` (or nothing)."""
-    return list(getattr(summary, "notes", ()) or ())

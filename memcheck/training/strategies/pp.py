@@ -39,8 +39,10 @@ import torch
 
 from memcheck.errors import UsageError, closest
 from memcheck.training.checkpointing import repeated_blocks
+from memcheck.training.strategies.layout import Schedule
 
-GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
+# the names --layout's schedule= takes (memcheck.training.strategies.layout.Schedule)
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = (s.value for s in Schedule)
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
 RUNNABLE = (GPIPE, ONE_F_ONE_B, INTERLEAVED)  # what train_step runs
 

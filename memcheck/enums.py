@@ -152,6 +152,15 @@ class FsdpSharding(_Choice):
     HYBRID_SHARD = "hybrid_shard"
 
 
+class Schedule(_Choice):
+    """A pipeline schedule of ``torch.distributed.pipelining.schedules`` (``--layout ...,schedule=``)."""
+
+    GPIPE = "gpipe"  # ScheduleGPipe
+    ONE_F_ONE_B = "1f1b"  # Schedule1F1B
+    INTERLEAVED_1F1B = "interleaved-1f1b"  # ScheduleInterleaved1F1B
+    ZERO_BUBBLE = "zero-bubble"  # ScheduleInterleavedZeroBubble
+
+
 class Offload(_Choice):
     """What ``--offload`` moves to CPU memory under fsdp / zero."""
 

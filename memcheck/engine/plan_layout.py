@@ -39,14 +39,14 @@ from typing import Any, Callable
 import torch
 
 from memcheck.engine.estimate import _estimate_rank, estimate, target_gpu
-from memcheck.enums import Device, Precision
+from memcheck.enums import Device, Precision, Schedule
 from memcheck.errors import MemcheckError, UsageError, require_int
 from memcheck.job import Job, as_job
 from memcheck.report.results import LayoutCandidate, LayoutPlan
 from memcheck.cuda.gpus import rates_for
 from memcheck.trace.device_redirect import tracing_globals
 from memcheck.training.checkpointing import FULL, NONE, repeated_blocks
-from memcheck.training.strategies.layout import Layout, Role, Schedule, divisors
+from memcheck.training.strategies.layout import Layout, Role, divisors
 
 NVLINK_BYTES_PER_SECOND = 450e9  # NVLink 4 (H100 SXM), one direction per GPU; an estimate for others
 NETWORK_BYTES_PER_SECOND = 50e9  # 400 Gb/s InfiniBand per GPU; estimate

@@ -21,17 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from memcheck.enums import _Choice
+from memcheck.enums import Schedule
 from memcheck.errors import UsageError, closest
-
-
-class Schedule(_Choice):
-    """A pipeline schedule of ``torch.distributed.pipelining.schedules``."""
-
-    GPIPE = "gpipe"  # ScheduleGPipe
-    ONE_F_ONE_B = "1f1b"  # Schedule1F1B
-    INTERLEAVED_1F1B = "interleaved-1f1b"  # ScheduleInterleaved1F1B
-    ZERO_BUBBLE = "zero-bubble"  # ScheduleInterleavedZeroBubble
 
 
 # The degrees a layout names, in the order its label writes them (torchtitan's mesh order).

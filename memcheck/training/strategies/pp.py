@@ -39,9 +39,9 @@ import torch
 
 from memcheck.errors import UsageError, closest
 from memcheck.training.checkpointing import repeated_blocks
-from memcheck.training.strategies.layout import Schedule
+from memcheck.enums import Schedule
 
-# the names --layout's schedule= takes (memcheck.training.strategies.layout.Schedule)
+# the names --layout's schedule= takes (memcheck.enums.Schedule)
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = (s.value for s in Schedule)
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
 RUNNABLE = (GPIPE, ONE_F_ONE_B, INTERLEAVED)  # what train_step runs

@@ -30,7 +30,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     'cohere_asr': "batch failed: ModelLoadError: memcheck cannot build a batch for CohereAsrForConditionalGeneration: its main input is 'input_features'; write a model file with build",
     'cohere_compass_text': "build failed: ModelLoadError: cannot build CohereCompassTextConfig for task None: 'full_attention'",
     'cvt': 'build failed: IndexError: list index out of range',
-    'data2vec-audio': '-7.69% (measured 3,837,640 B, estimated 3,542,424 B)',
     'dbrx': "build failed: AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'",
     'deepseek_v2': 'real failed: RuntimeError: The size of tensor a (4) must match the size of tensor b (8) at non-singleton dimension 1',
     'deepseek_v3': 'real failed: RuntimeError: The size of tensor a (4) must match the size of tensor b (8) at non-singleton dimension 1',
@@ -57,7 +56,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     'gpt_neo': "config failed: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':",
     'granite_speech5_ctc': "batch failed: ModelLoadError: memcheck cannot build a batch for GraniteSpeech5ForCTC: its main input is 'input_features'; write a model file with build_model() and ",
     'hgnet_v2': 'real failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x2048 and 128x2)',
-    'hubert': '-21.31% (measured 4,176,436 B, estimated 3,286,364 B)',
     'hunyuan_v1_dense': "build failed: ModelLoadError: cannot build HunYuanDenseV1Config for task None: unsupported operand type(s) for ** or pow(): 'NoneType' and 'float'",
     'hunyuan_v1_moe': "build failed: ModelLoadError: cannot build HunYuanMoEV1Config for task None: unsupported operand type(s) for ** or pow(): 'NoneType' and 'float'",
     'imagegpt': 'real failed: ValueError: You have to specify either input_ids or inputs_embeds',
@@ -102,19 +100,14 @@ EXPECTED_FAILURES: dict[str, str] = {
     'siglip2': 'real failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (1344x224 and 768x64)',
     'speech-encoder-decoder': "batch failed: ModelLoadError: memcheck cannot build a batch for SpeechEncoderDecoderModel: its main input is 'inputs'; write a model file with build_model() and mak",
     'speech_to_text': "batch failed: ModelLoadError: memcheck cannot build a batch for Speech2TextForConditionalGeneration: its main input is 'input_features'; write a model file with bui",
-    'speecht5': '-12.53% (measured 7,057,156 B, estimated 6,173,228 B)',
     'squeezebert': 'build failed: ModelLoadError: cannot build SqueezeBertConfig for task None: If you want embedding_size != intermediate hidden_size, please insert a Conv1d layer to ',
     'textnet': 'real failed: RuntimeError: Given groups=1, weight of size [32, 16, 3, 3], expected input[2, 64, 320, 320] to have 16 channels, but got 64 channels instead',
     'timm_wrapper': 'build failed: ModelLoadError: cannot build TimmWrapperConfig for task None: TimmWrapperForImageClassification requires the timm library but it was not found in your',
     'tipsv2': "config failed: ValueError: out_features must be a subset of stage_names: ['stem', 'stage1', 'stage2'] got ['stage12']",
-    'unispeech': '-21.31% (measured 4,176,436 B, estimated 3,286,364 B)',
-    'unispeech-sat': '-21.31% (measured 4,176,436 B, estimated 3,286,364 B)',
     'videoprism': 'batch failed: ModelLoadError: VideoPrismClipModel is no image-text model: its forward takes no input_ids, pixel_values and return_loss, which contrastive training f',
     'voxtral_realtime': 'real failed: ValueError: You must specify exactly one of input_features or encoder_inputs_embeds',
-    'wav2vec2': '-21.31% (measured 4,176,436 B, estimated 3,286,364 B)',
     'wav2vec2-bert': "build failed: ModelLoadError: cannot build Wav2Vec2BertConfig for task None: You are trying to instantiate <class 'transformers.models.wav2vec2_bert.modeling_wav2ve",
     'wav2vec2-conformer': "build failed: ModelLoadError: cannot build Wav2Vec2ConformerConfig for task None: You are trying to instantiate <class 'transformers.models.wav2vec2_conformer.model",
-    'wavlm': '-21.19% (measured 4,201,424 B, estimated 3,311,352 B)',
     'xlstm': 'real failed: ValueError: matC_old has wrong shape, got torch.Size([2, 4, 16, 16])',
     'xmod': 'real failed: ValueError: Input language unknown. Please call `XmodPreTrainedModel.set_default_language()`',
     'youtu': 'real failed: RuntimeError: The size of tensor a (4) must match the size of tensor b (8) at non-singleton dimension 1',
@@ -122,8 +115,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     'zamba2': "config failed: StrictDataclassClassValidationError: Class validation error for validator 'validate_layer_type':",
 }
 # expected failures that do not fail the same way every time (strict=False)
-# the CTC feature encoders: exact at batch 4 (tests/test_hf.py), 9% to 21% under at batch 2 depending on the
-# thread count (-9.4% with 1 thread, -21.3% with 2): the size of the miss varies, the miss does not
 FLAKY: set[str] = set()
 
 

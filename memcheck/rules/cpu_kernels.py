@@ -31,15 +31,39 @@ import torch
 
 from memcheck.rules.cuda_kernels import cudnn_convolution_scratch
 from memcheck.enums import Device
-from memcheck.rules.probe import cpu_memory_events, running_peak
+from memcheck.rules.probe import cpu_memory_events, profile_memory, running_peak
 from memcheck.rules.registry import register_op_rule
 from memcheck.units import nbytes, round_up
 
 aten = torch.ops.aten
 
 
-def _block() -> int:
-    return 16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else 8
+# --------------------------------------------------------------------------------------
+# Convolutions on the CPU target: probed, not transcribed.
+#
+# Which implementation a CPU convolution runs is chosen at run time: ATen picks the backend
+# (``ConvParams::use_mkldnn`` and ``select_conv_backend``, aten/src/ATen/native/Convolution.cpp,
+# ConvUtils.h), and oneDNN then picks among its implementations by instruction set, shape and
+# thread count (``cpu/cpu_convolution_list.cpp``: brgconv and jit_avx512_core kernels on AVX-512,
+# jit_avx2 ones with 8-channel blocks on AVX2, gemm fallbacks elsewhere, ACL on AArch64). Each one
+# reorders into its own blocked layouts and sizes its own scratchpad. A transcription of those
+# buffers for one machine (the first version of this module was fitted on AVX-512) is a guess on
+# every other: on an AVX2 host it read ConvNeXt +122% and one convolution 20x its real run.
+#
+# So the rule asks the running library. For each distinct convolution (shapes, strides, layout,
+# dtype, output mask, thread count and the CPU capability the process reports) it runs the real
+# op once on zero-filled CPU tensors of the same shape and strides, reads the CPU allocator's
+# events inside the op from the profiler, and keeps (bytes live inside the op beyond its outputs,
+# the outputs' strides). The trace then emits those bytes as scratch right after the op's outputs
+# and gives the outputs the CPU's layout (a channels-last input gives a channels-last output
+# there; the meta kernel's is contiguous), so the next op takes the same path as on the CPU.
+# A probe whose tensors would take more than ``CONV_PROBE_LIMIT`` runs at two smaller batches and
+# is extrapolated linearly in the batch (reorder buffers and outputs scale with it; weights and
+# scratchpads do not), which the report lists as an assumption.
+
+CONV_PROBE_LIMIT = 64 * 2**20  # bytes of real CPU memory one convolution probe may use
+_CONV_OP = "aten::convolution"
+_CONV_BWD_OP = "aten::convolution_backward"
 
 
 def conv_uses_mkldnn(input_shape, weight_shape, stride, dilation, groups, dtype) -> bool:
@@ -59,295 +83,118 @@ def conv_uses_mkldnn(input_shape, weight_shape, stride, dilation, groups, dtype)
     return cond1 and cond2
 
 
-# Backward-weights of a groups=1 NCHW convolution with a kernel side of 15 or more (ViT and
-# SigLIP patch embeddings) runs oneDNN's gemm-based implementation: it reads the plain
-# tensors and keeps an im2col scratchpad instead of blocked copies. Profiled kernel sides 10-14
-# take the jit kernels above; 15 and 16 the gemm one, for C_in 1, 3, 8 and 16 and 1 or 2 threads.
-GEMM_BWD_WEIGHTS_MIN_KERNEL = 15
+def _spec(t) -> tuple | None:
+    """What a probe needs of a tensor argument: (shape, strides, dtype), or None."""
+    return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def _conv_plan(inp, wt, stride, padding, dilation, groups, es=4):
-    """Buffer sizes of the oneDNN primitives, by implementation (see module docstring)."""
-    blk = _block()
-    n, ci, h, w = inp
-    co, cig, kh, kw = wt
-    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    strided = stride[0] > 1 or stride[1] > 1
-    one_by_one = kh == 1 and kw == 1 and padding[0] == 0 and padding[1] == 0
-    depthwise = groups > 1 and groups == ci and co == ci
-    p = {"geom": (n, ci, co, cig, h, w, kh, kw, oh, ow)}
-    small = 192 if co % blk else 0  # seen whenever the output channels are padded
-    if groups == 1:
-        if one_by_one:
-            p["f_src"] = es * n * round_up(ci, blk) * h * w
-            p["f_wei"] = es * round_up(co, blk) * round_up(ci, blk)
-            p["f_scr"] = (es * torch.get_num_threads() * round_up(ci, blk) * oh * ow + 128) if strided else 0
-        elif ci < blk:  # the "first conv" kernel reads the plain input in place
-            p["f_src"], p["f_wei"], p["f_scr"] = 0, es * round_up(co, blk) * ci * kh * kw, 0
+def _real(spec, batch: int | None = None):
+    """A zero-filled CPU tensor of ``spec``, its batch dimension (the first) ``batch`` long if given.
+    A batch-outermost layout keeps its strides at any batch; any other is laid out densely in the
+    same order of dimensions."""
+    shape, stride, dtype = spec
+    if batch is not None and batch != shape[0]:
+        shape = (batch, *shape[1:])
+        order = sorted(range(len(shape)), key=lambda d: (stride[d], shape[d]), reverse=True)
+        if order[0] != 0:
+            new, size = [0] * len(shape), 1
+            for d in reversed(order):
+                new[d], size = size, size * shape[d]
+            stride = tuple(new)
+    t = torch.empty_strided(shape, stride, dtype=dtype)
+    return t.zero_() if t.numel() else t
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _storage_bytes(t) -> int:
+    return t.untyped_storage().nbytes() if isinstance(t, torch.Tensor) else 0
+
+
+def _window_peak(prof, op_name: str) -> int:
+    """The running peak of the CPU allocator's events inside the (only) call of ``op_name``."""
+    raw = prof.profiler.kineto_results.events()
+    ev = min((e for e in raw if e.name() == op_name), key=lambda e: e.start_ns())
+    mem = cpu_memory_events(raw)
+    return running_peak(nb for ts, nb in mem if ev.start_ns() <= ts <= ev.end_ns())
+
+
+def _probe_once(backward: bool, specs: tuple, params: tuple, batch: int | None) -> tuple[int, tuple]:
+    """Run one real convolution (or its backward) on CPU; (bytes beyond its outputs, their strides)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
+        tensors = [None if s is None else _real(s, batch if i == 0 or (backward and i == 1) else None)
+                   for i, s in enumerate(specs)]
+        if backward:
+            op, name = (lambda: aten.convolution_backward(*tensors[:3], *params)), _CONV_BWD_OP
         else:
-            p["f_src"] = es * n * round_up(ci, blk) * h * w
-            p["f_wei"] = es * round_up(co, blk) * round_up(ci, blk) * kh * kw
-            p["f_scr"] = 0
-        p["f_dst"], p["f_small"] = es * n * round_up(co, blk) * oh * ow, small
-        if strided:  # brgconv_strided works in NHWC; to_dense ends with a .contiguous() clone
-            p["d_ddst"] = es * n * co * oh * ow
-            p["d_wei"] = es * co * round_up(ci, blk) * kh * kw
-            p["d_dsrc"] = es * n * ci * h * w
-            p["d_nhwc"] = ci > 1 and h * w > 1
-            p["d_scr"] = 61488  # the smallest scratchpad seen; larger ones are not modelled
-        else:
-            p["d_ddst"] = es * n * round_up(co, blk) * oh * ow
-            p["d_wei"] = es * round_up(co, blk) * round_up(ci, blk) * kh * kw
-            p["d_dsrc"] = es * n * round_up(ci, blk) * h * w
-            p["d_nhwc"], p["d_scr"] = False, 0
-        if one_by_one or ci >= blk:
-            b = blk
-            p["w_src"] = es * n * round_up(ci, b) * h * w
-            p["w_dwei"] = es * round_up(co, b) * round_up(ci, b) * (1 if one_by_one else kh * kw)
-        elif ci < 4:
-            b = blk
-            p["w_src"], p["w_dwei"] = 0, es * round_up(co, b) * ci * kh * kw
-        else:  # 4 <= C_in < block: an AVX2 kernel with 8-channel blocks
-            b = 8
-            p["w_src"] = es * n * round_up(ci, b) * h * w
-            p["w_dwei"] = es * round_up(co, b) * round_up(ci, b) * kh * kw
-        p["w_ddst"] = es * n * round_up(co, b) * oh * ow
-        if max(kh, kw) >= GEMM_BWD_WEIGHTS_MIN_KERNEL:
-            # im2col columns per thread and four weight-sized reduction buffers per thread (+ 64 floats):
-            # 2,777,344 B for SigLIP's Conv2d(3, 64, 16, stride=16) on (4, 3, 224, 224) with 2 threads.
-            nthr = torch.get_num_threads()
-            p.update(w_ddst=0, w_src=0, w_dwei=es * co * ci * kh * kw,
-                     w_scr=es * (nthr * (ci * kh * kw * oh * ow + 4 * co * ci * kh * kw) + 64))
-    elif depthwise:
-        c = ci
-        p.update(
-            f_src=es * n * round_up(c, blk) * h * w, f_wei=es * round_up(c, blk) * kh * kw,
-            f_dst=es * n * round_up(c, blk) * oh * ow, f_scr=0, f_small=small,
-            d_ddst=es * n * round_up(c, blk) * oh * ow, d_nhwc=False, d_scr=0,
-        )
-        p["d_wei"], p["d_dsrc"] = p["f_wei"], p["f_src"]
-        if (not strided and kh in (1, 3)) or (strided and kh == 3):
-            p.update(w_ddst=p["d_ddst"], w_src=p["f_src"], w_dwei=p["f_wei"])
-        else:
-            p.update(w_ddst=0, w_src=0, w_dwei=es * co * cig * kh * kw)
-    else:  # grouped with a channel multiplier: gemm in plain layouts (im2col scratch not modelled)
-        p.update(
-            f_src=0, f_wei=0, f_dst=es * n * co * oh * ow, f_scr=0, f_small=0,
-            d_ddst=0, d_wei=0, d_dsrc=es * n * ci * h * w, d_nhwc=False, d_scr=0,
-            w_ddst=0, w_src=0, w_dwei=es * co * cig * kh * kw,
-        )
-    return p
+            op, name = (lambda: aten.convolution(*tensors, *params)), _CONV_OP
+        op()  # warm-up: oneDNN creates and caches its primitives on the first call
+        with profile_memory() as prof:
+            out = op()
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))]
+        peak = _window_peak(prof, name)
+        strides = tuple(None if o is None else tuple(o.stride()) for o in outs)
+        return max(0, peak - sum(_storage_bytes(o) for o in outs)), strides
 
 
-def _extra_over_outputs(seq: list[int], outputs: int) -> int:
-    return max(0, running_peak(seq) - outputs)
+def _probe_bytes(specs, batch) -> int:
+    """Roughly what a probe's tensors take: its inputs and outputs twice over."""
+    total = 0
+    for i, s in enumerate(specs):
+        if s is not None:
+            shape = (batch, *s[0][1:]) if i == 0 or i == 1 else s[0]
+            total += math.prod(shape) * s[2].itemsize
+    return 3 * total
 
 
-def conv_forward_extra(inp, wt, stride, padding, dilation, groups) -> int:
-    """Bytes live inside ``mkldnn_convolution`` beyond its output, at the op's own peak."""
-    p = _conv_plan(inp, wt, stride, padding, dilation, groups)
-    n, ci, co, cig, h, w, kh, kw, oh, ow = p["geom"]
-    out = 4 * n * co * oh * ow
-    seq = [x for x in (p["f_small"], p["f_src"], p["f_wei"]) if x] + [p["f_dst"]]
-    if p["f_scr"]:
-        seq += [p["f_scr"], -p["f_scr"]]
-    seq += [-x for x in (p["f_wei"], p["f_src"], p["f_small"]) if x] + [out, -p["f_dst"]]
-    return _extra_over_outputs(seq, out)
+@functools.lru_cache(maxsize=None)
+def conv_probe(backward: bool, specs: tuple, params: tuple, threads: int, capability: str):
+    """(bytes live inside the op beyond its outputs, the outputs' strides, extrapolated?) of a real
+    CPU convolution (``backward=False``: ``aten.convolution(input, weight, bias, *params)``) or its
+    backward (``aten.convolution_backward(grad_output, input, weight, *params)``). ``threads`` and
+    ``capability`` are part of the key: the implementation oneDNN picks depends on both."""
+    n = specs[0][0][0]
+    if n <= 2 or _probe_bytes(specs, n) <= CONV_PROBE_LIMIT:
+        extra, strides = _probe_once(backward, specs, params, None)
+        return extra, strides, False
+    n1 = max(1, min(n // 2, int(n * CONV_PROBE_LIMIT / _probe_bytes(specs, n)) // 2))
+    (a, strides), (b, _) = _probe_once(backward, specs, params, n1), _probe_once(backward, specs, params, 2 * n1)
+    return max(0, int(a + (b - a) * (n - n1) / n1)), strides, True
 
 
-def conv_backward_extra(inp, wt, stride, padding, dilation, groups, mask) -> int:
-    """Bytes live inside ``mkldnn_convolution_backward`` beyond its outputs."""
-    p = _conv_plan(inp, wt, stride, padding, dilation, groups)
-    n, ci, co, cig, h, w, kh, kw, oh, ow = p["geom"]
-    gin, gw, gb = 4 * n * ci * h * w, 4 * co * cig * kh * kw, 4 * co
-    seq, outs = [], 0
-    if mask[0]:
-        pre = [x for x in (p["d_ddst"], p["d_wei"]) if x]
-        seq += pre + [p["d_dsrc"]]
-        if p["d_scr"]:
-            seq += [p["d_scr"], -p["d_scr"]]
-        seq += [-x for x in reversed(pre)] + [gin]
-        outs += gin
-        if p["d_nhwc"]:
-            seq += [gin, -gin]
-        seq.append(-p["d_dsrc"])
-    if mask[1] or mask[2]:
-        pre = [x for x in (p["w_ddst"], p["w_src"]) if x]
-        scr = p.get("w_scr", 0)
-        seq += pre + [p["w_dwei"], scr] + ([gb] if mask[2] else []) + [-scr] + [-x for x in reversed(pre)]
-        if mask[2]:
-            seq.append(gb)
-            outs += gb
-        seq += [gw, -p["w_dwei"]] + ([-gb] if mask[2] else [])
-        outs += gw
-        if not mask[1]:  # grad_weight is always computed, then dropped
-            seq.append(-gw)
-            outs -= gw
-    return _extra_over_outputs(seq, outs)
+def _probed(ctx, backward, args, out, specs, params):
+    """Emit a probed convolution's scratch after its outputs, in the CPU's layouts; return them."""
+    extra, strides, extrapolated = conv_probe(backward, specs, params, torch.get_num_threads(),
+                                              torch.backends.cpu.get_cpu_capability())
+    if extrapolated:
+        ctx.assume("CPU target: large convolutions' oneDNN buffers were probed at smaller batches and "
+                   "extrapolated linearly in the batch")
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    for i, (o, s) in enumerate(zip(outs, strides)):
+        if o is not None and s is not None and tuple(o.stride()) != s and o.dim() == len(s):
+            outs[i] = torch.empty_strided(o.shape, s, dtype=o.dtype, device=o.device)
+    out = type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
+    ctx.track(out)
+    ctx.scratch(extra)
+    return out
 
 
-# --------------------------------------------------------------------------------------
-# Channels-last (NHWC) convolutions. ``mkldnn_conv_use_channels_last`` (ATen/native/ConvUtils.h)
-# is true when the input or the weight suggests channels-last; Conv.cpp then runs oneDNN on
-# the NHWC tensors directly (no input or output reorder), after ``weight.contiguous(channels_last)``.
-# The sizes below are the allocation sequences of real ops under the profiler (torch 2.13,
-# oneDNN 3.12, AVX-512), e.g. Conv2d(16, 32, 2, stride=2) on a (4, 16, 16, 16) input:
-#   forward  [W_cl 8192, out 32768, scratch 12336, W_blocked 8192, -W_blocked, -scratch, -W_cl]
-#   backward [W_cl, grad_in 65536, W_blocked 8192, scratch 61488, -scratch, -W_blocked,
-#             diff_W 8192, grad_b tmp 128, grad_b 128, grad_W 8192, copy 8192, -copy, -diff_W, -tmp, -W_cl]
-# and depthwise Conv2d(16, 16, 7, padding=3, groups=16) on a (4, 16, 16, 16) input:
-#   forward  [out 65536, W_blocked 3136, -W_blocked]
-#   backward [grad_in 65536, W_blocked 3136, -W_blocked, reduction 802816, scratch 1152, grad_b tmp 64,
-#             -scratch, grad_b 64, grad_W 3136, copy 3136, -copy, -reduction, -tmp]
-# (the backward-weights scratchpad, 64*C + 128 B there, is freed before the gradients and never
-# sets the peak, so it is left out).
-
-NHWC_FWD_SCRATCH = 12336  # bytes: oneDNN's forward scratchpad, the same in every groups=1 NHWC probe
-NHWC_BWD_DATA_SCRATCH = 12464  # bytes: backward-data scratchpad, stride 1
-NHWC_BWD_DATA_SCRATCH_STRIDED = 61488  # bytes: backward-data scratchpad, strided (as ``d_scr`` above)
-# The NHWC depthwise backward-weights kernel (jit_uni_dw) takes kernels up to 3x3 that fit in
-# the input; every other depthwise shape falls back to an implementation whose reduction
-# buffer is 256 fp32 copies of the weight gradient: 6,422,528 B for ConvNext's (128, 1, 7, 7).
-DW_FALLBACK_REDUCTION = 256
-
-
-def conv_channels_last(inp, wt) -> bool:
-    """``mkldnn_conv_use_channels_last`` (aten/src/ATen/native/ConvUtils.h) for fp32 tensors."""
-    from torch._prims_common import suggest_memory_format
-
-    return torch.channels_last in (suggest_memory_format(inp), suggest_memory_format(wt))
-
-
-def _nhwc_plan(inp, wt, stride, groups, weight_channels_last, es=4):
-    """Buffer sizes of the NHWC oneDNN primitives (see the comment above), or None where not modelled."""
-    blk = _block()
-    n, ci, h, w = inp
-    co, cig, kh, kw = wt
-    if groups == 1:
-        wb = es * round_up(co, blk) * (round_up(ci, blk) if ci >= blk else ci) * kh * kw
-        return {
-            "w_cl": 0 if weight_channels_last else es * co * cig * kh * kw,
-            "f_scr": NHWC_FWD_SCRATCH, "f_wei": wb,
-            "d_wei": es * round_up(co, blk) * round_up(ci, blk) * kh * kw,
-            "d_scr": NHWC_BWD_DATA_SCRATCH_STRIDED if any(s > 1 for s in stride) else NHWC_BWD_DATA_SCRATCH,
-            "w_dwei": wb,
-        }
-    if groups == ci == co:  # depthwise
-        wb = es * round_up(ci, blk) * kh * kw
-        jit = kh <= 3 and kw <= 3 and h >= kh and w >= kw
-        return {
-            "w_cl": 0, "f_scr": 0, "f_wei": wb, "d_wei": wb, "d_scr": 0,
-            "w_dwei": wb if jit else DW_FALLBACK_REDUCTION * es * ci * kh * kw,
-        }
-    return None
-
-
-def nhwc_conv_forward_extra(inp, wt, stride, groups, weight_channels_last, out_bytes) -> int:
-    """Bytes live inside a channels-last ``mkldnn_convolution`` beyond its output."""
-    p = _nhwc_plan(inp, wt, stride, groups, weight_channels_last)
-    if p is None:
-        return 0
-    seq = [p["w_cl"], out_bytes, p["f_scr"], p["f_wei"], -p["f_wei"], -p["f_scr"], -p["w_cl"]]
-    return _extra_over_outputs(seq, out_bytes)
-
-
-def nhwc_conv_backward_extra(inp, wt, stride, groups, weight_channels_last, mask) -> int:
-    """Bytes live inside a channels-last ``mkldnn_convolution_backward`` beyond its outputs."""
-    p = _nhwc_plan(inp, wt, stride, groups, weight_channels_last)
-    if p is None:
-        return 0
-    n, ci, h, w = inp
-    co, cig, kh, kw = wt
-    gin, gw, gb = 4 * n * ci * h * w, 4 * co * cig * kh * kw, 4 * co
-    seq, outs = [p["w_cl"]], 0
-    if mask[0]:
-        seq += [gin, p["d_wei"], p["d_scr"], -p["d_scr"], -p["d_wei"]]
-        outs += gin
-    if mask[1] or mask[2]:
-        seq.append(p["w_dwei"])
-        if mask[2]:  # a temporary, then the gradient itself
-            seq += [gb, gb]
-            outs += gb
-        seq += [gw, gw, -gw, -p["w_dwei"]] + ([-gb] if mask[2] else [])
-        outs += gw
-        if not mask[1]:
-            seq.append(-gw)
-            outs -= gw
-    seq.append(-p["w_cl"])
-    return _extra_over_outputs(seq, outs)
-
-
-def _weight_channels_last(wt) -> bool:
-    """Whether ``weight.contiguous(channels_last)`` in Conv.cpp is free (1x1 and depthwise weights are)."""
-    return wt.is_contiguous(memory_format=torch.channels_last)
-
-
-def _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups) -> str | None:
-    """The layout (``"nchw"`` or ``"nhwc"``) of a convolution whose CPU run takes the oneDNN path
-    these rules describe, else None: CPU target, a 4-d fp32 input, not transposed, ``use_mkldnn``."""
-    if ctx.device is Device.CPU and inp.dtype in (torch.bfloat16, torch.float16):
-        ctx.assume("CPU target: oneDNN's low-precision convolution buffers are not modelled (fp32 only)")
-    if not (
-        ctx.device is Device.CPU and inp.dim() == 4 and not transposed and inp.dtype == torch.float32
-        and conv_uses_mkldnn(inp.shape, wt.shape, tuple(stride), tuple(dilation), groups, inp.dtype)
-    ):
-        return None
-    if conv_channels_last(inp, wt):
-        if groups > 1 and not groups == inp.shape[1] == wt.shape[0]:
-            ctx.assume("CPU target: a channels-last grouped convolution's oneDNN buffers are not modelled")
-            return None
-        return "nhwc"
-    return "nchw" if inp.is_contiguous() else None
-
-
-def _per_dim(values, inp) -> list[int]:
-    """One value a spatial dimension: ATen's convolution takes a one-element list for all of them
-    (``expand_param_if_needed`` in aten/src/ATen/native/Convolution.cpp), as ``padding="valid"``
-    gives (SigLIP's patch embedding)."""
-    values = list(values)
-    return values * (inp.dim() - 2) if len(values) == 1 else values
-
-
-def _as_2d(inp, wt, stride, padding, dilation):
-    """A 1-d convolution as ATen runs it on CPU, a 2-d one of height 1 on a contiguous input
-    (``_convolution`` and ``convolution_backward`` in Convolution.cpp: ``input.contiguous()``
-    "avoid accidentally going through NHWC for permuted 3d input", ``params.view1d_as_2d()``,
-    ``view4d``), and the bytes of that copy (0 for a contiguous input); others as given."""
-    if inp.dim() != 3:
-        return inp, wt, stride, padding, dilation, 0
-    copy = 0 if inp.is_contiguous() else nbytes(inp)
-    n, c, w = inp.shape
-    inp = torch.empty(n, c, 1, w, dtype=inp.dtype, device="meta")
-    return inp, wt.unsqueeze(2), [1, *stride], [0, *padding], [1, *dilation], copy
-
-
-def _conv_setup(ctx, inp, wt, stride, padding, dilation, transposed, groups):
-    """What both convolution rules start from: the oneDNN layout taken (``_onednn_conv``), the
-    (input, weight, stride) shapes as 2-d, padding and dilation per spatial dimension, the bytes of a
-    1-d input's contiguous copy (``_as_2d``), and the weight as 2-d."""
-    stride, padding, dilation = (_per_dim(v, inp) for v in (stride, padding, dilation))
-    inp, wt, stride, padding, dilation, copy = _as_2d(inp, wt, stride, padding, dilation)
-    layout = _onednn_conv(ctx, inp, wt, stride, dilation, transposed, groups)
-    return layout, (tuple(inp.shape), tuple(wt.shape), tuple(stride)), tuple(padding), tuple(dilation), copy, wt
+def _cpu_probe_applies(ctx, inp) -> bool:
+    return ctx.device is Device.CPU and inp.device.type == "meta" and inp.numel() > 0
 
 
 @register_op_rule(aten.convolution.default)
 def convolution(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
-    inp, wt, _, stride, padding, dilation, transposed, _, groups = args
-    layout, shapes, padding, dilation, copy, wt = _conv_setup(ctx, inp, wt, stride, padding, dilation, transposed,
-                                                              groups)
-    if layout == "nchw":
-        ctx.track(out)
-        ctx.scratch(copy, conv_forward_extra(*shapes, padding, dilation, groups))
-    elif layout == "nhwc":
-        # The CPU kernel's output is channels-last (Conv.cpp allocates it in the input's suggested
-        # format); the meta kernel's is contiguous, which would send the next layers down the NCHW path.
-        out = torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=torch.channels_last)
-        ctx.track(out)
-        ctx.scratch(nhwc_conv_forward_extra(*shapes, groups, _weight_channels_last(wt), nbytes(out)))
-    elif ctx.device is Device.CUDA and inp.device.type == "meta":
+    inp, wt, bias = args[:3]
+    if _cpu_probe_applies(ctx, inp):
+        return _probed(ctx, False, args, out, (_spec(inp), _spec(wt), _spec(bias)),
+                       tuple(map(_hashable, args[3:])))
+    if ctx.device is Device.CUDA and inp.device.type == "meta":
         cudnn_convolution_scratch(ctx, out, inp, wt, nbytes(out))
     return out
 
@@ -355,18 +202,11 @@ def convolution(ctx, func, args, kwargs):
 @register_op_rule(aten.convolution_backward.default)
 def convolution_backward(ctx, func, args, kwargs):
     out = func(*args, **kwargs)
-    grad, inp, wt, _, stride, padding, dilation, transposed, _, groups, mask = args
-    layout, shapes, padding, dilation, copy, wt = _conv_setup(ctx, inp, wt, stride, padding, dilation, transposed,
-                                                              groups)
-    if layout == "nchw":
-        ctx.track(out)
-        # mkldnn_convolution_backward: grad_output.contiguous(memory_format), a copy when it is not
-        copy += 0 if grad.is_contiguous() else nbytes(grad)
-        ctx.scratch(copy, conv_backward_extra(*shapes, padding, dilation, groups, mask))
-    elif layout == "nhwc":
-        ctx.track(out)
-        ctx.scratch(nhwc_conv_backward_extra(*shapes, groups, _weight_channels_last(wt), mask))
-    elif ctx.device is Device.CUDA and inp.device.type == "meta":
+    grad, inp, wt = args[:3]
+    if _cpu_probe_applies(ctx, inp):
+        return _probed(ctx, True, args, out, (_spec(grad), _spec(inp), _spec(wt)),
+                       tuple(map(_hashable, args[3:])))
+    if ctx.device is Device.CUDA and inp.device.type == "meta":
         cudnn_convolution_scratch(ctx, out, inp, wt, nbytes(grad))
     return out
 
@@ -435,7 +275,6 @@ _PROBE_LIMIT = 64 * 2**20  # bytes of real CPU memory one probe may use
 
 def _probe_layer(t, n, i, h) -> dict:
     """Run one real oneDNN LSTM layer forward and backward on CPU; read its buffers from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes(), torch._C.DisableTorchFunction():
@@ -452,7 +291,7 @@ def _probe_layer(t, n, i, h) -> dict:
             return nbytes(out[3])
 
         run()  # warm-up: oneDNN caches its primitives
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with profile_memory() as prof:
             ws = run()
     raw = prof.profiler.kineto_results.events()
     mem = cpu_memory_events(raw)

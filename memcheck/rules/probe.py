@@ -4,6 +4,10 @@ the tracer with. Nothing here uses the tracer's accounting."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import torch
 
 
@@ -27,3 +31,27 @@ def running_peak(deltas) -> int:
         live += delta
         peak = max(peak, live)
     return peak
+
+
+@contextlib.contextmanager
+def profile_memory():
+    """``torch.profiler.profile`` of CPU activity with memory events, for a probe of a real op.
+
+    Kineto writes a line to the process's stderr at every start and stop of a profiler
+    (``SyncActivityProfilerHandler.cpp``: "profiler_start", "profiler_stop"); a probe is
+    memcheck's business, not the user's, so file descriptor 2 points at /dev/null meanwhile
+    and is restored on the way out.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield prof
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

@@ -32,7 +32,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
@@ -135,26 +134,23 @@ def _try_repo(project, *files):
         "HF_HUB_OFFLINE": "1",
         "CUDA_VISIBLE_DEVICES": "",
     }
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pre_commit", "try-repo", str(hook_repo), "memcheck",
+    return subprocess.run([sys.executable, "-m", "pre_commit", "try-repo", str(hook_repo), "memcheck",
                            "--verbose", "--files", *files], cwd=user, env=env, capture_output=True, text=True,
                           timeout=600)
-    return done, time.monotonic() - start
 
 
 @pytest.mark.slow
 def test_the_hook_passes_a_config_that_fits_and_skips_a_pyproject_without_the_table(project):
-    done, seconds = _try_repo(project, "memcheck.toml", "pyproject.toml")
+    done = _try_repo(project, "memcheck.toml", "pyproject.toml")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Passed" in done.stdout and "ok    memcheck.toml: peak " in done.stdout
     assert "pyproject.toml has no [tool.memcheck] table; skipped" in done.stdout
-    # a virtualenv that downloaded torch would take minutes; PIP_NO_INDEX makes it fail instead
-    assert seconds < 120, seconds
+    # a virtualenv that tried to download torch fails instead (PIP_NO_INDEX), so no clock is needed here
 
 
 @pytest.mark.slow
 def test_the_hook_fails_a_config_over_budget_and_prints_the_fix(project):
-    done, _ = _try_repo(project, "big.memcheck.json")
+    done = _try_repo(project, "big.memcheck.json")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Failed" in done.stdout and "- exit code: 1" in done.stdout
     assert "FAIL  big.memcheck.json [jobs.big]: will not fit: " in done.stdout

@@ -1,25 +1,19 @@
 """Rules for CPU kernels that allocate inside the op what their meta kernels do not.
 
-oneDNN (mkldnn) convolutions reorder inputs and weights into blocked layouts and
-own an internal destination (1-d ones run as 2-d, on a contiguous copy of their input);
-the CPU batch norm keeps small temporaries; the CPU layer norm copies a non-contiguous
-input; the oneDNN LSTM keeps a workspace for backward that the meta kernel reports as empty.
-Each rule emits those buffers right after the op's outputs (``ctx.scratch``), so
-that the peak inside the op is what the CPU allocator sees.
+Convolutions (oneDNN's blocked reorders and scratchpads, the slow path's im2col columns, a
+1-d convolution's contiguous copy) and the oneDNN LSTM's workspace are *probed*: the rule runs
+the real op once per distinct shape on this process's CPU and reads the allocator's events
+inside it (``memcheck.rules.probe``), because the implementation oneDNN runs depends on the
+instruction set, the shape and the thread count (see "Convolutions on the CPU target" below).
+The CPU batch norm's temporaries and the CPU layer norm's contiguous copies are written from
+ATen's source, which is the same on every instruction set. Each rule emits its buffers right
+after the op's outputs (``ctx.scratch``), so that the peak inside the op is what the CPU
+allocator sees.
 
-Where the numbers come from: profiler allocation events of real CPU ops, swept
-over 2,352 convolution configurations (C_in 1-64, C_out 8-64, kernel 1/3/5,
-stride 1/2, groups 1 and depthwise, batch 1-32, 1 and 2 threads) on torch 2.13
-with oneDNN 3.12 on an AVX-512 CPU (channel block 16). Forward peaks matched in
-every groups=1 and depthwise configuration; backward matched in most and is low
-by the oneDNN scratchpad otherwise (mean 0.6% at batch 32, 32x32 images). The
-block size follows ``torch.backends.cpu.get_cpu_capability()``: 8 on AVX2
-machines, which is not verified.
-
-Channels-last inputs (ConvNext, SegFormer, PvtV2 permute their activations) take
-oneDNN's NHWC primitives instead, with their own buffers (``_nhwc_plan``), and their
-output is channels-last where the meta kernel's is contiguous; the rule returns the
-CPU's layout so that the next convolution takes the same path as on the CPU.
+Checked on: an AVX2 host (AMD EPYC, torch 2.13.0+cpu, oneDNN 3.12), natively, against real
+training steps under the profiler (tests/test_cpu_kernels.py, tests/test_conv_models.py, the
+coverage census) and over the grid of ``benchmarks/cpu_rules.py``. The probe measures whatever
+the running process runs, so the same code holds on AVX-512 and AArch64; those were not run here.
 """
 
 from __future__ import annotations
@@ -211,23 +205,47 @@ def convolution_backward(ctx, func, args, kwargs):
     return out
 
 
+# Batch norm on CPU (aten/src/ATen/native/Normalization.cpp ``batch_norm_cpu`` and
+# ``batch_norm_backward_cpu_template``; kernels in native/cpu/batch_norm_kernel.cpp). Profiled
+# allocation sequences of the training ops, fp32, 2 threads (the same on the AVX2 and SSE4.1 caps):
+#   forward, (4, 16, 8, 8) contiguous:      [out, mean 64, invstd 64, tmp 64, tmp 64, -tmp, -tmp, ...]
+#   forward, (2, 64, 16, 16) channels-last: [out, mean, invstd, tmp 256, tmp 256, buffer 512, -buffer, -tmp, -tmp, ...]
+#   backward, grad_input wanted:            [grad_in, grad_w, grad_b, input-sized tmp, -tmp]
+#   backward, no grad_input:                [grad_w, grad_b]  (+ [buffer 1024, -buffer] channels-last)
+# The channels-last stats kernels keep a (threads, C) buffer of floats in forward
+# (``batch_norm_cpu_collect_stats_channels_last_impl``) and two of them in backward
+# (``batch_norm_cpu_backward_channels_last_impl``): 2 threads * 64 * 4 B = 512 B and 1,024 B above.
+
+
+def _channels_last_4d(t) -> bool:
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
 @register_op_rule(aten.native_batch_norm.default)
 def batch_norm(ctx, func, args, kwargs):
-    """Training batch norm on CPU keeps two C-sized temporaries beyond its outputs."""
+    """Training batch norm on CPU keeps two C-sized temporaries beyond its outputs (and, on a
+    channels-last input, a per-thread float buffer after them)."""
     out = func(*args, **kwargs)
-    if ctx.device is Device.CPU and args[0].dim() >= 2:
+    inp = args[0]
+    if ctx.device is Device.CPU and inp.dim() >= 2:
+        c = inp.shape[1]
         ctx.track(out)
-        ctx.scratch(2 * args[0].shape[1] * args[0].element_size())
+        per_thread = torch.get_num_threads() * c * 4 if _channels_last_4d(inp) else 0
+        ctx.scratch(2 * c * inp.element_size(), per_thread)
     return out
 
 
 @register_op_rule(aten.native_batch_norm_backward.default)
 def batch_norm_backward(ctx, func, args, kwargs):
-    """CPU batch norm backward allocates one input-sized temporary after its outputs."""
+    """CPU batch norm backward allocates one input-sized temporary after its outputs when it
+    computes the input's gradient (``output_mask[0]``); without it, only the channels-last
+    kernel's per-thread buffers."""
     out = func(*args, **kwargs)
+    inp, mask = args[1], args[9]
     if ctx.device is Device.CPU:
         ctx.track(out)
-        ctx.scratch(nbytes(args[1]))
+        per_thread = 2 * torch.get_num_threads() * inp.shape[1] * 4 if _channels_last_4d(inp) else 0
+        ctx.scratch(max(nbytes(inp) if mask[0] else 0, per_thread))
     return out
 
 

@@ -2,7 +2,7 @@
 # transformers pin is the version the tests' expectations were recorded with (tests/test_coverage.py).
 PYTHON ?= python3
 
-.PHONY: install test test-fast example speed
+.PHONY: install test test-fast test-isa example speed
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0 transformers==5.23.0
@@ -11,7 +11,14 @@ install:
 # Two workers (pytest-xdist): CI's machine has 2 cores; each test still runs its real run and its
 # estimate in one process, so the comparisons are unchanged.
 test: install
-	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2
+	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 --durations=25
+
+# The CPU-kernel and convolution accuracy tests again, with ATen and oneDNN capped one instruction
+# set below the host's (AVX-512 hosts run the AVX2 paths, AVX2 hosts the SSE4.1 ones): the CPU rules
+# must hold on whatever the running process reports, not only on the machine they were checked on.
+test-isa: install
+	eval "$$($(PYTHON) benchmarks/cpu_rules.py --lower-cap-env)" && HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 \
+		tests/test_cpu_kernels.py tests/test_conv_models.py
 
 # The edit-test loop: everything but the tests marked slow (CI runs `make test`, all of them).
 test-fast: install

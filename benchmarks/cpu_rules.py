@@ -193,6 +193,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a tenth of the grid")
     ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated (default 1,2)")
     ap.add_argument("--caps", default=",".join(CAPS), help=f"caps to run (default {','.join(CAPS)})")
+    ap.add_argument("--lower-cap-env", action="store_true",
+                    help="print the shell exports that cap ATen and oneDNN one ISA below this host's, and exit")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -200,6 +202,11 @@ def main() -> None:
         worker(int(args.threads), args.start)
         return
     flags = _host_flags()
+    if args.lower_cap_env:
+        have = [name for name, (_, _, flag) in CAPS.items() if flag in flags]  # CAPS runs from the highest down
+        aten, onednn, _ = CAPS[have[1] if len(have) > 1 else have[-1]] if have else CAPS["default"]
+        print(f"export ATEN_CPU_CAPABILITY={aten} ONEDNN_MAX_CPU_ISA={onednn}")
+        return
     rows, skipped = [], []
     for cap in args.caps.split(","):
         aten, onednn, flag = CAPS[cap]

@@ -105,16 +105,21 @@ def test_probe_gives_a_channels_last_input_a_channels_last_output():
 
 
 def test_large_convolutions_are_extrapolated_in_the_batch_within_2_percent(monkeypatch):
-    # The oracle: probing the full batch, which runs the real op at that size.
-    specs = (((16, 32, 32, 32), (32768, 1024, 32, 1), torch.float32),
-             ((64, 32, 3, 3), (288, 9, 3, 1), torch.float32), ((64,), (1,), torch.float32))
-    params = ((2, 2), (1, 1), (1, 1), False, (0, 0), 1)
-    for backward, args in ((False, specs), (True, (((16, 64, 16, 16), (16384, 256, 16, 1), torch.float32),
-                                                   *specs[:2]))):
-        p = params if not backward else ((64,), *params, (True, True, True))
-        exact, _, _ = cpu_kernels.conv_probe(backward, args, p, torch.get_num_threads(), "exact")
-        monkeypatch.setattr(cpu_kernels, "CONV_PROBE_LIMIT", cpu_kernels._probe_bytes(args, 4))
-        got, _, extrapolated = cpu_kernels.conv_probe(backward, args, p, torch.get_num_threads(), "extrapolated")
+    # Conv2d(32, 64, 3, stride=2, padding=1) on (32, 32, 32, 32): the oracle is the probe of the full
+    # batch, which runs the real op at that size; the extrapolation probes batches 8 and 16 only.
+    def specs(backward):
+        inp = ((32, 32, 32, 32), (32768, 1024, 32, 1), torch.float32)
+        wt = ((64, 32, 3, 3), (288, 9, 3, 1), torch.float32)
+        if backward:
+            return (((32, 64, 16, 16), (16384, 256, 16, 1), torch.float32), inp, wt)
+        return (inp, wt, ((64,), (1,), torch.float32))
+
+    conv = ((2, 2), (1, 1), (1, 1), False, (0, 0), 1)
+    for backward, params in ((False, conv), (True, ((64,), *conv, (True, True, True)))):
+        args = specs(backward)
+        exact, _, _ = cpu_kernels.conv_probe(backward, args, params, torch.get_num_threads(), "exact")
+        monkeypatch.setattr(cpu_kernels, "CONV_PROBE_LIMIT", cpu_kernels._probe_bytes(args, 16))
+        got, _, extrapolated = cpu_kernels.conv_probe(backward, args, params, torch.get_num_threads(), "extrapolated")
         monkeypatch.undo()
         assert extrapolated
         assert abs(got - exact) <= 0.02 * exact, (backward, got, exact)

@@ -2,7 +2,7 @@
 # transformers pin is the version the tests' expectations were recorded with (tests/test_coverage.py).
 PYTHON ?= python3
 
-.PHONY: install test test-fast test-isa example speed
+.PHONY: install test test-fast test-isa test-bench example speed
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0 transformers==5.23.0
@@ -11,7 +11,12 @@ install:
 # Two workers (pytest-xdist): CI's machine has 2 cores; each test still runs its real run and its
 # estimate in one process, so the comparisons are unchanged.
 test: install
-	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 --durations=25
+	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 --durations=25 -m "not bench"
+
+# The benchmark lane: the whole coverage census (make test runs a quarter of it) and the 70B-scale
+# plans; minutes each on 2 cores, so not in the edit-test loop nor in make test.
+test-bench: install
+	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 --durations=25 -m bench
 
 # The CPU-kernel and convolution accuracy tests again, with ATen and oneDNN capped one instruction
 # set below the host's (AVX-512 hosts run the AVX2 paths, AVX2 hosts the SSE4.1 ones): the CPU rules
@@ -20,9 +25,9 @@ test-isa: install
 	eval "$$($(PYTHON) benchmarks/cpu_rules.py --lower-cap-env)" && HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 \
 		tests/test_cpu_kernels.py tests/test_conv_models.py
 
-# The edit-test loop: everything but the tests marked slow (CI runs `make test`, all of them).
+# The edit-test loop: everything but the tests marked slow or bench (CI runs `make test` and `make test-isa`).
 test-fast: install
-	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 -m "not slow"
+	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 -m "not slow and not bench"
 
 example: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m memcheck examples/gpt2_small.py --max-len 1024

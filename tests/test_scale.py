@@ -88,6 +88,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")
 def test_a_llama_70b_shaped_config_traces_in_under_2_gib_of_host_ram():
@@ -176,6 +177,7 @@ def fsdp_plan():
     return memcheck.plan(_wide(), _batch, gpu="H100-80GB", checkpointing_options=("full",))
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_too_large_for_every_gpu_gets_the_fewest_fsdp_gpus_not_an_error(fsdp_plan):
     p, fit = fsdp_plan, fsdp_plan.sharded
@@ -200,6 +202,7 @@ def test_too_large_for_every_gpu_gets_the_fewest_fsdp_gpus_not_an_error(fsdp_pla
     assert f"({n - 1} GPUs: " in str(p.suggestion) and "no single GPU in `memcheck gpus` holds it" in str(p.suggestion)
 
 
+@pytest.mark.bench
 def test_the_fsdp_count_holds_the_shards_the_hand_arithmetic_gives(fsdp_plan):
     n = fsdp_plan.sharded.gpus
     est = memcheck.estimate(_wide(), _batch(1), gpu="H100-80GB", strategy="fsdp", gpus=n, checkpointing="full",
@@ -217,6 +220,7 @@ def zero3_plan():
     return memcheck.plan(_wide(), _batch, gpu="H100-80GB", strategy="zero3", gpus=2, checkpointing_options=("full",))
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_zero3_count_is_the_fewest_whose_partitions_fit_with_the_margin(zero3_plan):
     p, fit = zero3_plan, zero3_plan.sharded
@@ -297,6 +301,7 @@ def make_batch(batch_size, max_len):
 """
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_plan_cli_exits_1_and_names_the_gpu_count_in_the_table_and_the_json(tmp_path, fsdp_plan):
     path = tmp_path / "wide.py"
@@ -322,6 +327,7 @@ def test_plan_cli_exits_1_and_names_the_gpu_count_in_the_table_and_the_json(tmp_
     assert traced[n] == sharded["device_total_bytes"] <= plan["limit_bytes"] < traced[n - 1]
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_llama_70b_in_fp32_gets_the_fsdp_gpu_count_for_h100s():
     """The real thing: 70.55e9 parameters * 16 B (fp32 weights, gradients, AdamW) = 1.13 TB, and

@@ -343,7 +343,7 @@ class _CppNode:
 
 
 class _Wrappers:
-    """``functionToPyObject`` (torch/csrc/autograd/python_cpp_function.cpp) as torch <= 2.11 runs
+    """``functionToPyObject`` (torch/csrc/autograd/python_cpp_function.cpp) as torch <= 2.12 runs
     it: a node hands out its live Python wrapper if it has one, else a new one, and the node does
     not keep it alive. The allocator's reuse of a dropped wrapper's address is made certain here:
     a wrapper no one but this pool holds any more is handed out again, the same object (so the
@@ -386,11 +386,11 @@ def _id_only_walk(roots):
 
 
 def test_the_node_walk_reaches_a_whole_chain_when_wrappers_are_dropped_and_their_addresses_reused():
-    # Torch <= 2.11 lets a node's wrapper die when nothing holds it, and the next wrapper made may
+    # Torch <= 2.12 lets a node's wrapper die when nothing holds it, and the next wrapper made may
     # take its address: an id-only walk then calls an unseen node seen. A 101-node chain: the
     # id-only walk stops after 3 (the root, held by the caller; its child; the grandchild, given
     # the child's freed wrapper, which the walk had just dropped, i.e. an id it has seen), as
-    # measured on torch 2.4, 2.8 and 2.11 (issue 38); holding the nodes reaches all 101.
+    # as on torch 2.6 to 2.12 (issue 38; 2.13 keeps wrappers alive); holding the nodes reaches all 101.
     from memcheck.trace.tracer import reachable_nodes
 
     chain = [_CppNode()]
@@ -406,7 +406,7 @@ def test_the_node_walk_reaches_a_whole_chain_when_wrappers_are_dropped_and_their
 
 def test_the_node_walk_reaches_every_node_of_a_real_101_node_graph():
     # x (a leaf: AccumulateGrad) then 100 multiplications (MulBackward0 each): 1 + 100 = 101 nodes.
-    # On torch <= 2.11 the id-only walk found 3 of them.
+    # On torch 2.6 to 2.12 the id-only walk found 2 of them.
     from memcheck.trace.tracer import reachable_nodes
 
     x = torch.ones(3, requires_grad=True)

@@ -67,6 +67,10 @@ class _DefaultGroup(click.Group):
             sys.exit(EXIT_INTERRUPTED)
         finally:
             os._exit = saved
+            # What ``_loaded`` froze goes back to the collector, so the interpreter's last collection
+            # frees it. Frozen objects are never freed: from torch 2.15 (torch.utils.flop_counter imports
+            # triton) triton's nanobind extension then printed some 27 "nanobind: leaked ..." lines at exit.
+            gc.unfreeze()
 
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):

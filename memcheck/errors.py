@@ -29,6 +29,22 @@ class UnsupportedOpError(MemcheckError):
     """An operator has no meta kernel and no memcheck rule; register one with ``register_op_rule``."""
 
 
+class TorchVersionError(MemcheckError):
+    """A setting needs a newer torch than the one installed (``require_torch``)."""
+
+
+def require_torch(name: str, setting: str):
+    """``memcheck.compat``'s ``name``, or a TorchVersionError naming ``setting`` and the torch
+    minor that first has it, when the running torch lacks it."""
+    from memcheck import compat
+
+    value = getattr(compat, name)
+    if value is None:
+        raise TorchVersionError(f"{setting} needs torch {compat.SINCE[name]} or newer (for torch's {name}); "
+                                f"this is torch {compat.TORCH_VERSION}")
+    return value
+
+
 class WillNotFit(MemcheckError):
     """The job will not fit: ``memcheck.preflight`` and the trainer callbacks raise it.
 
@@ -127,12 +143,14 @@ def meta_kernel_failure(exc: BaseException) -> str | None:
 
     import torch
 
+    from memcheck.compat import OpOverload
+
     meta_dirs = tuple(str(Path(torch.__file__).parent / name) for name in _META_KERNEL_FILES)
     op = None
     tb = exc.__traceback__
     while tb is not None:
         frame = tb.tb_frame
-        if frame.f_code.co_name == "__torch_dispatch__" and isinstance(frame.f_locals.get("func"), torch._ops.OpOverload):
+        if frame.f_code.co_name == "__torch_dispatch__" and isinstance(frame.f_locals.get("func"), OpOverload):
             op = frame.f_locals["func"]  # the innermost op the tracer was running
         elif op is not None and frame.f_code.co_filename.startswith(meta_dirs):
             return str(op)

@@ -1,4 +1,5 @@
-"""The package's layers: imports run downward only, and no module imports itself in a cycle.
+"""The package's layers: imports run downward only, and no module imports itself in a cycle;
+private torch names come through ``memcheck.compat`` only.
 
 The import graph is read from the source with ``ast`` (module-level and function-level
 imports; those under ``if TYPE_CHECKING:`` are for typing only and do not count), so
@@ -18,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "memcheck"
 # Bottom to top: the pipeline (trace -> rules -> CUDA allocator and overheads -> training
 # emulation -> engine -> reports and pictures -> front-ends), with what each part needs beneath it.
 LAYERS = (
+    ("compat",),  # the private torch APIs, per torch version (imports no memcheck module)
     ("errors", "units", "enums", "choices"),  # the vocabulary: exceptions, byte units, the choices, choice points
     ("cuda",),  # the GPU table, the caching-allocator simulation, CUDA context and workspaces
     ("rules",),  # the op-rule registry and the rules per device
@@ -183,7 +185,7 @@ def test_an_upward_import_added_on_purpose_fails_the_check(fake_package):
     (fake_package / "rules" / "registry.py").write_text("def f():\n    from memcheck.engine import estimate\n")
     graph = import_graph(fake_package)
     assert upward_imports(graph) == [
-        "memcheck.rules.registry (layer 2) imports memcheck.engine.estimate (layer 8)"]
+        "memcheck.rules.registry (layer 3) imports memcheck.engine.estimate (layer 9)"]
     # and, since the engine imports the registry, a cycle as well
     assert cycles(graph) == [["memcheck.engine.estimate", "memcheck.rules.registry"]]
 
@@ -198,3 +200,75 @@ def test_typing_only_imports_do_not_count(fake_package):
     (fake_package / "rules" / "registry.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from memcheck.engine.estimate import E\n")
     assert upward_imports(import_graph(fake_package)) == []
+
+
+# The one module that imports torch's private names, and the one left to move to it.
+PRIVATE_TORCH_ALLOWED = {
+    "memcheck.compat",
+    # being rewritten by the lead (issue 38's branch left it alone): its torch._C._get_mkldnn_enabled,
+    # torch._C._VariableFunctions and torch._prims_common import are in memcheck.compat already.
+    "memcheck.rules.cpu_kernels",
+}
+
+
+def _private(dotted: str) -> bool:
+    """True when a dotted torch path names a private part (``_x``; dunders such as ``__version__`` are not)."""
+    parts = dotted.split(".")
+    return parts[0] == "torch" and any(p.startswith("_") and not p.endswith("__") for p in parts[1:])
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``torch._C._nn`` for that attribute chain, or None when it does not start at a name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def private_torch_uses(root: Path = PACKAGE) -> list[str]:
+    """Every ``from torch._x import``, ``from torch.x import _y``, ``import torch._x`` and
+    ``torch._x`` attribute read, as ``module:line: what``, outside ``PRIVATE_TORCH_ALLOWED``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        if name in PRIVATE_TORCH_ALLOWED:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}  # not a chain's outermost
+        for node in ast.walk(tree):
+            what = None
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [a.name for a in node.names]
+                if _private(node.module) or (node.module.split(".")[0] == "torch"
+                                             and any(_private(f"torch.{n}") for n in names)):
+                    what = f"from {node.module} import {', '.join(names)}"
+            elif isinstance(node, ast.Import):
+                bad = [a.name for a in node.names if _private(a.name)]
+                what = f"import {', '.join(bad)}" if bad else None
+            elif isinstance(node, ast.Attribute) and id(node) not in inner:
+                dotted = _dotted(node)
+                what = dotted if dotted and _private(dotted) else None
+            if what:
+                found.append(f"{name}:{node.lineno}: {what}")
+    return found
+
+
+def test_no_module_but_compat_imports_a_private_torch_name():
+    assert private_torch_uses() == []
+
+
+def test_a_private_torch_import_added_on_purpose_fails_the_check(fake_package):
+    (fake_package / "rules" / "registry.py").write_text(
+        "import torch\nimport torch._dynamo\nfrom torch._prims_common import x\nfrom torch.utils._pytree import f\n"
+        "from torch.autograd.graph import _MultiHandle\nfrom torch.utils import checkpoint\n"
+        "def g():\n    return torch._C._current_graph_task_id(), torch.__version__, torch.nn.Linear\n")
+    assert private_torch_uses(fake_package) == [
+        "memcheck.rules.registry:2: import torch._dynamo",
+        "memcheck.rules.registry:3: from torch._prims_common import x",
+        "memcheck.rules.registry:4: from torch.utils._pytree import f",
+        "memcheck.rules.registry:5: from torch.autograd.graph import _MultiHandle",
+        "memcheck.rules.registry:8: torch._C._current_graph_task_id",
+    ]

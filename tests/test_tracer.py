@@ -1,5 +1,6 @@
 """The tracer's accounting, on sequences whose bytes can be worked out by hand."""
 
+import sys
 from collections import defaultdict
 
 import torch
@@ -332,3 +333,86 @@ def test_a_dropped_output_beside_a_used_one_is_freed_after_the_forward_as_in_a_r
     model, batch = build("meta")
     est = memcheck.estimate(model, batch, device="cpu", optimizer="sgd", loss_fn=loss_fn)
     assert abs(est.peak_bytes - measured.steady_peak_bytes) <= 0.001 * measured.steady_peak_bytes
+
+
+class _CppNode:
+    """A C++ autograd node: only its children (``next_functions``) matter to the walk."""
+
+    def __init__(self, children=()):
+        self.children = list(children)
+
+
+class _Wrappers:
+    """``functionToPyObject`` (torch/csrc/autograd/python_cpp_function.cpp) as torch <= 2.12 runs
+    it: a node hands out its live Python wrapper if it has one, else a new one, and the node does
+    not keep it alive. The allocator's reuse of a dropped wrapper's address is made certain here:
+    a wrapper no one but this pool holds any more is handed out again, the same object (so the
+    same ``id``), for the next node that needs one."""
+
+    def __init__(self):
+        self.pool = []
+
+    def wrap(self, node):
+        # sys.getrefcount(w) inside the loops: the pool, the loop variable and the call's argument: 3
+        for w in self.pool:
+            if w.node is node and sys.getrefcount(w) > 3:
+                return w
+        for w in self.pool:
+            if sys.getrefcount(w) <= 3:  # dropped by everyone else: its address is free again
+                w.node = node
+                return w
+        self.pool.append(_Wrapper(self, node))
+        return self.pool[-1]
+
+
+class _Wrapper:
+    def __init__(self, pool, node):
+        self.pool, self.node = pool, node
+
+    @property
+    def next_functions(self):
+        return tuple((self.pool.wrap(child), 0) for child in self.node.children)
+
+
+def _id_only_walk(roots):
+    """The walk ``drop_unreachable`` made before: ids kept, nodes dropped."""
+    reached, todo = set(), list(roots)
+    while todo:
+        node = todo.pop()
+        if id(node) not in reached:
+            reached.add(id(node))
+            todo.extend(child for child, _ in node.next_functions if child is not None)
+    return reached
+
+
+def test_the_node_walk_reaches_a_whole_chain_when_wrappers_are_dropped_and_their_addresses_reused():
+    # Torch <= 2.12 lets a node's wrapper die when nothing holds it, and the next wrapper made may
+    # take its address: an id-only walk then calls an unseen node seen. A 101-node chain: the
+    # id-only walk stops after 3 (the root, held by the caller; its child; the grandchild, given
+    # the child's freed wrapper, which the walk had just dropped, i.e. an id it has seen), as
+    # as on torch 2.6 to 2.12 (issue 38; 2.13 keeps wrappers alive); holding the nodes reaches all 101.
+    from memcheck.trace.tracer import reachable_nodes
+
+    chain = [_CppNode()]
+    for _ in range(100):
+        chain.append(_CppNode([chain[-1]]))
+    pool = _Wrappers()
+    root = pool.wrap(chain[-1])
+    assert len(_id_only_walk([root])) == 3  # the fake reproduces the failure
+    reached = reachable_nodes([root])
+    assert len(reached) == 101
+    assert {id(w.node) for w in reached.values()} == {id(n) for n in chain}
+
+
+def test_the_node_walk_reaches_every_node_of_a_real_101_node_graph():
+    # x (a leaf: AccumulateGrad) then 100 multiplications (MulBackward0 each): 1 + 100 = 101 nodes.
+    # On torch 2.6 to 2.12 the id-only walk found 2 of them.
+    from memcheck.trace.tracer import reachable_nodes
+
+    x = torch.ones(3, requires_grad=True)
+    y = x
+    for _ in range(100):
+        y = y * 1.0
+    reached = reachable_nodes([y.grad_fn])
+    assert len(reached) == 101
+    assert sum(type(n).__name__ == "MulBackward0" for n in reached.values()) == 100

@@ -502,10 +502,9 @@ def local_library_versions() -> dict[str, object]:
     # compute capability (torch/backends/cudnn/__init__.py, _init, torch.cuda.get_device_capability),
     # which initialises CUDA; seen on an H200 with torch 2.11 (benchmarks/gpu_accuracy.py). The
     # binding it reads first, _cudnn.getVersionInt(), only asks the loaded library.
-    try:
-        version = torch._C._cudnn.getVersionInt()
-    except Exception:  # no cuDNN in this build, or a broken install: it must not stop an estimate
-        version = None
+    from memcheck.compat import cudnn_version_int
+
+    version = cudnn_version_int()  # None: no cuDNN in this build, or a broken install
     if version:
         out["cudnn_version"] = int(version)
     return out

@@ -43,7 +43,7 @@ def compare(model: torch.nn.Module, batch: Any, job: Job | None = None, *, gpus:
 
 def _stacked(batch: Any, copies: int) -> Any:
     """The batch ``copies`` times along dim 0, on the meta device (shapes only)."""
-    from torch.utils._pytree import tree_map_only
+    from memcheck.compat import tree_map_only
 
     def stack(t):
         if t.dim() == 0:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only
 
+from memcheck.compat import tree_flatten, tree_map_only
 from memcheck.choices import ANSWERS, NO_PADDING, PADDING, Choices, point_of
 from memcheck.cuda.allocator import AllocatorConfig, growing_run, simulate
 from memcheck.cuda.gpus import GpuSpec, local_library_versions, resolve_gpu

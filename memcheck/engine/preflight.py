@@ -17,8 +17,8 @@ import functools
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only
 
+from memcheck.compat import tree_flatten, tree_map_only
 from memcheck.engine.estimate import estimate, target_gpu
 from memcheck.engine.plan import CHECKPOINTING_OPTIONS, _arity, plan
 from memcheck.enums import Device, Strategy

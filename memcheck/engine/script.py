@@ -46,8 +46,9 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map_only
 
+from memcheck import compat
+from memcheck.compat import tree_map_only
 from memcheck.choices import Choices
 from memcheck.engine.estimate import (
     DEFAULT_ARCH,
@@ -225,7 +226,7 @@ def _device_of(func, rest, kwargs) -> torch.device | None:
     if func is torch.Tensor.cuda:
         return torch.device("cuda")
     try:
-        device = torch._C._nn._parse_to(*rest, **{k: v for k, v in kwargs.items() if k != "copy"})[0]
+        device = compat.parse_to(*rest, **{k: v for k, v in kwargs.items() if k != "copy"})[0]
     except (TypeError, RuntimeError):
         return None
     return device
@@ -240,7 +241,7 @@ def _patched(session: _Session):
     from torch.optim import optimizer as optim_mod
 
     def call(module, *args, **kwargs):
-        if session.depth == 0 and torch._C._current_graph_task_id() == -1 and session.is_model(module):
+        if session.depth == 0 and compat.current_graph_task_id() == -1 and session.is_model(module):
             args, kwargs = session.forward_starts(module, args, kwargs)
         session.depth += 1
         try:

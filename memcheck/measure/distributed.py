@@ -43,8 +43,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from memcheck import compat
 from memcheck.enums import Phase
-from memcheck.errors import MemcheckError, UsageError
+from memcheck.errors import MemcheckError, UsageError, require_torch
 from memcheck.measure.local import STEP_MARK, Measured, mark_step
 from memcheck.training.loop import LossFn, default_loss, run_steps
 
@@ -135,7 +136,8 @@ def measure_fsdp_cpu(
 
     Raises:
         UsageError: a bad argument, or a callable that cannot be pickled.
-        DistributedMeasureError: FSDP2 is missing from this torch, or a rank
+        TorchVersionError: this torch has no FSDP2 ``fully_shard`` (torch 2.4+).
+        DistributedMeasureError: a rank
             could not start, raised, died or timed out.
 
     Known limitations:
@@ -147,6 +149,7 @@ def measure_fsdp_cpu(
         is a race, so a rank's peak can differ from run to run by about one
         activation (2 MiB for the 256 x 2048 float MLP).
     """
+    require_torch("fully_shard", "measure_fsdp_cpu (a real FSDP2 run)")
     return _run_ranks("fsdp", build, make_optimizer, loss_fn, world_size, steps, {"wrap": wrap}, timeout_s)
 
 
@@ -312,6 +315,9 @@ def measure_cp_cpu(
     sharding and load balancing of the buffers, the ring, the merge, the rotations over gloo)
     is torch's code.
     """
+    for name in ("context_parallel", "cp_attention", "cp_sharding_rules", "register_op_strategy",
+                 "expand_to_full_mesh_op_strategy"):
+        require_torch(name, "measure_cp_cpu (a real context-parallel run on CPU)")
     return _run_ranks("cp", build, make_optimizer, loss_fn, world_size, steps, {}, timeout_s)
 
 
@@ -528,7 +534,8 @@ def _ddp_setup(build, *, bucket_cap_mb, gradient_as_bucket_view):
 
 def _cp_setup(build, world_size):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
+
+    context_parallel = require_torch("context_parallel", "measure_cp_cpu (a real context-parallel run on CPU)")
 
     _register_cpu_flash_with_cp()
     mesh = init_device_mesh("cpu", (world_size,))
@@ -545,9 +552,11 @@ def _cp_setup(build, world_size):
 def _register_cpu_flash_with_cp() -> None:
     """Let torch's context parallelism run the CPU flash kernel (``measure_cp_cpu``)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
-    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
-    from torch.distributed.tensor.experimental._context_parallel import _sharding_rules as rules
+
+    setting = "measure_cp_cpu (a real context-parallel run on CPU)"
+    cp, rules = require_torch("cp_attention", setting), require_torch("cp_sharding_rules", setting)
+    register_op_strategy = require_torch("register_op_strategy", setting)
+    expand_to_full_mesh_op_strategy = require_torch("expand_to_full_mesh_op_strategy", setting)
 
     aten = torch.ops.aten
     forward, backward = aten._scaled_dot_product_flash_attention_for_cpu.default, \
@@ -634,13 +643,7 @@ class _FencedGlooGroup:
 
 
 def _fsdp_setup(build, world_size, *, wrap):
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        try:  # torch 2.4 and 2.5 kept FSDP2 under _composable
-            from torch.distributed._composable.fsdp import fully_shard
-        except ImportError as e:
-            raise DistributedMeasureError(f"this torch ({torch.__version__}) has no FSDP2 fully_shard") from e
+    fully_shard = require_torch("fully_shard", "measure_fsdp_cpu (a real FSDP2 run)")
     from torch.distributed.device_mesh import init_device_mesh
 
     def setup():
@@ -911,7 +914,7 @@ def allocator_events(event_tree) -> tuple[list[tuple[int, int, int, int]], dict[
     each event is ``(start_ns, signed nbytes, total_allocated, ptr)``. The sort
     is stable, so events with the same timestamp keep the tree's order.
     """
-    allocation = torch._C._profiler._ExtraFields_Allocation
+    allocation = compat.ExtraFieldsAllocation
     events = []
     step_start: dict[int, int] = {}
     stack = list(reversed(event_tree))

@@ -31,8 +31,9 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten, tree_map_only
 
+from memcheck import compat
+from memcheck.compat import tree_flatten, tree_map_only
 from memcheck.enums import Device, Precision
 from memcheck.rules.registry import bind
 
@@ -262,12 +263,12 @@ class MetaGradScaler:
                 if p.grad is not None:
                     by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            compat.amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         self._found_inf = found_inf
         return optimizer.step()
 
     def update(self):
-        torch._amp_update_scale_(self._scale, self._growth_tracker, self._found_inf, 2.0, 0.5, 2000)
+        compat.amp_update_scale_(self._scale, self._growth_tracker, self._found_inf, 2.0, 0.5, 2000)
         self._found_inf = None
 
 

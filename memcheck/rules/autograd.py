@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from memcheck import compat
 from memcheck.rules.registry import bind, register_op_rule
 from memcheck.rules.tags import StorageTags
 
@@ -32,7 +33,7 @@ _FRESH = StorageTags()  # a select_backward / slice_backward output: a buffer on
 
 
 def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1 and not torch.is_grad_enabled()
+    return compat.current_graph_task_id() != -1 and not torch.is_grad_enabled()
 
 
 def _fresh(ctx, func, args, kwargs):

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from memcheck import compat
 from memcheck.rules.cuda_kernels import cudnn_convolution_scratch
 from memcheck.enums import Device
 from memcheck.rules.probe import cpu_memory_events, profile_memory, running_peak
@@ -62,7 +63,7 @@ _CONV_BWD_OP = "aten::convolution_backward"
 
 def conv_uses_mkldnn(input_shape, weight_shape, stride, dilation, groups, dtype) -> bool:
     """``ConvParams::use_mkldnn`` (aten/src/ATen/native/ConvUtils.h) for a CPU NCHW input."""
-    if not (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()):
+    if not (torch.backends.mkldnn.is_available() and compat.mkldnn_enabled()):
         return False
     if dtype in (torch.bfloat16, torch.float16):
         return True
@@ -117,9 +118,7 @@ def _window_peak(prof, op_name: str) -> int:
 
 def _probe_once(backward: bool, specs: tuple, params: tuple, batch: int | None) -> tuple[int, tuple]:
     """Run one real convolution (or its backward) on CPU; (bytes beyond its outputs, their strides)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
+    with compat.disable_current_modes(), compat.DisableTorchFunction(), torch.no_grad():
         tensors = [None if s is None else _real(s, batch if i == 0 or (backward and i == 1) else None)
                    for i, s in enumerate(specs)]
         if backward:
@@ -299,9 +298,7 @@ _PROBE_LIMIT = 64 * 2**20  # bytes of real CPU memory one probe may use
 
 def _probe_layer(t, n, i, h) -> dict:
     """Run one real oneDNN LSTM layer forward and backward on CPU; read its buffers from the profiler."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), torch._C.DisableTorchFunction():
+    with compat.disable_current_modes(), compat.DisableTorchFunction():
         x = torch.zeros(t, n, i, requires_grad=True)
         w0 = torch.zeros(4 * h, i, requires_grad=True)
         w1 = torch.zeros(4 * h, h, requires_grad=True)
@@ -348,12 +345,12 @@ def lstm_layer_sizes(t, n, i, h) -> tuple[int, int, int, bool]:
 
 
 def _lstm_uses_mkldnn(inp, hx) -> bool:
-    if not (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()):
+    if not (torch.backends.mkldnn.is_available() and compat.mkldnn_enabled()):
         return False
     return inp.dtype == torch.float32 and inp.numel() != 0 and hx[0].size(2) == hx[1].size(2)
 
 
-@register_op_rule(torch._C._VariableFunctions.lstm)
+@register_op_rule(compat.VariableFunctions.lstm)
 def lstm(ctx, func, args, kwargs):
     """``at::native::mkldnn_rnn`` (aten/src/ATen/native/mkldnn/RNN.cpp) from aten ops with meta kernels."""
     if ctx.device is not Device.CPU or kwargs or len(args) != 9 or not isinstance(args[1], (list, tuple)):

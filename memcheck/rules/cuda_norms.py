@@ -54,9 +54,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
 
+from memcheck import compat
+from memcheck.compat import suggest_memory_format
 from memcheck.enums import Device
 from memcheck.rules.cuda_attention import sm_count
 from memcheck.rules.registry import bind, register_op_rule
@@ -84,6 +85,8 @@ def _takes_fused_kernel(ctx, x, normalized_shape, weight) -> bool:
     Inputs torch would reject (shapes that ``_check_rms_norm_inputs`` refuses, non-floating
     dtypes) are left to torch, so its own error is raised."""
     if not (ctx.device is Device.CUDA and isinstance(x, torch.Tensor) and x.device.type == "meta"):
+        return False
+    if not compat.FUSED_RMS_NORM_CUDA:  # torch 2.6-2.8: the composite on CUDA (memcheck.compat)
         return False
     if x.is_nested or x.dtype not in _KERNEL_DTYPES:
         return False

@@ -35,8 +35,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false
 
+from memcheck.compat import is_non_overlapping_and_dense_or_false
 from memcheck.enums import Device
 from memcheck.rules.cuda_attention import sm_count
 from memcheck.rules.registry import bind, register_op_rule

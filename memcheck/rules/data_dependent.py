@@ -36,6 +36,7 @@ import math
 import numpy as np
 import torch
 
+from memcheck import compat
 from memcheck.choices import PADDING, ROUTING, ROUTING_BALANCED
 from memcheck.enums import Device
 from memcheck.rules import cuda_sort
@@ -204,7 +205,7 @@ def _unequal(what: str):
             return func(*args, **kwargs)
         a, b = (ctx.known.value(x) if _is_meta(x) else None for x in args[:2])
         if a is not None and b is not None:  # both made by the trace: compare one element of each
-            with torch._C.DisableTorchFunction():
+            with compat.DisableTorchFunction():
                 real = [torch.tensor(v, dtype=x.dtype).expand(x.shape) for x, v in zip(args[:2], (a, b))]
                 return func(*real, *args[2:], **kwargs)
         ctx.assume(f"{what} resolved to False: the batch is assumed to contain padding")

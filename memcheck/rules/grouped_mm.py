@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from memcheck import compat
 from memcheck.rules.registry import bind, register_op_rule
 from memcheck.units import round_up
 
@@ -87,7 +88,6 @@ def grouped_mm_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
 
-@register_op_rule(aten._grouped_mm.default)
 def grouped_mm(ctx, func, args, kwargs):
     """``torch._grouped_mm`` / ``F.grouped_mm`` on meta: the real kernels' checks and their
     padded output, for float32, bfloat16 and float16 on every target (module docstring)."""
@@ -112,3 +112,7 @@ def grouped_mm(ctx, func, args, kwargs):
     dtype = out_dtype or a.dtype
     _check(dtype == a.dtype, "Grouped gemm output dtype must match `mat_a` dtype")
     return grouped_mm_output(grouped_mm_output_shape(a, m, offs), dtype)
+
+
+if compat.GROUPED_MM is not None:  # torch 2.8+ (memcheck.compat.GROUPED_MM)
+    register_op_rule(compat.GROUPED_MM.default, grouped_mm)

@@ -45,6 +45,8 @@ import weakref
 
 import torch
 
+from memcheck import compat
+
 aten = torch.ops.aten
 
 Number = bool | int | float | complex
@@ -54,7 +56,7 @@ def cast(value: Number, dtype: torch.dtype) -> Number:
     """``value`` as an element of ``dtype`` holds it: the conversion a real tensor makes
     (truncation to an integer, rounding to float16/bfloat16, wrap-around for uint8), done
     by a one-element CPU tensor."""
-    with torch._C.DisableTorchFunction():  # inside the tracer: no kernel-choice mode here
+    with compat.DisableTorchFunction():  # inside the tracer: no kernel-choice mode here
         return torch.tensor(value).to(dtype).item()
 
 

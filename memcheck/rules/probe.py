@@ -8,7 +8,7 @@ import contextlib
 import os
 import sys
 
-import torch
+from memcheck import compat
 
 
 def cpu_memory_events(raw_events) -> list[tuple[int, int]]:
@@ -17,7 +17,7 @@ def cpu_memory_events(raw_events) -> list[tuple[int, int]]:
     ``raw_events`` is ``prof.profiler.kineto_results.events()``; the sort is stable,
     so events with the same timestamp keep the order they were recorded in.
     """
-    cpu = torch._C._autograd.DeviceType.CPU
+    cpu = compat.ProfilerDeviceType.CPU
     return sorted(
         ((e.start_ns(), e.nbytes()) for e in raw_events if e.name() == "[memory]" and e.device_type() == cpu),
         key=lambda x: x[0],

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
+from memcheck import compat
 
 Rule = Callable[[Any, Any, tuple, dict], Any]
 FUNCTION_RULES: dict[Any, Rule] = {}
@@ -70,10 +70,10 @@ def register_op_rule(op, rule: Rule | None = None, *, replace: bool = False):
             if "::" not in op:
                 raise TypeError(f"register_op_rule needs a qualified op name such as 'mylib::fused_norm', not {op!r}")
             _put(NAMED_RULES, op, fn, replace)
-        elif isinstance(op, torch._ops.OpOverloadPacket):
+        elif isinstance(op, compat.OpOverloadPacket):
             for name in op.overloads():
                 _put(DISPATCH_RULES, getattr(op, name), fn, replace)
-        elif isinstance(op, torch._ops.OpOverload):
+        elif isinstance(op, compat.OpOverload):
             _put(DISPATCH_RULES, op, fn, replace)
         elif callable(op):
             _put(FUNCTION_RULES, op, fn, replace)
@@ -86,7 +86,7 @@ def register_op_rule(op, rule: Rule | None = None, *, replace: bool = False):
 
 def named_rule(func) -> Rule | None:
     """The rule registered for ``func`` by name: its overload's (``"ns::op.overload"``), else its op's."""
-    if not NAMED_RULES or not isinstance(func, torch._ops.OpOverload):
+    if not NAMED_RULES or not isinstance(func, compat.OpOverload):
         return None
     return NAMED_RULES.get(func.name()) or NAMED_RULES.get(func._schema.name)
 

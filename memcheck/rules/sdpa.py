@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from memcheck import compat
 from memcheck.enums import Device
 from memcheck.rules import cuda_attention
 from memcheck.rules.registry import bind, register_op_rule
@@ -39,7 +40,7 @@ def cpu_sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
     """Ask torch which kernel ``scaled_dot_product_attention`` would run on CPU."""
     mask = None if attn_mask is None else _cpu_stand_in(attn_mask)
     return int(
-        torch._fused_sdp_choice(
+        compat.fused_sdp_choice(
             _cpu_stand_in(q), _cpu_stand_in(k), _cpu_stand_in(v), mask,
             dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
         )

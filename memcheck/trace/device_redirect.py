@@ -37,8 +37,9 @@ from types import SimpleNamespace
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map_only
 
+from memcheck import compat
+from memcheck.compat import tree_flatten, tree_map_only
 from memcheck.errors import TraceError
 
 _Tensor = torch.Tensor
@@ -88,7 +89,7 @@ class _MetaDevices(TorchFunctionMode):
     def _to(self, func, args, kwargs):
         self_, rest = args[0], args[1:]
         copy = kwargs.pop("copy", False)
-        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*rest, **kwargs)
+        device, dtype, non_blocking, memory_format = compat.parse_to(*rest, **kwargs)
         if device is not None and (self._redirected(device) or (self_.is_meta and device.type == "cpu")):
             device = torch.device("meta")
         options = dict(dtype=dtype, non_blocking=non_blocking, copy=copy)
@@ -199,7 +200,7 @@ def _standins(gpu) -> dict[str, object]:
 def _patch(gpu) -> None:
     # torch._dynamo maps torch's functions to its rules when first imported (which a meta
     # tensor's first random init does); import it now, so the map holds torch.cuda's own.
-    import torch._dynamo  # noqa: F401
+    compat.import_dynamo()
 
     modules = [torch.cuda] + [sys.modules[m] for m in ("torch.cuda.memory", "torch.cuda.random") if m in sys.modules]
     for name, value in _standins(gpu).items():
@@ -335,9 +336,4 @@ def _default_device() -> str | None:
     (``torch.utils._device.CURRENT_DEVICE``, set by ``set_default_device`` and ``with
     torch.device(...)``): ``torch.get_default_device()`` makes a tensor there to answer, which
     fails for ``cuda`` on a machine without CUDA."""
-    from torch.utils import _device
-
-    current = getattr(_device, "CURRENT_DEVICE", None)
-    if current is None:
-        return None
-    return torch.device(current).type
+    return compat.default_device_type()

@@ -51,11 +51,9 @@ _GLUE = frozenset(os.path.join(_TORCH, *p) for p in (
 def _engine_code():
     """The code object of the function that enters the autograd engine
     (torch/autograd/graph.py ``_engine_run_backward``), or None in a torch without it."""
-    try:
-        from torch.autograd.graph import _engine_run_backward
-    except ImportError:  # pragma: no cover - older torch: the caller's frames stay
-        return None
-    return getattr(_engine_run_backward, "__code__", None)
+    from memcheck.compat import engine_run_backward
+
+    return getattr(engine_run_backward, "__code__", None)  # None: a torch without it, the caller's frames stay
 
 
 def _kind(code, engine) -> int:

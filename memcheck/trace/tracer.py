@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.module_tracker import ModuleTracker
 
 import memcheck.rules  # noqa: F401  (every rule module registers its rules)
+from memcheck import compat
+from memcheck.compat import TorchDispatchMode, tree_flatten
 from memcheck.choices import NO_PADDING, PADDING, Choices, attention_masks
 from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Phase
 from memcheck.rules.extensions import weight_side_tensors
@@ -193,13 +193,8 @@ class _ModuleNames(ModuleTracker):
         pending, self._pending = self._pending, []
         if not pending:
             return
-        reached: set[int] = set()
-        todo = [t.grad_fn for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        while todo:
-            node = todo.pop()
-            if id(node) not in reached:
-                reached.add(id(node))
-                todo.extend(child for child, _ in node.next_functions if child is not None)
+        reached = reachable_nodes(
+            t.grad_fn for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None)
         for nodes in pending:
             nodes[:] = [n for n in nodes if id(n) in reached]
 
@@ -212,7 +207,7 @@ class _ModuleNames(ModuleTracker):
             self._pending.append(nodes)
 
     def _fw_pre_hook(self, mod, input) -> None:
-        if torch._C._current_graph_task_id() == -1:  # ModuleTracker._fw_pre_hook, its hook cuttable
+        if compat.current_graph_task_id() == -1:  # ModuleTracker._fw_pre_hook, its hook cuttable
             name = self._get_mod_name(mod)
             self._get_append_fn(name, False)()
             return self._grad_hook(input, self._get_pop_fn(name, True))
@@ -222,7 +217,7 @@ class _ModuleNames(ModuleTracker):
             self._entered.append(id(mod))
 
     def _fw_post_hook(self, mod, input, output) -> None:
-        if torch._C._current_graph_task_id() == -1:  # ModuleTracker._fw_post_hook, its hook cuttable
+        if compat.current_graph_task_id() == -1:  # ModuleTracker._fw_post_hook, its hook cuttable
             name = self._get_mod_name(mod)
             self._get_pop_fn(name, False)()
             return self._grad_hook(output, self._get_append_fn(name, True))
@@ -234,6 +229,31 @@ class _ModuleNames(ModuleTracker):
                 self._function_mode.__exit__(None, None, None)
 
 
+def reachable_nodes(roots) -> dict[int, object]:
+    """``{id(node): node}`` for every autograd node reachable from the nodes ``roots`` through
+    ``next_functions`` (the roots included).
+
+    The nodes themselves are held while the walk lasts, not only their ids. Up to torch 2.12 a C++
+    node does not keep its Python wrapper alive: ``functionToPyObject``
+    (torch/csrc/autograd/python_cpp_function.cpp) makes a wrapper when the node has none, and the
+    wrapper's dealloc clears it again. A wrapper dropped during the walk frees its address, the next
+    wrapper made can take it, and a set of ids calls that new node seen: the walk stopped after
+    2 or 3 nodes of a 101-node chain (torch 2.6 to 2.12; from 2.13 the node keeps its wrapper),
+    ModuleTracker's gradient hooks lost the nodes they count, never fired, and every gradient stayed
+    to the end of the step (+40% on GPT-2 with full checkpointing and SGD under 2.11, issue 38).
+    While a wrapper lives, every access returns that same wrapper, so the ids of held nodes stay
+    unique and comparable with the ids of nodes held elsewhere (the hooks' lists).
+    """
+    reached: dict[int, object] = {}
+    todo = list(roots)
+    while todo:
+        node = todo.pop()
+        if id(node) not in reached:
+            reached[id(node)] = node
+            todo.extend(child for child, _ in node.next_functions if child is not None)
+    return reached
+
+
 def _all_grads_hook(tensors: list, fn) -> tuple[object, list]:
     """``torch.autograd.graph.register_multi_grad_hook(tensors, fn)`` in its default mode "all"
     (torch/autograd/graph.py, same steps: the same hooks on the same tensors, ``fn`` once every
@@ -243,25 +263,23 @@ def _all_grads_hook(tensors: list, fn) -> tuple[object, list]:
     torch keeps that list in the hooks' closure, and the hooks sit in the nodes' own hook dicts:
     a cycle through C++ that holds every node, and the graph above it, until the hook is removed.
     """
-    from torch.autograd.graph import _get_grad_fn_or_grad_acc, _MultiHandle
-
     count: dict[int, int] = {}
     buffer: dict[int, list] = {}
     nb_calls = None
     lock = threading.Lock()
-    grad_fns = list(map(_get_grad_fn_or_grad_acc, tensors))
+    grad_fns = list(map(compat.grad_fn_or_grad_acc, tensors))
     len_tensors = len(tensors)
 
     def get_inner_hook(idx: int):
         def inner_hook(grad):
             nonlocal nb_calls
-            task = torch._C._current_graph_task_id()
+            task = compat.current_graph_task_id()
             count[task] = count.get(task, 0)
             buffer[task] = buffer.get(task, [None] * len_tensors)
             with lock:
                 curr_count, count[task] = count[task], count[task] + 1
                 if curr_count == 0:  # on the first call, the calls this backward will make
-                    nb_calls = sum(map(torch._C._will_engine_execute_node, grad_fns))
+                    nb_calls = sum(map(compat.will_engine_execute_node, grad_fns))
             buffer[task][idx] = grad
             if curr_count == nb_calls - 1:
                 fn(buffer[task])
@@ -271,13 +289,11 @@ def _all_grads_hook(tensors: list, fn) -> tuple[object, list]:
         return inner_hook
 
     handles = tuple(t.register_hook(get_inner_hook(i)) for i, t in enumerate(tensors))
-    return _MultiHandle(handles), grad_fns
+    return compat.MultiHandle(handles), grad_fns
 
 
 def _function_modes() -> list:
-    from torch.overrides import _get_current_function_mode_stack
-
-    return _get_current_function_mode_stack()
+    return compat.current_function_modes()
 
 
 class _KernelChoiceMode(TorchFunctionMode):
@@ -294,7 +310,7 @@ class _KernelChoiceMode(TorchFunctionMode):
         if autocast is not None:
             if autocast.active:
                 return autocast.run(func, args, kwargs, self.call)
-            if torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled():
+            if compat.current_graph_task_id() != -1 and torch.is_grad_enabled():
                 # Gradient checkpointing recomputes the forward inside backward, in the
                 # autocast state the forward had (torch.utils.checkpoint restores it).
                 with autocast:
@@ -354,24 +370,24 @@ class _GradientSums:
         self._done = None
 
     def _node_done(self, grad_inputs, grad_outputs) -> None:
-        self._done = torch._C._current_autograd_node()
+        self._done = compat.current_autograd_node()
 
     def real_op(self, func, args, kwargs) -> tuple:
         """``(func, args, kwargs)`` as a run without a dispatch mode would dispatch them: the
         engine's gradient sum as ``add_``, the backward of ``x[idx]`` as ``_index_put_impl_``."""
-        node = torch._C._current_autograd_node()
+        node = compat.current_autograd_node()
         if node is None:
             return func, args, kwargs
-        task = torch._C._current_graph_task_id()
+        task = compat.current_graph_task_id()
         nodes = self._tasks.get(task)
         if nodes is None:
             nodes = self._tasks[task] = {}
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.end_of_backward(task))
+            compat.queue_engine_callback(lambda: self.end_of_backward(task))
         if id(node) not in nodes:
             self._hook_below(node, nodes)
         if node is not self._done:
             self._done = None
-            if func is _aten.index_put.default and type(node) is torch._C._functions.IndexBackward0:
+            if func is _aten.index_put.default and type(node) is compat.IndexBackward0:
                 # index_backward (FunctionsManual.cpp) fills zeros_like(self) in place,
                 # ``at::_index_put_impl_(zeros, indices, grad, true, true)``, unless some tensor is
                 # subclass-like; then, and so under any dispatch mode, ``zeros.index_put(...)``: a copy.
@@ -398,13 +414,13 @@ class _GradientSums:
                     continue
                 nodes[id(child)] = child
                 todo.append(child)
-                if type(child) is not torch._C._functions.AccumulateGrad:
+                if type(child) is not compat.AccumulateGrad:
                     child.register_hook(self._node_done)
 
 
 def _ref_counts(t: torch.Tensor) -> tuple[int, int]:
     """``t``'s tensor and storage use counts, as read from inside ``__torch_dispatch__``."""
-    return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    return t._use_count(), compat.storage_use_count(t.untyped_storage()._cdata)
 
 
 @functools.cache
@@ -417,7 +433,7 @@ def _sole_owner_counts() -> tuple[int, int]:
         counts = None
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is _aten.add.Tensor and torch._C._current_graph_task_id() != -1:
+            if func is _aten.add.Tensor and compat.current_graph_task_id() != -1:
                 self.counts = _ref_counts(args[0])  # the only add in this backward: the engine's sum
             out = func(*args, **(kwargs or {}))
             storage_key(out)  # the tracer looks at every output's storage

@@ -22,7 +22,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from memcheck.errors import UsageError, closest
+from memcheck.errors import UsageError, closest, require_torch
 
 NONE, FULL = "none", "full"
 HALF = "half"  # the planner's selective option: every second repeated block
@@ -54,6 +54,8 @@ def parse_checkpointing(value) -> str | tuple[str, ...]:
         return FULL
     if isinstance(value, str):
         text = value.strip()
+        if text.lower() == SELECTIVE_OP:
+            _selective_checkpointing_api()  # a torch without it: one line, before anything is traced
         if text.lower() in (NONE, FULL, HALF, SELECTIVE_OP):
             return text.lower()
         if text.lower().startswith(EVERY):
@@ -107,10 +109,18 @@ def _wrap(module: torch.nn.Module, use_reentrant: bool, context_fn=None) -> None
     module.forward = checkpointed
 
 
+def _selective_checkpointing_api() -> tuple:
+    """torch's ``CheckpointPolicy`` and ``create_selective_checkpoint_contexts`` (torch 2.4+), or
+    TorchVersionError naming the setting."""
+    setting = "checkpointing selective-op (torch's selective activation checkpointing)"
+    return (require_torch("CheckpointPolicy", setting),
+            require_torch("create_selective_checkpoint_contexts", setting))
+
+
 def selective_op_context():
     """A fresh ``context_fn`` result for one checkpointed block under torchtitan's op-level policy
     (``_SAC_SAVE``; every second ``mm`` recomputed, counted apart in the forward and the recompute)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    CheckpointPolicy, create_selective_checkpoint_contexts = _selective_checkpointing_api()  # noqa: N806
 
     aten = torch.ops.aten
     save = {getattr(aten, name).default for name in _SAC_SAVE if hasattr(aten, name)}

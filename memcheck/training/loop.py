@@ -40,7 +40,7 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 def to_precision(batch: Any, dtype: torch.dtype | None, device: Any = None) -> Any:
     """The batch with its floating tensors in ``dtype`` (pure bf16/fp16 training; None keeps
     them) and every tensor on ``device`` (None keeps it), as the traced and real runs feed it."""
-    from torch.utils._pytree import tree_map_only
+    from memcheck.compat import tree_map_only
 
     if dtype is None and device is None:
         return batch

@@ -236,9 +236,9 @@ def weight_side_tensors(module) -> tuple:
 
 def _traced_device() -> Device | None:
     """The target of the memcheck trace running now (the innermost MemoryTracer's)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from memcheck.compat import current_dispatch_modes
 
-    for mode in reversed(_get_current_dispatch_mode_stack()):
+    for mode in reversed(current_dispatch_modes()):
         if isinstance(getattr(mode, "device", None), Device):
             return mode.device
     return None

@@ -35,7 +35,8 @@ import contextlib
 import sys
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from memcheck.compat import tree_flatten
 
 
 def _touches_meta(args, kwargs) -> bool:

@@ -30,8 +30,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
+from memcheck import compat
+from memcheck.compat import disable_current_modes as _disable_current_modes
 from memcheck.enums import Category, Device, Phase
 from memcheck.training.strategies.base import Emulation, Run
 from memcheck.training.strategies.single import train_one_rank
@@ -117,7 +118,7 @@ class _Emulation(Emulation):
     def queue_end_of_backward(self) -> None:
         if not self.queued:
             self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            compat.queue_engine_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self.queued = False

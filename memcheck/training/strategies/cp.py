@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_map
 
+from memcheck.compat import tree_leaves, tree_map
 from memcheck.errors import UsageError, require_int
 
 aten = torch.ops.aten
@@ -95,7 +95,7 @@ def shard_sequence(batch: Any, degree: int, *, seq_len: int | None = None, seq_d
 def sequence_length(batch: Any, seq_dim: int) -> int:
     if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
         return batch["input_ids"].shape[seq_dim]
-    for t in torch.utils._pytree.tree_leaves(batch):
+    for t in tree_leaves(batch):
         if isinstance(t, torch.Tensor) and t.dim() > seq_dim:
             return t.shape[seq_dim]
     raise UsageError("cp: the batch has no tensor with a sequence dimension to shard")

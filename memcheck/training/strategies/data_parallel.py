@@ -30,10 +30,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
 from torch.func import functional_call
-from torch.utils._pytree import tree_map_only
 
+from memcheck.compat import flatten_dense_tensors as _flatten_dense_tensors
+from memcheck.compat import take_tensors as _take_tensors
+from memcheck.compat import tree_flatten, tree_map_only
+from memcheck.compat import unflatten_dense_tensors as _unflatten_dense_tensors
 from memcheck.enums import Category, Strategy
 from memcheck.errors import UsageError
 from memcheck.training.strategies.base import Run
@@ -50,7 +52,7 @@ def _chunk_sizes(n_rows: int, gpus: int) -> list[int]:
 
 def scatter(tracer, batch: Any, gpus: int) -> list[Any]:
     """The batch split along dim 0: one piece per GPU that gets rows."""
-    leaves = [t for t in torch.utils._pytree.tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim()]
+    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim()]
     if not leaves:
         raise UsageError("dp needs a batch with a batch dimension to scatter")
     rows = leaves[0].shape[0]

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _take_tensors
 
+from memcheck.compat import flatten_dense_tensors as _flatten_dense_tensors
+from memcheck.compat import take_tensors as _take_tensors
 from memcheck.enums import Category, Phase
 from memcheck.training.strategies.base import Emulation, Run
 from memcheck.training.strategies.single import train_one_rank

@@ -470,7 +470,7 @@ class _Stage:
 
 def _split(batch: Any, microbatches: int) -> list:
     """The step's batch as ``microbatches`` views along dimension 0 (``torch.tensor_split``)."""
-    from torch.utils._pytree import tree_flatten, tree_unflatten
+    from memcheck.compat import tree_flatten, tree_unflatten
 
     leaves, spec = tree_flatten(batch)
     for leaf in leaves:

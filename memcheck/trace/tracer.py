@@ -50,6 +50,7 @@ from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Phase
 from memcheck.rules.extensions import weight_side_tensors
 from memcheck.rules.known_values import KnownValues
 from memcheck.rules.registry import DISPATCH_RULES, FUNCTION_RULES, named_rule
+from memcheck.trace.engine_modes import EngineUnderModes, device_modes
 from memcheck.trace.stacks import StackRecorder
 
 
@@ -282,7 +283,10 @@ def _function_modes() -> list:
 
 class _KernelChoiceMode(TorchFunctionMode):
     """Applies autocast's casts (when tracing mixed precision) and routes the few
-    composite ops whose kernel depends on the device to their rules."""
+    composite ops whose kernel depends on the device to their rules. In force in backward
+    too (``memcheck.trace.engine_modes``)."""
+
+    stands_for_device = True
 
     def __init__(self, tracer: "MemoryTracer"):
         super().__init__()
@@ -505,6 +509,8 @@ class MemoryTracer(TorchDispatchMode):
         self._kernel_mode = _KernelChoiceMode(self)
         self.modules = _ModuleNames(self._kernel_mode)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._engine_modes: list = []  # the device's function modes, carried into backward (engine_modes)
+        self._engine = EngineUnderModes(lambda: self._engine_modes)
         self._grad_sums = _GradientSums()
         _sole_owner_counts()  # measured now, outside any backward
 
@@ -513,12 +519,15 @@ class MemoryTracer(TorchDispatchMode):
         self.modules.__enter__()
         self._saved_hooks.__enter__()
         self._kernel_mode.__enter__()
+        self._engine_modes = device_modes()
+        self._engine.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._engine.__exit__(*exc)
             self._kernel_mode.__exit__(*exc)
             self._grad_sums.end_of_backward()
             self._saved_hooks.__exit__(*exc)

@@ -152,7 +152,9 @@ class _ModuleNames(ModuleTracker):
       memory a real run frees (measured: +7.5% on a 4-block MLP, use_reentrant=False);
     - the autograd engine runs backward without Python torch-function modes, so the
       tracer's kernel-choice mode (autocast, SDPA's kernel choice) is entered again
-      around each recomputed module, as the real recomputation runs them;
+      around each recomputed module, as the real recomputation runs them (a fallback now:
+      ``memcheck.trace.engine_modes`` keeps the mode in force through every backward the
+      tracer sees, the checkpointed function's own code included);
     - the gradient hooks of a forward are removed once its backward has run
       (``drop_grad_hooks``);
     - when the root module returns, its hooks let go of the nodes its outputs do not reach

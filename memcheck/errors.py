@@ -6,6 +6,10 @@ turns them into one line on stderr and the exit code named in ``exit_code``.
 
 from __future__ import annotations
 
+import functools
+import os
+from pathlib import Path
+
 
 class MemcheckError(Exception):
     """Base class of every error memcheck raises on purpose."""
@@ -129,6 +133,112 @@ def model_frame(exc: BaseException) -> str | None:
         if not frame.filename.startswith(skip) and not frame.filename.startswith("<"):
             found = f"{frame.filename}:{frame.lineno}"
     return found
+
+
+# Packages whose code a user runs without writing it (a failure there is memcheck's to explain, not
+# the model's to fix), found where they are installed; any other package under site-packages counts too.
+STOCK_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "trl", "lightning",
+                  "pytorch_lightning", "deepspeed", "torchvision", "timm", "safetensors", "huggingface_hub")
+
+
+@functools.cache
+def _stock_roots() -> tuple[tuple[str, str], ...]:
+    """``(directory, package)`` for each installed stock package, then each site-packages directory
+    (``package`` empty: read from the path), longest first."""
+    import importlib.util
+    import site
+    import sysconfig
+
+    roots = []
+    for name in STOCK_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(name)  # a top-level name: nothing is imported
+        except (ImportError, ValueError):
+            spec = None
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            roots.append((str(Path(location).resolve()) + os.sep, name))
+    paths = sysconfig.get_paths()
+    sites = {paths.get("purelib"), paths.get("platlib"), *getattr(site, "getsitepackages", lambda: [])()}
+    roots.extend((str(Path(p).resolve()) + os.sep, "") for p in sites if p)
+    return tuple(sorted(roots, key=lambda r: -len(r[0])))
+
+
+def stock_package(filename: str) -> tuple[str, str] | None:
+    """``(package, path inside it)`` when ``filename`` is installed library code (a stock package of
+    ``STOCK_PACKAGES`` or anything under site-packages), else None (the user's own code)."""
+    try:
+        resolved = str(Path(filename).resolve())
+    except (OSError, ValueError):
+        return None
+    for root, name in _stock_roots():
+        if resolved.startswith(root):
+            rest = resolved[len(root):]
+            if not name:  # site-packages/<package>/...
+                name = rest.split(os.sep, 1)[0].removesuffix(".py")
+                return name, rest
+            return name, f"{name}{os.sep}{rest}"
+    return None
+
+
+def library_failure(exc: BaseException) -> tuple[str, str, str, str | None] | None:
+    """Where ``exc`` came from when no code of the user's raised it: ``(package, "path:line",
+    function, op)`` for the innermost frame outside memcheck and the standard library, when that
+    frame is stock library code (``stock_package``); when it is torch's, for the innermost frame that
+    called torch, if that is a library's (transformers calling torch), else torch's own (memcheck's
+    loop calling torch). ``op`` is the aten op (or torch function) the tracer was running, if any. None when the
+    user's code raised or called torch with what torch refused: then the model is to be fixed.
+    """
+    import sysconfig
+    import traceback
+
+    here = str(Path(__file__).resolve().parent) + os.sep
+    stdlib = str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    # site-packages may lie under the standard library's directory (lib/python3.X/site-packages)
+    own = [f for f in frames if stock_package(f.filename) is not None or not _under(f.filename, (here, stdlib))]
+    if not own:
+        return None
+    innermost = own[-1]
+    stock = stock_package(innermost.filename)
+    if stock is None:
+        return None  # the user's own code raised
+    if stock[0] == "torch":  # torch raised: whoever called it is to blame
+        callers = [f for f in own if (stock_package(f.filename) or ("",))[0] != "torch"]
+        if callers:
+            caller = stock_package(callers[-1].filename)
+            if caller is None:
+                return None  # the user's code called torch with what torch refused
+            innermost, stock = callers[-1], caller  # a library called torch: name the library's line
+    return stock[0], f"{stock[1]}:{innermost.lineno}", innermost.name, _traced_op(exc)
+
+
+def _under(filename: str, roots: tuple[str, ...]) -> bool:
+    try:
+        return str(Path(filename).resolve()).startswith(roots)
+    except (OSError, ValueError):
+        return False
+
+
+def _traced_op(exc: BaseException) -> str | None:
+    """The innermost op that memcheck's tracer (``__torch_dispatch__``) or its kernel-choice mode
+    (``__torch_function__``) was running when ``exc`` was raised, as its name."""
+    import torch
+
+    op = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        name = frame.f_code.co_name
+        func = frame.f_locals.get("func") if name in ("__torch_dispatch__", "__torch_function__") else None
+        if isinstance(func, torch._ops.OpOverload):
+            op = str(func)
+        elif func is not None and callable(func):
+            op = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or op
+            module = getattr(func, "__module__", None)
+            if op and module and not op.startswith(module):
+                op = f"{module}.{op}"
+        tb = tb.tb_next
+    return op
 
 
 # Where torch keeps its Python meta kernels (relative to the torch package).

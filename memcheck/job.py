@@ -346,6 +346,7 @@ class Job:
         _check_weights(self.precision, self.weights_dtype)
         _check_packing(self.packing, self.padding, self.task, self.strategy)
         config = self.strategy_config  # strategy, gpus, buckets and offload, checked together
+        _check_adapters(self.lora, self.qlora, config.strategy)
         replicas = self.replicas
         if self.global_batch is not None and self.global_batch % replicas:
             gpus, g = replicas, self.global_batch
@@ -610,6 +611,32 @@ def _layout_strategy(layout: Layout, strategy: Strategy, gpus: int | None) -> tu
     if strategy is Strategy.SINGLE:  # torchtitan's default: FSDP2 over dp_shard * cp
         return Strategy.FSDP, group
     return strategy, group
+
+
+def _check_adapters(lora, qlora: bool, strategy: Strategy) -> None:
+    """The adapter settings that memcheck refuses with a strategy or each other, by name.
+
+    - DoRA over 4-bit weights: PEFT's DoRA deep-copies each ``Linear4bit`` and dequantizes its
+      weight to compute the weight norm (peft/tuners/lora/dora.py, ``DoraLinearLayer.update_layer``
+      and ``forward``); memcheck's 4-bit twin lives on the meta device, where bitsandbytes' copy of
+      ``Params4bit`` fails (``set_data`` of an incompatible tensor type), and no rule sizes the
+      per-step dequantized weight yet. Not modelled.
+    - QLoRA under FSDP1: ``FullyShardedDataParallel`` flattens each unit's parameters into one
+      tensor of one dtype (torch/distributed/fsdp/_flat_param.py, ``_validate_tensors_to_flatten``:
+      "Must flatten tensors with uniform dtype"), and the QLoRA recipe keeps the 4-bit weights as
+      uint8 beside fp32 norms and adapters; FSDP-QLoRA needs ``bnb_4bit_quant_storage`` in the other
+      weights' dtype, a recipe memcheck does not model. FSDP2 (``fsdp``) shards per parameter.
+    """
+    dora = lora is not None and getattr(lora, "dora", False)
+    if dora and qlora:
+        raise SettingError("qlora", "{name} with DoRA (PEFT's use_dora over 4-bit weights) is not modelled: DoRA "
+                                    "copies and dequantizes each 4-bit weight, which memcheck cannot trace; drop "
+                                    "--dora or --qlora")
+    if qlora and strategy is Strategy.FSDP1:
+        raise SettingError("qlora", "{name} with strategy fsdp1 is not modelled: FullyShardedDataParallel flattens "
+                                    "each unit into one dtype, and QLoRA's 4-bit weights are uint8 beside fp32 ones "
+                                    "(FSDP-QLoRA needs bnb_4bit_quant_storage=bfloat16); use strategy fsdp (FSDP2) "
+                                    "or zero3")
 
 
 def _check_packing(packing: bool, padding: Padding, task: Task | None, strategy: Strategy) -> None:

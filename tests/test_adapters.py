@@ -179,3 +179,25 @@ def test_paged_optimizers_keep_bitsandbytes_state_layout(hf_name, ours, state):
     est = memcheck.estimate(_meta_model(), _batch("meta"), job)
     assert est.breakdown_at_peak.optimizer == state
     assert "paged state counted as resident" in est.optimizer
+
+
+# ---- adapter combinations memcheck refuses by name (issue 38: they ended in exit 3 or blamed the model) ----
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--dora", "--qlora"], "--qlora with DoRA"),
+    (["--qlora", "--strategy", "fsdp1", "--gpus", "2"], "--qlora with strategy fsdp1"),
+])
+def test_an_adapter_combination_memcheck_does_not_model_is_one_line_exit_2(flags, named):
+    result = CliRunner().invoke(main, ["examples/gpt2_small.py", "--max-len", "64", *flags])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0] and "not modelled" in lines[0], result.output
+
+
+def test_the_same_refusals_hold_in_the_python_api():
+    with pytest.raises(memcheck.UsageError, match="qlora with DoRA"):
+        memcheck.Job(qlora=True, lora="dora=true")
+    with pytest.raises(memcheck.UsageError, match="qlora with strategy fsdp1"):
+        memcheck.Job(qlora=True, strategy="fsdp1", gpus=2)
+    memcheck.Job(qlora=True, strategy="fsdp", gpus=2)  # FSDP2 shards per parameter: modelled

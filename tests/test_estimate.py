@@ -252,3 +252,61 @@ def test_the_report_says_where_reserved_peaked_and_when_the_allocator_settles():
     assert data["allocator_steady_step"] == est.steady_step
     assert data["reserved_peak"] == {"phase": est.reserved_peak_phase.value, "step": est.reserved_peak_step}
     assert f"the allocator settles after step {est.steady_step}" in text
+
+
+# ---- who is to blame: the model's own code, or stock library code it did not write (issue 38) ----
+
+
+def test_a_failure_in_the_user_s_own_forward_says_to_fix_the_model_there():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            raise ValueError("shape mismatch in my layer")
+
+    with pytest.raises(memcheck.TraceError) as info:
+        memcheck.estimate(Broken(), torch.empty(2, 2, device="meta"), device="cpu")
+    assert "fix the model code there" in str(info.value) and "test_estimate.py:" in str(info.value)
+    assert "memcheck could not trace" not in str(info.value)
+
+
+def test_the_user_s_code_calling_torch_with_what_it_refuses_is_the_model_s_to_fix():
+    class Mismatched(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 3)
+
+        def forward(self, x):
+            return sum(torch.split(self.lin(x), [1, 1], dim=1))  # 3 columns split as 1 + 1: torch refuses
+
+    with torch.device("meta"):
+        model = Mismatched()
+    with pytest.raises(memcheck.TraceError, match="fix the model code there"):
+        memcheck.estimate(model, torch.empty(2, 2, device="meta"), device="cpu")
+
+
+def test_a_failure_inside_stock_transformers_code_is_memcheck_s_naming_the_op_and_the_settings(monkeypatch):
+    # A memcheck rule made to fail (the CUDA dropout rule's argument binding replaced by a builtin
+    # that refuses its arguments), called from GPT-2's own (stock transformers) forward. Nothing of
+    # the user's is on the stack (a stand-in written here would be: this file is user code), so the
+    # message must not blame the model: memcheck could not trace it, where, the op, the settings.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memcheck.rules import dropout
+
+    monkeypatch.setattr(dropout, "bind", int)  # int(func, args, kwargs, names=..., defaults=...): TypeError
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    with pytest.raises(memcheck.TraceError) as info:
+        memcheck.estimate(model, {"input_ids": ids, "labels": ids}, device="cuda", gpu="T4", checkpointing="half")
+    message = str(info.value)
+    assert "fix the model code" not in message
+    assert message.startswith("memcheck could not trace GPT2LMHeadModel with --device cuda --checkpointing half: "
+                              "TypeError: "), message
+    assert "raised inside transformers (transformers/models/gpt2/modeling_gpt2.py:" in message
+    assert "while tracing torch.nn.functional.dropout" in message
+    assert len(message.splitlines()) == 1

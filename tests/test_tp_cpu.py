@@ -445,3 +445,91 @@ def test_sequence_parallel_refuses_what_it_cannot_cut():
     tp.shard(model, 2, sequence_parallel=True)
     with pytest.raises(UsageError, match=r"tp=2 equal parts, but its length is 33"):
         memcheck.estimate(model, odd, memcheck.Job(device="cpu", optimizer="adamw"))
+
+
+# ---- LoRA (PEFT) over tensor parallelism (issue 38: --lora --layout tp=2 blamed the model) ------------------
+
+LORA_TP = "r=64,targets=q_proj,v_proj,o_proj,down_proj"  # two column-wise and two row-wise bases
+
+
+def make_lora_llama(device):
+    # hidden 256, rank 64: the adapters (and their gradients and Adam state) are a visible share of the peak
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                         intermediate_size=512, vocab_size=128, max_position_embeddings=64)
+    model = hf.build_model(config, Task.CAUSAL_LM, device=device)
+    return model, hf.make_batch(model, config, Task.CAUSAL_LM, 2, 64, None, device=device)
+
+
+def build_lora_llama():
+    torch.manual_seed(0)
+    return make_lora_llama("cpu")
+
+
+def lora_over_tp(model, mesh):
+    """PEFT's LoRA over the tensor-parallel model, with the adapter halves sharded as PEFT shards them
+    over transformers' TP (peft/tuners/lora/model.py, add_lora_tp_hooks_dtensor): lora_B column-wise
+    under a column-wise base, lora_A row-wise under a row-wise one, through torch's own styles."""
+    from peft import get_peft_model
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from memcheck.training.adapters import Lora
+
+    peft_model = get_peft_model(model, Lora.parse(LORA_TP).config("CAUSAL_LM"))
+    plan = tp.resolve_plan(peft_model.get_base_model())
+    styles = {}
+    for name, module in peft_model.get_base_model().named_modules():
+        if tp.lora_parts(module) is None:
+            continue
+        style = next(s for key, s in plan.items() if _fnmatch_path(name, key))
+        styles[f"{name}.lora_B.default" if style == tp.COLWISE else f"{name}.lora_A.default"] = (
+            ColwiseParallel() if style == tp.COLWISE else RowwiseParallel())
+    parallelize_module(peft_model.get_base_model(), mesh, styles)
+    return peft_model
+
+
+def _fnmatch_path(name, key):
+    from fnmatch import fnmatch
+
+    parts, keys = name.split("."), key.split(".")
+    return len(parts) == len(keys) and all(fnmatch(p, k) for p, k in zip(parts, keys))
+
+
+def _estimate_lora_tp(lora=LORA_TP):
+    with torch.device("meta"):
+        model, batch = make_lora_llama("meta")
+    return memcheck.estimate(model, batch, memcheck.Job(optimizer="adamw", device="cpu", layout="tp=2", lora=lora))
+
+
+def test_lora_over_tp_shards_the_base_and_the_adapter_half_that_meets_the_sharded_dimension():
+    from memcheck.training.adapters import apply_adapters
+
+    with torch.device("meta"):
+        model, _ = make_lora_llama("meta")
+    model, _ = apply_adapters(model, memcheck.Job(lora=LORA_TP).lora, False)
+    rank = tp.shard(model, 2)
+    attn = model.get_base_model().model.layers[0].self_attn
+    # q_proj column-wise: base [256/2, 256]; lora_A whole [64, 256]; lora_B [256/2, 64]
+    assert tuple(attn.q_proj.base_layer.weight.shape) == (128, 256)
+    assert tuple(attn.q_proj.lora_A["default"].weight.shape) == (64, 256)
+    assert tuple(attn.q_proj.lora_B["default"].weight.shape) == (128, 64)
+    # o_proj row-wise: base [256, 256/2]; lora_A [64, 256/2]; lora_B whole [256, 64]
+    assert tuple(attn.o_proj.base_layer.weight.shape) == (256, 128)
+    assert tuple(attn.o_proj.lora_A["default"].weight.shape) == (64, 128)
+    assert tuple(attn.o_proj.lora_B["default"].weight.shape) == (256, 64)
+    assert "model.layers.0.self_attn.q_proj" in rank.colwise and "model.layers.0.mlp.down_proj" in rank.rowwise
+
+
+def test_lora_over_tp_refuses_dora_by_name():
+    with pytest.raises(UsageError, match="tensor parallelism with DoRA"):
+        _estimate_lora_tp("r=8,dora=true")
+
+
+@pytest.mark.slow
+def test_each_tp_rank_of_a_lora_llama_matches_the_estimate_of_its_shard():
+    ranks = measure_tp_cpu(build_lora_llama, adamw, world_size=2, steps=2, after=lora_over_tp)
+    estimated = _estimate_lora_tp().peak_bytes
+    assert len(ranks) == 2
+    for rank, measured in enumerate(ranks):
+        _check(f"lora llama tp=2 rank {rank}", estimated, measured.steady_peak_bytes)

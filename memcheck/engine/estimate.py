@@ -26,6 +26,7 @@ from memcheck.errors import (
     UsageError,
     check_module_depth,
     exited_message,
+    library_failure,
     meta_kernel_failure,
     model_frame,
     require_int,
@@ -118,7 +119,31 @@ def _missing_meta_kernel(exc: Exception) -> str | None:
     return None
 
 
-def _translate(exc: Exception, model_name: str) -> MemcheckError:
+# The settings that choose which code runs (what a failure in library code is traced under).
+_CODE_PATH = ("device", "precision", "weights_dtype", "checkpointing", "use_reentrant", "lora", "qlora", "strategy",
+              "gpus", "layout", "tp_plan", "fsdp_sharding", "offload", "packing", "attn")
+
+
+def settings_in_force(job: Job | None) -> str:
+    """The job's settings that choose which code is traced, as the flags that give them
+    (``--device cuda --checkpointing half``); the device always, the rest where not the default."""
+    if job is None:
+        return ""
+    from memcheck.job import SPELLING
+
+    mine, default = job.to_dict(), Job().to_dict()
+    parts = []
+    for field in _CODE_PATH:
+        spelling = SPELLING[field]
+        value, usual = mine[spelling.json], default[spelling.json]
+        if field != "device" and value == usual:
+            continue
+        flag = spelling.flag or field
+        parts.append(flag if value is True else f"{flag} {value}")
+    return " ".join(parts)
+
+
+def _translate(exc: Exception, model_name: str, job: Job | None = None) -> MemcheckError:
     """Map an exception from the traced code to a one-line MemcheckError."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     known = extensions.explain_failure(exc)  # an extension that calls its CUDA library directly
@@ -150,6 +175,15 @@ def _translate(exc: Exception, model_name: str) -> MemcheckError:
             "meta kernel is stricter than the target's real kernel: then register a rule for the op with "
             "memcheck.register_op_rule, see examples/custom_op_rule.py; --debug shows the traceback)"
         )
+    library = library_failure(exc)
+    if library is not None:  # stock code the user did not write: memcheck's failure to trace it, not the model's
+        package, location, function, traced_op = library
+        settings = settings_in_force(job)
+        return TraceError(
+            f"memcheck could not trace {model_name}{' with ' + settings if settings else ''}: {type(exc).__name__}: "
+            f"{text}, raised inside {package} ({location}, {function}"
+            f"{', while tracing ' + traced_op if traced_op else ''}), not in the model's own code; if a real run "
+            "with these settings works, memcheck is at fault: please report it (--debug shows the traceback)")
     return TraceError(f"{where + ': ' if where else ''}{model_name} failed while being traced: "
                       f"{type(exc).__name__}: {text} (fix the model code there; --debug shows the traceback)")
 
@@ -632,7 +666,7 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
     except MemcheckError:
         raise
     except Exception as exc:  # the model's own code failed under the trace
-        raise _translate(exc, name) from exc
+        raise _translate(exc, name, job) from exc
     except ForwardDone:  # the tracer's own stop at step 1's backward
         raise
     except BaseException as exc:  # sys.exit(), GeneratorExit, ... from the model's code: never a verdict
@@ -680,7 +714,8 @@ def _shorter_traces(model, batch, job: Job, target: GpuSpec | None, loss_fn: Los
         try:
             _trace(again, sub, target, loss_fn, name, train_step)
         except MemcheckError as exc:  # the batch at max_len traced; only the shortened one fails
-            detail = escape(str(exc).splitlines()[0].split(" (fix the model code there")[0])
+            detail = escape(str(exc).splitlines()[0].split(" (fix the model code there")[0].split(
+                " (--debug shows the traceback)")[0])
             raise SettingError("padding", (
                 f"{{name}} longest traces the batch with its dimensions of {length} cut to {short}, and "
                 f"{escape(name)} fails on that batch ({detail}); padding longest is for batches whose sequence "

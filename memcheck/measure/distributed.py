@@ -162,6 +162,7 @@ def measure_tp_cpu(
     steps: int = 2,
     plan: dict[str, str] | None = None,
     sequence_parallel: bool = False,
+    after: Callable[[torch.nn.Module, Any], torch.nn.Module] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Measured]:
     """Train under tensor parallelism (DTensor ``parallelize_module``) on ``world_size`` CPU ranks and measure each.
@@ -181,9 +182,10 @@ def measure_tp_cpu(
     ``plan`` is ``{glob: "colwise" | "rowwise" | "colwise_gather_output"}``; by default the one
     ``memcheck.training.strategies.tp.resolve_plan`` reads from the model (a
     transformers config's ``base_model_tp_plan``), the plan ``tp.shard``
-    emulates.
+    emulates. ``after(model, mesh)``, if given, returns the model to train from the sharded one
+    (LoRA put over it as PEFT does over a tensor-parallel model).
 
-    ``build``, ``make_optimizer`` and ``loss_fn`` must be picklable module-level
+    ``build``, ``make_optimizer``, ``loss_fn`` and ``after`` must be picklable module-level
     functions, as for ``measure_ddp_cpu``.
 
     Returns:
@@ -207,7 +209,7 @@ def measure_tp_cpu(
     if not isinstance(sequence_parallel, bool):
         raise UsageError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     return _run_ranks("tp", build, make_optimizer, loss_fn, world_size, steps,
-                      {"plan": plan, "sequence_parallel": sequence_parallel}, timeout_s)
+                      {"plan": plan, "sequence_parallel": sequence_parallel, "after": after}, timeout_s)
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # the schedules measure_pp_cpu runs
@@ -658,7 +660,7 @@ def _fsdp_setup(build, world_size, *, wrap):
     return setup
 
 
-def _tp_setup(build, world_size, *, plan, sequence_parallel=False):
+def _tp_setup(build, world_size, *, plan, sequence_parallel=False, after=None):
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (
@@ -684,6 +686,8 @@ def _tp_setup(build, world_size, *, plan, sequence_parallel=False):
         if sequence_parallel:
             styles.update(_sequence_parallel_styles(model, Replicate, Shard, PrepareModuleInput, SequenceParallel))
         parallelize_module(model, mesh, styles)
+        if after is not None:
+            model = after(model, mesh)
         return model, batch
 
     return setup

@@ -50,7 +50,10 @@ _saved: list[tuple[object, str, object]] = []
 
 
 class _MetaDevices(TorchFunctionMode):
-    """Send tensor moves and factory calls for ``devices`` to the meta device."""
+    """Send tensor moves and factory calls for ``devices`` to the meta device. In force in
+    backward too (``memcheck.trace.engine_modes``)."""
+
+    stands_for_device = True
 
     def __init__(self, devices: frozenset[str]):
         super().__init__()

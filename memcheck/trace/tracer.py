@@ -50,6 +50,7 @@ from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Phase
 from memcheck.rules.extensions import weight_side_tensors
 from memcheck.rules.known_values import KnownValues
 from memcheck.rules.registry import DISPATCH_RULES, FUNCTION_RULES, named_rule
+from memcheck.trace.engine_modes import EngineUnderModes, device_modes
 from memcheck.trace.stacks import StackRecorder
 
 
@@ -151,7 +152,9 @@ class _ModuleNames(ModuleTracker):
       memory a real run frees (measured: +7.5% on a 4-block MLP, use_reentrant=False);
     - the autograd engine runs backward without Python torch-function modes, so the
       tracer's kernel-choice mode (autocast, SDPA's kernel choice) is entered again
-      around each recomputed module, as the real recomputation runs them;
+      around each recomputed module, as the real recomputation runs them (a fallback now:
+      ``memcheck.trace.engine_modes`` keeps the mode in force through every backward the
+      tracer sees, the checkpointed function's own code included);
     - the gradient hooks of a forward are removed once its backward has run
       (``drop_grad_hooks``);
     - when the root module returns, its hooks let go of the nodes its outputs do not reach
@@ -298,7 +301,10 @@ def _function_modes() -> list:
 
 class _KernelChoiceMode(TorchFunctionMode):
     """Applies autocast's casts (when tracing mixed precision) and routes the few
-    composite ops whose kernel depends on the device to their rules."""
+    composite ops whose kernel depends on the device to their rules. In force in backward
+    too (``memcheck.trace.engine_modes``)."""
+
+    stands_for_device = True
 
     def __init__(self, tracer: "MemoryTracer"):
         super().__init__()
@@ -521,6 +527,8 @@ class MemoryTracer(TorchDispatchMode):
         self._kernel_mode = _KernelChoiceMode(self)
         self.modules = _ModuleNames(self._kernel_mode)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._engine_modes: list = []  # the device's function modes, carried into backward (engine_modes)
+        self._engine = EngineUnderModes(lambda: self._engine_modes)
         self._grad_sums = _GradientSums()
         _sole_owner_counts()  # measured now, outside any backward
 
@@ -529,12 +537,15 @@ class MemoryTracer(TorchDispatchMode):
         self.modules.__enter__()
         self._saved_hooks.__enter__()
         self._kernel_mode.__enter__()
+        self._engine_modes = device_modes()
+        self._engine.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._engine.__exit__(*exc)
             self._kernel_mode.__exit__(*exc)
             self._grad_sums.end_of_backward()
             self._saved_hooks.__exit__(*exc)

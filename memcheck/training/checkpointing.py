@@ -148,6 +148,21 @@ def _hf_enable(model: torch.nn.Module, use_reentrant: bool) -> bool:
     return True
 
 
+def _cache_off(model: torch.nn.Module) -> None:
+    """Turn transformers' KV cache off in every config of ``model``, as transformers does for the
+    layers it checkpoints (modeling_layers.py, ``GradientCheckpointingLayer``: ``use_cache=False``,
+    ``past_key_values=None``). A checkpointed layer would otherwise update its cache again when it
+    is recomputed, or read back what the forward put there: T5's cross-attention, recomputed, takes
+    its keys and values from the ``EncoderDecoderCache`` its forward filled (``is_updated``), so it
+    saves 4 tensors fewer than the forward did and ``torch.utils.checkpoint`` refuses the mismatch.
+    Every config, not only the model's: T5 and its kin give the encoder and decoder stacks copies
+    of their own (``copy.deepcopy(config)``), which the stacks read ``use_cache`` from."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+
+
 def apply_checkpointing(model: torch.nn.Module, spec, *, use_reentrant: bool = False) -> tuple[str, ...]:
     """Wrap ``model``'s modules in ``torch.utils.checkpoint`` as ``spec`` says; return what was wrapped.
 
@@ -190,11 +205,7 @@ def apply_checkpointing(model: torch.nn.Module, spec, *, use_reentrant: bool = F
             blocks.extend(h for h in hits if h not in blocks)
         # A module inside another wrapped module is recomputed with it already.
         blocks = [b for b in blocks if not any(b.startswith(o + ".") for o in blocks)]
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        # A checkpointed transformers layer would update its KV cache again when it is
-        # recomputed; transformers turns the cache off under checkpointing, and so do we.
-        config.use_cache = False
+    _cache_off(model)
     for name in blocks:
         _wrap(names[name], use_reentrant, context_fn)
     return tuple(blocks)

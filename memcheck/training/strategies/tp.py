@@ -64,6 +64,16 @@ reduce-scattered to ``[B, S/T, H]`` (``_ReduceScatterSequence``: funcol's whole-
 copy, gloo's clone of it under ``backend="gloo"``, the output); the backward swaps them
 (an all-gather for each reduce-scatter, a chunk clone for each gather). The LM head stays whole.
 
+LoRA (PEFT) over tensor parallelism, as PEFT builds it over a tensor-parallel transformers
+model (peft/tuners/lora/model.py, ``_create_and_replace`` and ``add_lora_tp_hooks_dtensor``,
+PEFT 0.21): the plan is matched on the transformers model inside the ``PeftModel``
+(``get_base_model()``), a LoRA layer's ``base_layer`` is sharded as the plan says, and of its
+adapter the half that meets the sharded dimension: under a column-wise base, ``lora_B`` column-wise
+(``Shard(0)``, its input annotated ``Replicate``, its output the local shard added to the base's);
+under a row-wise base, ``lora_A`` row-wise (``Shard(1)``, its output ``Partial`` all-reduced, a
+copy); the other half stays whole on every rank. Refused: DoRA, 4-bit (QLoRA) bases and sequence
+parallelism under LoRA, and LoRA over a style but ``colwise``/``rowwise`` (PEFT's own limits).
+
 Not modelled (``UsageError``): other styles
 (transformers' ``packed_colwise``, ``moe_tp_experts`` ...); sharding any
 module but ``nn.Linear``. See docs/tp.md.
@@ -119,6 +129,7 @@ def check_plan(plan) -> dict[str, str]:
 def default_plan(model: nn.Module) -> dict[str, str] | None:
     """The transformers config's ``base_model_tp_plan`` with each key prefixed by the base model's
     attribute (``model.`` for LlamaForCausalLM, nothing for LlamaModel); ``None`` if there is none."""
+    model = base_of(model)
     config = getattr(model, "config", None)
     base_plan = getattr(config, "base_model_tp_plan", None)
     if not base_plan:
@@ -127,6 +138,24 @@ def default_plan(model: nn.Module) -> dict[str, str] | None:
     base = getattr(model, prefix, None) if prefix else None
     head = f"{prefix}." if isinstance(base, nn.Module) and base is not model else ""
     return {head + key: style for key, style in base_plan.items()}
+
+
+def base_of(model: nn.Module) -> nn.Module:
+    """The model that tensor parallelism shards: under PEFT the transformers model inside the
+    ``PeftModel`` (``get_base_model()``; PEFT puts LoRA over a tensor-parallel model, whose plan
+    names its modules), else ``model``."""
+    get = getattr(model, "get_base_model", None)
+    base = get() if callable(get) else None
+    return base if isinstance(base, nn.Module) else model
+
+
+def lora_parts(module: nn.Module) -> tuple[nn.Module, nn.ModuleDict, nn.ModuleDict] | None:
+    """``(base_layer, lora_A, lora_B)`` of a PEFT LoRA layer, else None."""
+    base = getattr(module, "base_layer", None)
+    a, b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+    if isinstance(base, nn.Module) and isinstance(a, nn.ModuleDict) and isinstance(b, nn.ModuleDict):
+        return base, a, b
+    return None
 
 
 def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[str, str]:
@@ -216,26 +245,28 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
     if on_device is not None:
         raise UsageError(f"shard() changes the model in place and needs it on the meta device, but {on_device!r} "
                          "is not; pass a meta copy (memcheck.engine.estimate.meta_twin(model))")
-    resolved = resolve_plan(model, plan)
-    matched = match_plan(model, resolved)
-    modules = dict(model.named_modules())
-    for name, style in matched.items():
-        if type(modules[name]) is not nn.Linear:
-            raise UsageError(f"tensor-parallel plan shards {name!r} ({type(modules[name]).__name__}) as {style!r}; "
-                             "memcheck models column- and row-wise sharding of nn.Linear only")
-    _check_divisible(model, modules, matched, degree)
-    decoder = _sequence_parallel_decoder(model, matched) if sequence_parallel else None
+    target = base_of(model)  # under PEFT, the transformers model that the plan names
+    resolved = resolve_plan(target, plan)
+    matched = match_plan(target, resolved)
+    modules = dict(target.named_modules())
+    linears = {name: _linear_of(name, modules[name], style, sequence_parallel) for name, style in matched.items()}
+    _check_divisible(target, linears, matched, degree)
+    decoder = _sequence_parallel_decoder(target, matched) if sequence_parallel else None
     full = _parameter_bytes(model)
+    sharded: set[int] = set()
     for name, style in matched.items():
-        linear = modules[name]
-        if style == ROWWISE:
-            _rowwise(linear, degree, scatter_sequence=sequence_parallel, gloo=backend == "gloo")
-        else:
-            _colwise(linear, degree, gather_output=style == COLWISE_GATHER_OUTPUT)
+        linear, lora = linears[name], lora_parts(modules[name])
+        # under LoRA, PEFT shards the adapter half that meets the sharded dimension (add_lora_tp_hooks_dtensor)
+        pairs = [(linear, style)] + ([(b, COLWISE) for b in lora[2].values()] if lora and style == COLWISE else
+                                     [(a, ROWWISE) for a in lora[1].values()] if lora else [])
+        for layer, how in pairs:
+            if how == ROWWISE:
+                _rowwise(layer, degree, scatter_sequence=sequence_parallel, gloo=backend == "gloo")
+            else:
+                _colwise(layer, degree, gather_output=how == COLWISE_GATHER_OUTPUT)
+            sharded.update(id(p) for p in layer.parameters() if not (how == ROWWISE and p is layer.bias))
     if decoder is not None:
-        _sequence_parallel_hooks(model, decoder, degree)
-    sharded = {id(p) for name in matched for p in modules[name].parameters()
-               if not (matched[name] == ROWWISE and p is modules[name].bias)}
+        _sequence_parallel_hooks(target, decoder, degree)
     seen: set[int] = set()
     replicated = sum(p.numel() * p.element_size() for p in model.parameters()
                      if id(p) not in sharded and not (id(p) in seen or seen.add(id(p))))
@@ -249,6 +280,28 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
         parameter_bytes=_parameter_bytes(model),
         replicated_parameter_bytes=replicated,
     )
+
+
+def _linear_of(name: str, module: nn.Module, style: str, sequence_parallel: bool) -> nn.Linear:
+    """The ``nn.Linear`` that the plan shards at ``name``: the module, or a LoRA layer's base."""
+    lora = lora_parts(module)
+    if lora is not None:
+        base, _, _ = lora
+        if any(getattr(module, "use_dora", {}).values()):
+            raise UsageError(f"tensor parallelism with DoRA (use_dora on {name!r}) is not modelled: DoRA's weight norm "
+                             "needs the whole weight; drop --dora or tp")
+        if style not in (COLWISE, ROWWISE):
+            raise UsageError(f"tensor-parallel plan shards {name!r} as {style!r} under LoRA; PEFT shards LoRA layers "
+                             "colwise or rowwise only (add_lora_tp_hooks_dtensor)")
+        if sequence_parallel:
+            raise UsageError(f"sequence parallelism with LoRA ({name!r}) is not modelled; drop sp=true or --lora")
+        module = base
+    if type(module) is not nn.Linear:
+        hint = "; 4-bit (QLoRA) weights cannot be tensor-parallel here, drop --qlora or tp" if "4bit" in \
+            type(module).__name__ else ""
+        raise UsageError(f"tensor-parallel plan shards {name!r} ({type(module).__name__}) as {style!r}; "
+                         f"memcheck models column- and row-wise sharding of nn.Linear only{hint}")
+    return module
 
 
 def _parameter_bytes(model: nn.Module) -> int:

@@ -222,7 +222,7 @@ def _under(filename: str, roots: tuple[str, ...]) -> bool:
 def _traced_op(exc: BaseException) -> str | None:
     """The innermost op that memcheck's tracer (``__torch_dispatch__``) or its kernel-choice mode
     (``__torch_function__``) was running when ``exc`` was raised, as its name."""
-    import torch
+    from memcheck import compat
 
     op = None
     tb = exc.__traceback__
@@ -230,7 +230,7 @@ def _traced_op(exc: BaseException) -> str | None:
         frame = tb.tb_frame
         name = frame.f_code.co_name
         func = frame.f_locals.get("func") if name in ("__torch_dispatch__", "__torch_function__") else None
-        if isinstance(func, torch._ops.OpOverload):
+        if isinstance(func, compat.OpOverload):
             op = str(func)
         elif func is not None and callable(func):
             op = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or op

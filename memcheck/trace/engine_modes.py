@@ -39,7 +39,9 @@ import contextlib
 from typing import Callable, Sequence
 
 from torch.autograd.variable import Variable
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.overrides import TorchFunctionMode
+
+from memcheck.compat import current_function_modes as _get_current_function_mode_stack
 
 
 class _Engine:

@@ -133,3 +133,27 @@ def test_the_readmes_memcheck_outputs_fit_80_columns():
         for line in block.splitlines()[1:]:
             if not line.startswith("$ "):
                 assert len(line) <= 80, (block.splitlines()[0], line)
+
+
+def test_lightnings_fsdp2_suggestion_is_model_parallel_strategy_and_reads_back_as_fsdp():
+    # Lightning's strategy="fsdp" is FSDPStrategy, FSDP1's FullyShardedDataParallel; FSDP2 is
+    # ModelParallelStrategy with fully_shard in configure_model, both sizes given ("auto" would make
+    # tensor_parallel_size the GPUs of a node)
+    from types import SimpleNamespace
+
+    from memcheck.integrations.lightning import _strategy
+    from memcheck.report.results import PlanOption
+    from memcheck.report.text import _lightning_parts
+
+    option = PlanOption(micro_batch_size=2, accumulation_steps=1, checkpointing="full", precision="amp-bf16",
+                        predicted_device_total_bytes=1, fits=True, relative_cost=1.0, traces=1,
+                        largest_fitting_micro_batch=2, boundary_confirmed=True, optimizer="adamw-fused")
+    parts = _lightning_parts(SimpleNamespace(strategy="fsdp", gpus=8, job=None), option)
+    assert "strategy=ModelParallelStrategy(data_parallel_size=8, tensor_parallel_size=1)" in parts
+    assert not any('strategy="fsdp"' in p for p in parts)
+    assert any("fully_shard" in p and "configure_model" in p for p in parts)
+    # the Trainer built from it is read back by the callback as memcheck's fsdp (FSDP2) over 8 GPUs
+    strategy = type("ModelParallelStrategy", (), {"_data_parallel_size": 8, "_tensor_parallel_size": 1})()
+    assert _strategy(SimpleNamespace(world_size=8, strategy=strategy)) == ("fsdp", 8, {})
+    # fsdp1 stays Lightning's FSDPStrategy
+    assert 'strategy="fsdp"' in _lightning_parts(SimpleNamespace(strategy="fsdp1", gpus=8, job=None), option)

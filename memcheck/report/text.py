@@ -6,15 +6,18 @@ arguments broken after commas (``continued``), runs of repeated blocks are range
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import shlex
 import textwrap
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tabulate import tabulate
 
 from memcheck.choices import ANSWERS, words
 from memcheck.enums import PRECISION_ALIASES, Phase
+from memcheck.job import SPELLING, Job, Spelling
 from memcheck.training.checkpointing import half_of
 from memcheck.training.optimizers import HF_OPTIMIZERS, optimizer_name
 from memcheck.workloads.hf import checkpointing_argument
@@ -509,6 +512,9 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
         args.append("packing=True (TRL's SFTConfig; or DataCollatorWithFlattening)")
     if plan.job is not None and plan.job.assume:  # the data-dependent answers the plan pinned, or the user's
         flags.append(f"--assume {','.join(plan.job.assume)}")
+    for spelling, value in _kept_settings(plan):  # the user's own settings the plan traced with
+        flags.append(spelling.flag if value is True else f"{spelling.flag} {shlex.quote(str(value))}")
+    args.extend(_trainer_words(plan))
     if r.offload == "optimizer":  # DeepSpeed's ZeRO-Offload on this one GPU
         flags.extend(("--strategy zero2", "--gpus 1", "--offload optimizer"))
         args.append('deepspeed= a ZeRO stage 2 config with "offload_optimizer": {"device": "cpu"}')
@@ -524,6 +530,47 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
                      "zero2": "deepspeed= a ZeRO stage 2 config", "zero1": "deepspeed= a ZeRO stage 1 config"}
                     .get(plan.strategy, f"launched on {plan.gpus} GPUs (torchrun --nproc_per_node {plan.gpus})"))
     return flags, args
+
+
+# The job settings plan takes from the user and traces every option with (cli._JOB_OPTIONS), echoed in
+# the recommendation's flags and TOML when they differ from the Job's defaults, so that pasting them
+# back traces the plan's own job.
+KEPT_SETTINGS = ("weights_dtype", "lora", "qlora", "max_grad_norm", "padding", "eval_batch_size",
+                 "eval_accumulate_predictions", "reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters")
+
+
+def _kept_settings(plan: Plan) -> list[tuple[Spelling, Any]]:
+    """``(spelling, value)`` of each ``KEPT_SETTINGS`` field the plan's job sets to other than the
+    default; values as a flag or config key takes them (enums by value, LoRA settings as text)."""
+    if plan.job is None:
+        return []
+    defaults = {f.name: f.default for f in dataclasses.fields(Job)}
+    out = []
+    for field in KEPT_SETTINGS:
+        value = getattr(plan.job, field)
+        if value == defaults[field] or (field == "qlora" and not value):
+            continue
+        out.append((SPELLING[field], value.value if hasattr(value, "value") else
+                    str(value) if not isinstance(value, (bool, int, float)) else value))
+    return out
+
+
+def _trainer_words(plan: Plan) -> list[str]:
+    """The kept settings the HF Trainer takes (TrainingArguments) or its model is built with."""
+    job, words = plan.job, []
+    if job is None:
+        return words
+    if job.qlora:  # memcheck.training.adapters: NF4, double quantization, bf16 compute
+        words.append('the model loaded with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", '
+                     "bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16), "
+                     "prepare_model_for_kbit_training")
+    if job.lora is not None or job.qlora:
+        words.append(f"the model wrapped in PEFT's LoraConfig({job.lora or 'PEFT defaults'})")
+    if job.max_grad_norm is not None:
+        words.append(f"max_grad_norm={job.max_grad_norm:g}")
+    if job.eval_batch_size is not None:
+        words.append(f"per_device_eval_batch_size={job.eval_batch_size}")
+    return words
 
 
 def _fsdp1_sharding(plan: Plan) -> str:
@@ -544,8 +591,13 @@ def _lightning_parts(plan: Plan, r: PlanOption) -> list[str]:
         parts.append(f"accumulate_grad_batches={r.accumulation_steps}")
     if r.offload == "optimizer":
         parts.append('strategy="deepspeed_stage_2_offload"')
-    elif plan.strategy in ("ddp", "fsdp"):
-        parts.extend((f'strategy="{plan.strategy}"', f"devices={plan.gpus}"))
+    elif plan.strategy == "ddp":
+        parts.extend(('strategy="ddp"', f"devices={plan.gpus}"))
+    elif plan.strategy == "fsdp":  # FSDP2: Lightning's strategy="fsdp" is FSDPStrategy, FSDP1's wrapper
+        # both sizes given: "auto" makes data_parallel_size the node count and tensor_parallel_size the
+        # GPUs of a node (lightning/pytorch/strategies/model_parallel.py, setup_environment)
+        parts.extend((f"strategy=ModelParallelStrategy(data_parallel_size={plan.gpus}, tensor_parallel_size=1)",
+                      f"devices={plan.gpus}", "fully_shard() on each block, then the model, in configure_model()"))
     elif plan.strategy == "fsdp1":  # Lightning's FSDPStrategy is FSDP1's FullyShardedDataParallel
         sharding = _fsdp1_sharding(plan)
         parts.extend(('strategy="fsdp"' if sharding == "full_shard"
@@ -583,6 +635,9 @@ def _toml_lines(plan: Plan, r: PlanOption) -> list[str]:
         lines.append("assume = [" + ", ".join(f'"{a}"' for a in plan.job.assume) + "]")
     if plan.job is not None and plan.job.trust_remote_code:
         lines.append("trust_remote_code = true")
+    for spelling, value in _kept_settings(plan):
+        lines.append(f"{spelling.config} = " + ("true" if value is True else
+                                                f'"{value}"' if isinstance(value, str) else f"{value}"))
     return lines
 
 

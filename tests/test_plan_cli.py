@@ -168,13 +168,26 @@ def test_plan_takes_every_job_setting_estimate_takes():
 
 
 def test_plan_passes_the_adapters_padding_and_clipping_into_the_job_it_traces(small):
-    result = plan(small, *ONE_GIB, "--lora", "r=4,alpha=8,targets=c_attn", "--dora", "--padding", "longest",
-                  "--max-grad-norm", "0.5", "--eval-batch-size", "2", "--json")
+    # one option (fp32, adamw, no checkpointing) on a 64 MiB CPU budget: a few traces of two tiny blocks
+    where = ("--device", "cpu", "--gpu-memory", "64MiB", "--max-len", "32", "--precision", "fp32", "--optimizer",
+             "adamw", "--checkpointing-options", "none", "--global-batch", "4")
+    mine = ("--lora", "r=4,alpha=8,targets=c_attn", "--dora", "--padding", "longest", "--max-grad-norm", "0.5",
+            "--eval-batch-size", "2")
+    result = plan(small, *where, *mine, "--json")
     assert result.exit_code == 0, result.output
-    job = json.loads(result.stdout)["job"]
+    out = json.loads(result.stdout)
+    job = out["job"]
     assert job["lora"] == "r=4,alpha=8,targets=c_attn,dora=true"
     assert (job["padding"], job["max_grad_norm"], job["eval_batch_size"]) == ("longest", 0.5, 2)
-    assert json.loads(result.stdout)["estimate"]["job"]["lora"] == job["lora"]
+    assert out["estimate"]["job"]["lora"] == job["lora"]
+    # the table's flags carry them, so that pasting the flags back traces the plan's own job
+    table = plan(small, *where, *mine)
+    flags = shlex.split(setting(table.stdout, "memcheck flags"))
+    for flag in ("--lora", "--padding", "--max-grad-norm", "--eval-batch-size"):
+        assert flag in flags, flags
+    again = run(small, "--device", "cpu", "--gpu-memory", "64MiB", "--max-len", "32", *flags, "--json")
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["peak_bytes"] == out["plan"]["predicted_device_total_bytes"]
 
 
 # ---- the table ---------------------------------------------------------------------------------------

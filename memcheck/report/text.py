@@ -495,9 +495,12 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
         args.extend((f"{name}=True", f"{name}_kwargs={{'every_n_layers': 2}}"))
     if r.precision != "fp32":
         flags.append(f"--precision {r.precision}")
-    args.append({"amp-bf16": "bf16=True", "amp-fp16": "fp16=True", "bf16": "bf16=True with the model loaded in "
-                 "torch.bfloat16", "fp16": "the model loaded in torch.float16 (no TrainingArguments flag)"}
-                .get(r.precision, "fp32 (neither bf16 nor fp16)"))
+    if _deepspeed(plan, r):  # the Trainer's bf16=True turns on DeepSpeed's bf16 mode (bf16.enabled)
+        args.append(_DEEPSPEED_PRECISION.get(r.precision, "fp32 (neither bf16 nor fp16)"))
+    else:
+        args.append({"amp-bf16": "bf16=True", "amp-fp16": "fp16=True", "bf16": "bf16=True with the model loaded in "
+                     "torch.bfloat16", "fp16": "the model loaded in torch.float16 (no TrainingArguments flag)"}
+                    .get(r.precision, "fp32 (neither bf16 nor fp16)"))
     optimizer = plan.job.optimizer if plan.job is not None else None
     if isinstance(optimizer, str):  # every setting traced, the optimizer too (issue 17)
         flags.append(f"--optimizer {optimizer}")
@@ -573,6 +576,27 @@ def _trainer_words(plan: Plan) -> list[str]:
     return words
 
 
+# A precision under DeepSpeed, in the Trainer's words. bf16=True fills the DeepSpeed config's bf16.enabled
+# (transformers/integrations/deepspeed.py, fill_match): DeepSpeed's bf16 mode, whose engine casts the
+# weights to bf16 and whose ZeRO optimizer keeps an fp32 master, memcheck's pure bf16
+# (memcheck.workloads.trainer_files.deepspeed_mode); autocast over fp32 weights is the config's torch_autocast.
+_DEEPSPEED_PRECISION = {
+    "bf16": "bf16=True (DeepSpeed's bf16 mode: the engine casts the weights to bf16, an fp32 master in the "
+            "optimizer)",
+    "fp16": "fp16=True (DeepSpeed's fp16 mode: the engine casts the weights to fp16, an fp32 master in the "
+            "optimizer)",
+    "amp-bf16": 'neither bf16 nor fp16 (they would turn on DeepSpeed\'s bf16 mode); the DeepSpeed config\'s '
+                '"torch_autocast": {"enabled": true, "dtype": "bfloat16"}',
+    "amp-fp16": 'neither bf16 nor fp16 (they would turn on DeepSpeed\'s fp16 mode); the DeepSpeed config\'s '
+                '"torch_autocast": {"enabled": true, "dtype": "float16"}',
+}
+
+
+def _deepspeed(plan: Plan, r: PlanOption) -> bool:
+    """The recommendation runs under DeepSpeed: a ZeRO stage, or ZeRO-Offload on one GPU."""
+    return r.offload == "optimizer" or plan.strategy.startswith("zero")
+
+
 def _fsdp1_sharding(plan: Plan) -> str:
     """The plan's fsdp1 sharding strategy (FSDP1's default, full_shard, when the job names none)."""
     sharding = plan.job.fsdp_sharding if plan.job is not None else None
@@ -586,10 +610,19 @@ LIGHTNING_NAMES = {v: k for k, v in reversed(list(PRECISION_ALIASES.items()))}
 def _lightning_parts(plan: Plan, r: PlanOption) -> list[str]:
     """The recommendation in Lightning's words: the Trainer's arguments, then what Lightning
     has no Trainer argument for (checkpointing, the optimizer)."""
-    parts = [f'precision="{LIGHTNING_NAMES.get(r.precision, r.precision)}"']
+    autocast = _deepspeed(plan, r) and r.precision.startswith("amp-")  # bf16-mixed: DeepSpeed's bf16 mode
+    parts = [f'precision="{"32-true" if autocast else LIGHTNING_NAMES.get(r.precision, r.precision)}"']
     if r.accumulation_steps > 1:
         parts.append(f"accumulate_grad_batches={r.accumulation_steps}")
-    if r.offload == "optimizer":
+    if autocast:  # fp32 weights under torch.autocast: the DeepSpeed config's torch_autocast section
+        stage = 2 if r.offload == "optimizer" else int(plan.strategy[-1])
+        offload = ', "offload_optimizer": {"device": "cpu"}' if r.offload == "optimizer" else ""
+        dtype = "bfloat16" if r.precision == "amp-bf16" else "float16"
+        parts.append(f'strategy=DeepSpeedStrategy(config={{"zero_optimization": {{"stage": {stage}{offload}}}, '
+                     f'"torch_autocast": {{"enabled": true, "dtype": "{dtype}"}}}})')
+        if r.offload != "optimizer":
+            parts.append(f"devices={plan.gpus}")
+    elif r.offload == "optimizer":
         parts.append('strategy="deepspeed_stage_2_offload"')
     elif plan.strategy == "ddp":
         parts.extend(('strategy="ddp"', f"devices={plan.gpus}"))

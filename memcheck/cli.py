@@ -349,7 +349,7 @@ _WORKLOAD_OPTIONS = [
 
 
 # The job settings estimate and plan both take (plan: for every configuration it traces), beside
-# the workload's; one list, so that a setting estimate gains reaches plan too (test_cli walks Job's fields).
+# the workload's; one list, so that a setting estimate gains reaches plan too (test_plan_cli walks Job's fields).
 _JOB_OPTIONS = [
     click.option("--weights-dtype", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16",
                  help="The weights' dtype under amp-*: auto keeps the model's own (for hf: config.json's dtype, as "
@@ -517,6 +517,9 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
          tp_plan=None, **job_options):
     """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
 
+    Every other setting (--lora, --qlora, --padding, --packing, --strategy, ...) is the job's,
+    spelled as memcheck estimate takes it, and every option is traced with it.
+
     \b
     Every option is traced at the worst-case batch (every sequence padded to --max-len):
     at most 5 traces per (checkpointing, precision) option, and the recommendation is
@@ -573,6 +576,9 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
                    global_batch=global_batch, task=task, attn=attn, packing=packing,
                    assume=assume, trust_remote_code=trust_remote_code, tp_plan=tp_plan,
                    **_job_option_settings(**job_options))
+        if spread is not None and (job.eval_batch_size is not None or job.eval_accumulate_predictions):
+            raise UsageError("the layout search (memcheck plan --gpus N or --layout) traces no evaluation pass yet; "
+                             "drop --eval-batch-size and --eval-accumulate-predictions, or give --strategy")
         work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)
         _no_train_step(work, "memcheck plan")
         if spread is not None:  # --gpus N with no strategy: search the layouts of N GPUs

@@ -450,9 +450,6 @@ class _Search:
         batch = self._batch(rows, length)
         # the evaluation pass the job asks for runs at its own batch size, at the same length
         eval_batch = self._batch(self.job.eval_batch_size, length) if self.job.eval_batch_size else None
-        # "half" by name, not as the base model's module names: apply_checkpointing picks the blocks
-        # after LoRA/QLoRA have wrapped the model (PEFT renames every module: base_model.model.…)
-        spec = checkpointing
         traced = self.job.replace(
             precision=precision, gpu=gpu if self.device is Device.CUDA else None, budget_bytes=self.budget,
             strategy=strategy, gpus=gpus if strategy.multi_gpu else None, accumulate=accumulate, optimizer=optimizer,
@@ -461,7 +458,9 @@ class _Search:
             # option and the sharded GPU-count search trace other strategies)
             fsdp_sharding=self.job.fsdp_sharding if strategy is Strategy.FSDP1 else None,
             gpus_per_node=self.job.gpus_per_node if strategy is Strategy.FSDP1 and gpus == self.gpus else None,
-            checkpointing=spec, batch_size=micro, max_len=length or self.max_len, global_batch=None)
+            # "half" by name, not as the base model's module names: apply_checkpointing picks the blocks
+            # after LoRA/QLoRA have wrapped the model (PEFT renames every module: base_model.model.…)
+            checkpointing=checkpointing, batch_size=micro, max_len=length or self.max_len, global_batch=None)
         est = estimate(self.model, batch, traced, loss_fn=self.loss_fn, model_name=self.name, top_modules=0,
                        eval_batch=eval_batch)
         self.traces += 1

@@ -563,14 +563,13 @@ def _trainer_words(plan: Plan) -> list[str]:
     job, words = plan.job, []
     if job is None:
         return words
-    if job.qlora:  # memcheck.training.adapters: NF4, double quantization, bf16 compute
-        words.append('the model loaded with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", '
-                     "bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16), "
-                     "prepare_model_for_kbit_training")
+    if job.qlora:  # memcheck.training.adapters: NF4, double quantization, bf16 compute (each part one line)
+        words.extend(("BitsAndBytesConfig(load_in_4bit=True, nf4, double quant, bf16 compute)",
+                      "prepare_model_for_kbit_training"))
     if job.lora is not None or job.qlora:
-        words.append(f"the model wrapped in PEFT's LoraConfig({job.lora or 'PEFT defaults'})")
+        words.append(f"PEFT LoraConfig({job.lora or 'defaults'})")
     if job.max_grad_norm is not None:
-        words.append(f"max_grad_norm={job.max_grad_norm:g}")
+        words.append(f"max_grad_norm={job.max_grad_norm}")
     if job.eval_batch_size is not None:
         words.append(f"per_device_eval_batch_size={job.eval_batch_size}")
     return words

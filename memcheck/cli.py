@@ -352,9 +352,51 @@ _WORKLOAD_OPTIONS = [
 ]
 
 
+# The job settings estimate and plan both take (plan: for every configuration it traces), beside
+# the workload's; one list, so that a setting estimate gains reaches plan too (test_plan_cli walks Job's fields).
+_JOB_OPTIONS = [
+    click.option("--weights-dtype", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16",
+                 help="The weights' dtype under amp-*: auto keeps the model's own (for hf: config.json's dtype, as "
+                      "from_pretrained loads it); fp32 and bf16/fp16 precisions name their own."),
+    click.option("--lora", default=None, metavar="r=R,alpha=A,targets=T,dropout=D",
+                 help="Fine-tune LoRA adapters (PEFT) over the frozen model: settings as key=value (targets: module "
+                      "names or all-linear); 'default' for PEFT's defaults."),
+    click.option("--dora", is_flag=True, help="DoRA: LoRA with use_dora=True (with --lora's settings, if given)."),
+    click.option("--qlora", is_flag=True,
+                 help="The QLoRA recipe: linear layers in 4-bit NF4 (double quantization, bf16 compute), "
+                      "prepare_model_for_kbit_training, LoRA adapters (--lora's settings, else PEFT's defaults)."),
+    click.option("--max-grad-norm", type=float, default=None, metavar="NORM",
+                 help="Clip gradients before each step (clip_grad_norm_); 0: no clipping. Default: the HF Trainer's "
+                      "1.0 for hf: models, none for model files."),
+    click.option("--padding", default="max_length", show_default=True, metavar="max_length|longest",
+                 help="longest: batches padded to their longest sample (padding=True), so lengths vary up to "
+                      "--max-len; on cuda the caching allocator replays a run of growing lengths."),
+    click.option("--eval-batch-size", type=int, default=None,
+                 help="Also trace an evaluation pass (no_grad) at this batch size; the peak is the larger."),
+    click.option("--eval-accumulate-predictions", type=int, default=0, show_default=True, metavar="N",
+                 help="Keep N eval batches of predictions on the GPU (HF Trainer without eval_accumulation_steps)."),
+    click.option("--reduce-bucket-size", type=int, default=None, metavar="ELEMENTS",
+                 help="zero1-3: DeepSpeed's reduce_bucket_size, the gradient bucket (default 5e8 elements)."),
+    click.option("--prefetch-bucket-size", type=int, default=None, metavar="ELEMENTS",
+                 help="zero3: DeepSpeed's stage3_prefetch_bucket_size (default 5e7 elements; 0: no prefetch)."),
+    click.option("--max-live-parameters", type=int, default=None, metavar="ELEMENTS",
+                 help="zero3: DeepSpeed's stage3_max_live_parameters (default 1e9 elements)."),
+]
+
+
+def _job_option_settings(*, weights_dtype, lora, dora, qlora, max_grad_norm, padding, eval_batch_size,
+                         eval_accumulate_predictions, reduce_bucket_size, prefetch_bucket_size,
+                         max_live_parameters) -> dict:
+    """``_JOB_OPTIONS``' values as ``Job`` keywords (--dora folded into --lora's settings)."""
+    return dict(weights_dtype=weights_dtype, lora=_lora(lora, dora), qlora=qlora, max_grad_norm=max_grad_norm,
+                padding=padding, eval_batch_size=eval_batch_size,
+                eval_accumulate_predictions=eval_accumulate_predictions, reduce_bucket_size=reduce_bucket_size,
+                prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters)
+
+
 def _workload_options(command):
     """The options every command that traces a model takes (estimate, plan)."""
-    for decorator in reversed(_WORKLOAD_OPTIONS):
+    for decorator in reversed(_WORKLOAD_OPTIONS + _JOB_OPTIONS):
         command = decorator(command)
     return command
 
@@ -364,38 +406,12 @@ def _workload_options(command):
 @click.option("-b", "--batch-size", type=int, default=1, show_default=True, help="Micro-batch size per step.")
 @click.option("--precision", default="fp32", show_default=True, metavar="PREC",
               help="fp32; amp-bf16 / amp-fp16 (torch.autocast, fp16 with a GradScaler); or pure bf16 / fp16 weights.")
-@click.option("--weights-dtype", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16",
-              help="The weights' dtype under amp-*: auto keeps the model's own (for hf: config.json's dtype, as "
-                   "from_pretrained loads it); fp32 and bf16/fp16 precisions name their own.")
 @click.option("--accumulate", type=int, default=1, show_default=True, help="Gradient accumulation steps.")
 @click.option("--checkpointing", default="none", show_default=True,
               metavar="none|full|half|every:N|selective-op|LIST",
               help="Gradient checkpointing: full wraps every repeated block, half every second, every:N every "
                    "Nth (transformers' every_n_layers), selective-op every block with torchtitan's op-level "
                    "policy; or comma-separated module names/patterns (transformer.h.*).")
-@click.option("--lora", default=None, metavar="r=R,alpha=A,targets=T,dropout=D",
-              help="Fine-tune LoRA adapters (PEFT) over the frozen model: settings as key=value (targets: module "
-                   "names or all-linear); 'default' for PEFT's defaults.")
-@click.option("--dora", is_flag=True, help="DoRA: LoRA with use_dora=True (with --lora's settings, if given).")
-@click.option("--qlora", is_flag=True,
-              help="The QLoRA recipe: linear layers in 4-bit NF4 (double quantization, bf16 compute), "
-                   "prepare_model_for_kbit_training, LoRA adapters (--lora's settings, else PEFT's defaults).")
-@click.option("--max-grad-norm", type=float, default=None, metavar="NORM",
-              help="Clip gradients before each step (clip_grad_norm_); 0: no clipping. Default: the HF Trainer's "
-                   "1.0 for hf: models, none for model files.")
-@click.option("--padding", default="max_length", show_default=True, metavar="max_length|longest",
-              help="longest: batches padded to their longest sample (padding=True), so lengths vary up to "
-                   "--max-len; on cuda the caching allocator replays a run of growing lengths.")
-@click.option("--eval-batch-size", type=int, default=None,
-              help="Also trace an evaluation pass (no_grad) at this batch size; the peak is the larger.")
-@click.option("--eval-accumulate-predictions", type=int, default=0, show_default=True, metavar="N",
-              help="Keep N eval batches of predictions on the GPU (HF Trainer without eval_accumulation_steps).")
-@click.option("--reduce-bucket-size", type=int, default=None, metavar="ELEMENTS",
-              help="zero1-3: DeepSpeed's reduce_bucket_size, the gradient bucket (default 5e8 elements).")
-@click.option("--prefetch-bucket-size", type=int, default=None, metavar="ELEMENTS",
-              help="zero3: DeepSpeed's stage3_prefetch_bucket_size (default 5e7 elements; 0: no prefetch).")
-@click.option("--max-live-parameters", type=int, default=None, metavar="ELEMENTS",
-              help="zero3: DeepSpeed's stage3_max_live_parameters (default 1e9 elements).")
 @click.option("--compare", is_flag=True, help="One table of every strategy that applies to --gpus.")
 @click.option("--top", default=8, show_default=True, type=int, help="Modules to list in the table (identical copies of a repeated block count as one).")
 @click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
@@ -442,17 +458,18 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
         if compare and gpus is not None:  # --compare's GPUs, bounded before the model loads (issue 20)
             check_setting("gpus", gpus)
         # checked before the model file runs, so a bad flag is never hidden behind the model's errors
+        shared = _job_option_settings(
+            weights_dtype=weights_dtype, lora=lora, dora=dora, qlora=qlora, max_grad_norm=max_grad_norm,
+            padding=padding, eval_batch_size=eval_batch_size, eval_accumulate_predictions=eval_accumulate_predictions,
+            reduce_bucket_size=reduce_bucket_size, prefetch_bucket_size=prefetch_bucket_size,
+            max_live_parameters=max_live_parameters)
         job = Job(device=device, gpu=gpu, budget_bytes=budget, batch_size=batch_size, max_len=max_len,
-                   target_len=target_len, precision=precision, weights_dtype=weights_dtype,
-                   optimizer=optimizer or "adamw", steps=steps,
-                   accumulate=accumulate, checkpointing=checkpointing, padding=padding, use_reentrant=reentrant,
-                   max_grad_norm=max_grad_norm, lora=_lora(lora, dora), qlora=qlora,
+                   target_len=target_len, precision=precision, optimizer=optimizer or "adamw", steps=steps,
+                   accumulate=accumulate, checkpointing=checkpointing, use_reentrant=reentrant,
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
-                   bucket_cap_mb=bucket_cap_mb, offload=offload, reduce_bucket_size=reduce_bucket_size,
-                   prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
-                   fsdp_sharding=fsdp_sharding, gpus_per_node=gpus_per_node, eval_batch_size=eval_batch_size,
-                   eval_accumulate_predictions=eval_accumulate_predictions, task=task, attn=attn, packing=packing,
-                   assume=assume, trust_remote_code=trust_remote_code, layout=layout, tp_plan=tp_plan)
+                   bucket_cap_mb=bucket_cap_mb, offload=offload, fsdp_sharding=fsdp_sharding,
+                   gpus_per_node=gpus_per_node, task=task, attn=attn, packing=packing, assume=assume,
+                   trust_remote_code=trust_remote_code, layout=layout, tp_plan=tp_plan, **shared)
         if compare and job.layout is not None:
             raise UsageError("--compare lists the strategies of one kind over --gpus; drop --layout")
         if progress is not None:
@@ -501,8 +518,11 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
          reentrant, bucket_view, bucket_cap_mb, offload, as_json, allow_download, debug, global_batch, margin,
          precision, precision_options, checkpointing_options, length_profile, measure, measure_steps, snapshot_path,
          plot_path, timeout, trust_remote_code=False, layout=None, fsdp_sharding=None, gpus_per_node=None,
-         tp_plan=None):
+         tp_plan=None, **job_options):
     """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
+
+    Every other setting (--lora, --qlora, --padding, --packing, --strategy, ...) is the job's,
+    spelled as memcheck estimate takes it, and every option is traced with it.
 
     \b
     Every option is traced at the worst-case batch (every sequence padded to --max-len):
@@ -558,7 +578,11 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
                    gpus=gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload, margin=margin,
                    fsdp_sharding=fsdp_sharding, gpus_per_node=None if spread is not None else gpus_per_node,
                    global_batch=global_batch, task=task, attn=attn, packing=packing,
-                   assume=assume, trust_remote_code=trust_remote_code, tp_plan=tp_plan)
+                   assume=assume, trust_remote_code=trust_remote_code, tp_plan=tp_plan,
+                   **_job_option_settings(**job_options))
+        if spread is not None and (job.eval_batch_size is not None or job.eval_accumulate_predictions):
+            raise UsageError("the layout search (memcheck plan --gpus N or --layout) traces no evaluation pass yet; "
+                             "drop --eval-batch-size and --eval-accumulate-predictions, or give --strategy")
         work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)
         _no_train_step(work, "memcheck plan")
         if spread is not None:  # --gpus N with no strategy: search the layouts of N GPUs
@@ -604,8 +628,10 @@ def _plan_one(work, job, model, progress, as_json, allow_download, precision, pr
         _phase("tracing")
         rows = result.recommended.micro_batch_size * (result.gpus if result.strategy in ("dp", "dp-balanced")
                                                       else 1)
+        eval_rows = result.job.eval_batch_size
         traced = run_estimate(work.model, work.batch_at(rows), result.job, loss_fn=work.loss_fn,
-                              model_name=work.name, top_modules=0, progress=progress, timeline=True)
+                              model_name=work.name, top_modules=0, progress=progress, timeline=True,
+                              eval_batch=work.batch_at(eval_rows) if eval_rows else None)
         _clear(progress)
         if (traced.peak_bytes, traced.total_bytes) != (result.estimate.peak_bytes, result.estimate.total_bytes):
             raise RuntimeError("the recommendation traced again for --snapshot/--plot differs from the plan's")

@@ -266,6 +266,8 @@ def _strategy_named(name: str, world_size: int, **attrs):
     (_strategy_named("FSDPStrategy", 8, sharding_strategy="SHARD_GRAD_OP"), ("fsdp1", 8,
                                                                               {"fsdp_sharding": "shard_grad_op"})),
     (_strategy_named("DeepSpeedStrategy", 4, config={"zero_optimization": {"stage": 3}}), ("zero3", 4, {})),
+    # FSDP2: ModelParallelStrategy(data_parallel_size=8, tensor_parallel_size=1), what memcheck plan suggests
+    (_strategy_named("ModelParallelStrategy", 8, _data_parallel_size=8, _tensor_parallel_size=1), ("fsdp", 8, {})),
 ])
 def test_the_strategy_maps_to_memchecks(trainer, expected):
     from memcheck.integrations.lightning import _strategy
@@ -276,5 +278,15 @@ def test_the_strategy_maps_to_memchecks(trainer, expected):
 def test_a_strategy_memcheck_does_not_emulate_is_named():
     from memcheck.integrations.lightning import _strategy
 
-    with pytest.raises(UsageError, match="strategy ModelParallelStrategy is not one memcheck emulates"):
-        _strategy(_strategy_named("ModelParallelStrategy", 4))
+    with pytest.raises(UsageError, match="strategy XLAStrategy is not one memcheck emulates"):
+        _strategy(_strategy_named("XLAStrategy", 4))
+
+
+def test_model_parallel_with_tensor_parallelism_points_to_a_layout():
+    from memcheck.integrations.lightning import _strategy
+
+    # "auto" tensor parallelism is the GPUs of one node (Lightning's setup_environment): 4 of 8 here
+    trainer = _strategy_named("ModelParallelStrategy", 8, _tensor_parallel_size="auto")
+    trainer.num_devices = 4
+    with pytest.raises(UsageError, match="--layout dp=2,tp=4"):
+        _strategy(trainer)

@@ -139,6 +139,57 @@ def test_plan_help_lists_every_flag():
     assert "plan" in run("--help").output
 
 
+# The Job fields memcheck plan chooses itself, so it takes no flag for them, each with why.
+PLAN_SEARCHES = {
+    "batch_size": "the micro-batch is what plan searches (the largest that fits, or a divisor of --global-batch)",
+    "accumulate": "follows from the micro-batch: --global-batch / (micro-batch x GPUs)",
+    "checkpointing": "searched over --checkpointing-options (none, half, full)",
+}
+
+
+def test_plan_takes_every_job_setting_estimate_takes():
+    """Every Job field is a plan flag, spelled as SPELLINGS spells it, or one plan searches."""
+    from memcheck.cli import estimate as estimate_command
+    from memcheck.cli import plan as plan_command
+    from memcheck.job import SPELLING, Job
+
+    def flags(command):
+        return {o for p in command.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts}
+
+    taken = flags(plan_command)
+    missing = [f.name for f in dataclasses.fields(Job)
+               if f.name not in PLAN_SEARCHES and SPELLING[f.name].flag not in taken]
+    assert not missing, f"memcheck plan has no flag for Job field(s) {missing}"
+    # and the searched ones are estimate's (plan cannot drop a field nobody else takes either)
+    assert {SPELLING[f].flag for f in PLAN_SEARCHES} <= flags(estimate_command)
+    # estimate's own flags beyond the job's are its table's and pictures'; the rest plan takes too
+    own = {"--compare", "--top", "--accumulate", "--checkpointing", "--batch-size", "-b"}
+    assert flags(estimate_command) - own <= taken | {"--snapshot", "--plot"}
+
+
+def test_plan_passes_the_adapters_padding_and_clipping_into_the_job_it_traces(small):
+    # one option (fp32, adamw, no checkpointing) on a 64 MiB CPU budget: a few traces of two tiny blocks
+    where = ("--device", "cpu", "--gpu-memory", "64MiB", "--max-len", "32", "--precision", "fp32", "--optimizer",
+             "adamw", "--checkpointing-options", "none", "--global-batch", "4")
+    mine = ("--lora", "r=4,alpha=8,targets=c_attn", "--dora", "--padding", "longest", "--max-grad-norm", "0.5",
+            "--eval-batch-size", "2")
+    result = plan(small, *where, *mine, "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    job = out["job"]
+    assert job["lora"] == "r=4,alpha=8,targets=c_attn,dora=true"
+    assert (job["padding"], job["max_grad_norm"], job["eval_batch_size"]) == ("longest", 0.5, 2)
+    assert out["estimate"]["job"]["lora"] == job["lora"]
+    # the table's flags carry them, so that pasting the flags back traces the plan's own job
+    table = plan(small, *where, *mine)
+    flags = shlex.split(setting(table.stdout, "memcheck flags"))
+    for flag in ("--lora", "--padding", "--max-grad-norm", "--eval-batch-size"):
+        assert flag in flags, flags
+    again = run(small, "--device", "cpu", "--gpu-memory", "64MiB", "--max-len", "32", *flags, "--json")
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["peak_bytes"] == out["plan"]["predicted_device_total_bytes"]
+
+
 # ---- the table ---------------------------------------------------------------------------------------
 
 

@@ -133,3 +133,60 @@ def test_the_readmes_memcheck_outputs_fit_80_columns():
         for line in block.splitlines()[1:]:
             if not line.startswith("$ "):
                 assert len(line) <= 80, (block.splitlines()[0], line)
+
+
+def test_lightnings_fsdp2_suggestion_is_model_parallel_strategy_and_reads_back_as_fsdp():
+    # Lightning's strategy="fsdp" is FSDPStrategy, FSDP1's FullyShardedDataParallel; FSDP2 is
+    # ModelParallelStrategy with fully_shard in configure_model, both sizes given ("auto" would make
+    # tensor_parallel_size the GPUs of a node)
+    from types import SimpleNamespace
+
+    from memcheck.integrations.lightning import _strategy
+    from memcheck.report.results import PlanOption
+    from memcheck.report.text import _lightning_parts
+
+    option = PlanOption(micro_batch_size=2, accumulation_steps=1, checkpointing="full", precision="amp-bf16",
+                        predicted_device_total_bytes=1, fits=True, relative_cost=1.0, traces=1,
+                        largest_fitting_micro_batch=2, boundary_confirmed=True, optimizer="adamw-fused")
+    parts = _lightning_parts(SimpleNamespace(strategy="fsdp", gpus=8, job=None), option)
+    assert "strategy=ModelParallelStrategy(data_parallel_size=8, tensor_parallel_size=1)" in parts
+    assert not any('strategy="fsdp"' in p for p in parts)
+    assert any("fully_shard" in p and "configure_model" in p for p in parts)
+    # the Trainer built from it is read back by the callback as memcheck's fsdp (FSDP2) over 8 GPUs
+    strategy = type("ModelParallelStrategy", (), {"_data_parallel_size": 8, "_tensor_parallel_size": 1})()
+    assert _strategy(SimpleNamespace(world_size=8, strategy=strategy)) == ("fsdp", 8, {})
+    # fsdp1 stays Lightning's FSDPStrategy
+    assert 'strategy="fsdp"' in _lightning_parts(SimpleNamespace(strategy="fsdp1", gpus=8, job=None), option)
+
+
+@pytest.mark.parametrize("precision, trainer_words, read_back", [
+    # DeepSpeed's bf16 mode (bf16 weights, an fp32 master): the Trainer's bf16=True fills bf16.enabled
+    ("bf16", "bf16=True (DeepSpeed's bf16 mode", {"bf16": True}),
+    # autocast over fp32 weights under DeepSpeed is its torch_autocast section; bf16=True would be the mode
+    ("amp-bf16", '"torch_autocast": {"enabled": true, "dtype": "bfloat16"}',
+     {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}),
+])
+def test_a_zero_plans_precision_reads_back_as_the_precision_it_traced(tmp_path, precision, trainer_words, read_back):
+    import json
+    from types import SimpleNamespace
+
+    from memcheck.report.results import PlanOption
+    from memcheck.report.text import _flag_parts, _lightning_parts
+    from memcheck.workloads.trainer_files import trainer_settings
+
+    option = PlanOption(micro_batch_size=2, accumulation_steps=1, checkpointing="none", precision=precision,
+                        predicted_device_total_bytes=1, fits=True, relative_cost=1.0, traces=1,
+                        largest_fitting_micro_batch=2, boundary_confirmed=True, optimizer="adamw-fused")
+    plan = SimpleNamespace(strategy="zero2", gpus=4, job=None)
+    _, args = _flag_parts(plan, option)
+    assert any(trainer_words in a for a in args), args
+    assert ("bf16=True" in args) is False  # never the bare flag, which means DeepSpeed's mode under ZeRO
+    lightning = _lightning_parts(plan, option)
+    assert ('precision="32-true"' in lightning) == (precision == "amp-bf16"), lightning
+    # the TrainingArguments with that DeepSpeed config, read back as memcheck check reads them
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2},
+                                                  **{k: v for k, v in read_back.items() if k != "bf16"}}))
+    args_file = tmp_path / "args.json"
+    args_file.write_text(json.dumps({"output_dir": "o", "deepspeed": "ds.json",
+                                     **({"bf16": True} if "bf16" in read_back else {})}))
+    assert trainer_settings(args_file)[1]["precision"] == precision

@@ -25,7 +25,8 @@ def _write(tmp_path, name, text):
                            "checkpointing": "full", "reentrant": False}),
     ("lightning.yaml", "trainer:\n  precision: bf16-mixed\n  accumulate_grad_batches: 2\n  strategy: deepspeed_stage_3\n"
                        "  devices: 4\ndata:\n  init_args:\n    batch_size: 16\n",
-     "LightningCLI", {"precision": "bf16-mixed", "accumulation": 2, "strategy": "zero3", "gpus": 4, "micro_batch": 16}),
+     # under DeepSpeed bf16-mixed turns on DeepSpeed's bf16 mode (Lightning's _format_precision_config): pure bf16
+     "LightningCLI", {"precision": "bf16", "accumulation": 2, "strategy": "zero3", "gpus": 4, "micro_batch": 16}),
     ("accelerate.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: bf16\n"
                         "num_processes: 8\nfsdp_config:\n  fsdp_offload_params: true\n",
      # accelerate's fsdp_version defaults to 1: FSDP1, FULL_SHARD
@@ -46,6 +47,37 @@ def _write(tmp_path, name, text):
 ])
 def test_each_trainers_file_becomes_memchecks_settings(tmp_path, name, text, kind, settings):
     assert trainer_settings(_write(tmp_path, name, text)) == (kind, settings)
+
+
+DS_AUTO = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}
+
+
+@pytest.mark.parametrize("name, text", [
+    ("ds.json", json.dumps({**DS_AUTO, "bf16": {"enabled": True}})),  # memcheck check ds_config.json's reading
+    # the HF Trainer fills bf16.enabled from bf16=True (integrations/deepspeed.py, fill_match)
+    ("args.json", json.dumps({"output_dir": "out", "bf16": True, "deepspeed": "ds_auto.json"})),
+    # Lightning adds {"bf16": {"enabled": True}} for bf16-mixed (fabric/strategies/deepspeed.py)
+    ("lightning.yaml", "trainer:\n  precision: bf16-mixed\n  strategy: deepspeed_stage_2\n  devices: 2\n"),
+    # accelerate sets bf16.enabled for mixed_precision bf16 (DeepSpeedPlugin.set_mixed_precision), from its
+    # own keys or from the config file it names
+    ("accelerate.yaml", "distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 2\n"
+                        "deepspeed_config:\n  zero_stage: 2\n"),
+    ("accelerate_file.yaml", "distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 2\n"
+                             "deepspeed_config:\n  deepspeed_config_file: ds_auto.json\n"),
+])
+def test_deepspeeds_bf16_is_pure_bf16_on_every_path(tmp_path, name, text):
+    # DeepSpeed's bf16 mode casts the weights to bf16 and keeps an fp32 master in the ZeRO optimizer:
+    # memcheck's pure bf16 under zero1-3 (zero.py's docstring), never amp-bf16 (fp32 weights, autocast)
+    _write(tmp_path, "ds_auto.json", json.dumps(DS_AUTO))
+    _, settings = trainer_settings(_write(tmp_path, name, text))
+    assert (settings["precision"], settings["strategy"]) == ("bf16", "zero2")
+
+
+def test_deepspeeds_bf16_at_stage_0_is_refused_on_the_trainers_path_as_on_the_ds_config_path(tmp_path):
+    _write(tmp_path, "ds0.json", json.dumps({"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 0}}))
+    with pytest.raises(UsageError, match="bf16.enabled at zero_optimization.stage 0 is not modelled"):
+        trainer_settings(_write(tmp_path, "args.json", json.dumps({"output_dir": "o", "bf16": True,
+                                                                   "deepspeed": "ds0.json"})))
 
 
 def test_a_trainingarguments_file_gives_the_same_result_as_the_same_job_in_memchecks_keys(tmp_path):

@@ -80,7 +80,7 @@ from memcheck.choices import ANSWERS
 from memcheck.cuda.gpus import GPUS, GpuSpec, Rates, rates_for
 from memcheck.cuda.overhead import context_bytes
 from memcheck.engine.estimate import estimate, target_gpu
-from memcheck.enums import Device, Offload, Precision, Strategy
+from memcheck.enums import Device, Offload, Precision, Strategy, WeightsDtype
 from memcheck.errors import UsageError, closest, require_int
 from memcheck.job import Job, as_job
 from memcheck.report.results import (
@@ -93,7 +93,7 @@ from memcheck.report.results import (
     Suggestion,
     Work,
 )
-from memcheck.training.checkpointing import FULL, HALF, NONE, half_of, repeated_blocks
+from memcheck.training.checkpointing import FULL, HALF, NONE, repeated_blocks
 from memcheck.trace.device_redirect import tracing_globals
 from memcheck.units import GiB
 
@@ -265,6 +265,10 @@ def _validate(model, make_batch, job: Job, precision_options, optimizer_options,
         precision_options = ("amp-bf16", "bf16") if arch >= (8, 0) else ("amp-fp16",)
     precisions = _unique(Precision.parse(p, what="precision")
                          for p in _as_list(precision_options, "precision_options"))
+    if auto_precision and job.weights_dtype is not WeightsDtype.AUTO:  # pure bf16 names its own weights' dtype
+        precisions = [p for p in precisions if _weights_agree(job, p)] or precisions
+    for p in precisions:  # a precision the weights dtype contradicts is refused before anything is traced
+        job.replace(precision=p)
     precisions.sort(key=lambda p: p is Precision.FP32)  # likely winners first, so that later options drop early
     auto_optimizer = optimizer_options == AUTO and cuda and job.optimizer in ADAMW  # the HF Trainer's is fused
     if optimizer_options is None or optimizer_options == AUTO and not auto_optimizer:
@@ -285,6 +289,14 @@ def _validate(model, make_batch, job: Job, precision_options, optimizer_options,
         checkpoints = [c for c in checkpoints if c == NONE] or [NONE]
     cap = job.global_batch // config.gpus if job.global_batch is not None else MAX_MICRO_BATCH
     return _Space(tiers, checkpoints, target, budget, int(budget * (1 - job.effective_margin)), blocks, cap)
+
+
+def _weights_agree(job: Job, precision: Precision) -> bool:
+    try:
+        job.replace(precision=precision)
+    except UsageError:
+        return False
+    return True
 
 
 def _optimizer_option(value) -> str:
@@ -435,15 +447,9 @@ class _Search:
                           + (f", length {length}" if length else "") + (f", {strategy.value} x{gpus}"
                                                                          if strategy.multi_gpu else ""))
         rows = micro * gpus if strategy in (Strategy.DP, Strategy.DP_BALANCED) else micro
-        if self.takes_length:
-            length = length or self.max_len
-            target = self.target_len
-            if target and self.max_len and length != self.max_len:
-                target = max(1, round(target * length / self.max_len))
-            batch = self.make_batch(rows, length, target) if self.arity >= 3 else self.make_batch(rows, length)
-        else:
-            batch = self.make_batch(rows)
-        spec = {NONE: NONE, FULL: FULL, HALF: list(half_of(self.blocks))}[checkpointing]
+        batch = self._batch(rows, length)
+        # the evaluation pass the job asks for runs at its own batch size, at the same length
+        eval_batch = self._batch(self.job.eval_batch_size, length) if self.job.eval_batch_size else None
         traced = self.job.replace(
             precision=precision, gpu=gpu if self.device is Device.CUDA else None, budget_bytes=self.budget,
             strategy=strategy, gpus=gpus if strategy.multi_gpu else None, accumulate=accumulate, optimizer=optimizer,
@@ -452,13 +458,26 @@ class _Search:
             # option and the sharded GPU-count search trace other strategies)
             fsdp_sharding=self.job.fsdp_sharding if strategy is Strategy.FSDP1 else None,
             gpus_per_node=self.job.gpus_per_node if strategy is Strategy.FSDP1 and gpus == self.gpus else None,
-            checkpointing=spec, batch_size=micro, max_len=length or self.max_len, global_batch=None,
-            eval_batch_size=None, eval_accumulate_predictions=0)
-        est = estimate(self.model, batch, traced, loss_fn=self.loss_fn, model_name=self.name, top_modules=0)
+            # "half" by name, not as the base model's module names: apply_checkpointing picks the blocks
+            # after LoRA/QLoRA have wrapped the model (PEFT renames every module: base_model.model.…)
+            checkpointing=checkpointing, batch_size=micro, max_len=length or self.max_len, global_batch=None)
+        est = estimate(self.model, batch, traced, loss_fn=self.loss_fn, model_name=self.name, top_modules=0,
+                       eval_batch=eval_batch)
         self.traces += 1
         self._cache[key] = est
         self._pin_branches(est, micro, precision, checkpointing)
         return est
+
+    def _batch(self, rows: int, length: int | None):
+        """The worst-case batch of ``rows`` at ``length`` (``max_len`` when None), the label length
+        scaled with it."""
+        if not self.takes_length:
+            return self.make_batch(rows)
+        length = length or self.max_len
+        target = self.target_len
+        if target and self.max_len and length != self.max_len:
+            target = max(1, round(target * length / self.max_len))
+        return self.make_batch(rows, length, target) if self.arity >= 3 else self.make_batch(rows, length)
 
     def _pin_branches(self, est: Estimate, micro: int, precision: Precision, checkpointing: str) -> None:
         """Pin the data-dependent answers of the first trace that had a choice (the worse
@@ -558,8 +577,11 @@ class _Search:
         """A lower bound on any trace of ``tier``'s device total: the weights in the tier's
         dtype, a gradient and the optimizer's state for each trainable one (AdamW: two moments
         in the weight's dtype, as torch keeps them; 8-bit: two bytes an element; offloaded: none),
-        and the CUDA context; for a sharded strategy only the context. Used only to skip
-        tracing, never reported as a figure."""
+        and the CUDA context; for a sharded strategy only the context. Under LoRA/QLoRA the base
+        is frozen (PEFT sets requires_grad=False on it: no gradient, no state; the adapters' own
+        are left out, as a lower bound may) and QLoRA's weights count half a byte an element (NF4,
+        below any dtype's). Used only to skip tracing, never reported as a figure."""
+        adapters = self.job.lora is not None or self.job.qlora
         dtype = tier.precision.weights_dtype or self.job.weights_dtype.torch_dtype
         if dtype is None and tier.precision is Precision.FP32:
             dtype = torch.float32
@@ -569,8 +591,8 @@ class _Search:
             return total  # sharded: a rank holds a part; no floor is worked out for it
         for p in self._parameters():
             weight = p.numel() * (dtype.itemsize if dtype is not None else p.element_size())
-            total += weight
-            if p.requires_grad:
+            total += p.numel() // 2 if self.job.qlora else weight
+            if p.requires_grad and not adapters:
                 total += weight  # its gradient
                 if not tier.offload:
                     total += moments * weight + (2 * p.numel() if tier.optimizer == "adamw-8bit" else 0)

@@ -48,7 +48,7 @@ from memcheck.integrations._common import (
     target,
 )
 from memcheck.job import Job
-from memcheck.workloads.trainer_files import fsdp1_sharding, zero_strategy
+from memcheck.workloads.trainer_files import deepspeed_mode, fsdp1_sharding, zero_strategy
 from memcheck.report.results import Verdict
 
 # A child of Lightning's own logger, which shows INFO by default (lightning/pytorch/__init__.py)
@@ -124,7 +124,8 @@ class MemcheckCallback(pl.Callback):
         strategy, gpus, extra = _strategy(trainer)
         batch, batch_size = self._train_batch(trainer)
         job = Job(  # the Trainer's own settings, in memcheck's words
-            batch_size=batch_size, accumulate=trainer.accumulate_grad_batches, precision=_precision(trainer),
+            batch_size=batch_size, accumulate=trainer.accumulate_grad_batches,
+            precision=_precision(trainer, strategy),
             strategy=strategy, gpus=gpus, optimizer=_optimizer(trainer, pl_module), margin=self.settings.margin,
             max_grad_norm=float(trainer.gradient_clip_val or 0)
             if trainer.gradient_clip_algorithm in (None, "norm") else 0.0,  # "value" clipping allocates nothing
@@ -194,11 +195,17 @@ def _overrides(module, name: str) -> bool:
     return is_overridden(name, module)
 
 
-def _precision(trainer) -> str:
+def _precision(trainer, strategy: str = "single") -> str:
+    """The Trainer's precision in memcheck's words; under DeepSpeed, bf16-mixed is DeepSpeed's
+    bf16 mode (the strategy's config gets ``bf16.enabled``: bf16 weights with an fp32 master,
+    pure ``bf16``), as ``trainer_files.deepspeed_mode`` reads it on every path."""
     value = str(trainer.precision)
     if value not in LIGHTNING_PRECISION:
         raise UsageError(f"precision {value!r} is not one memcheck traces; it knows {', '.join(LIGHTNING_PRECISION)}")
-    return LIGHTNING_PRECISION[value]
+    precision = LIGHTNING_PRECISION[value]
+    if strategy != "single" and "DeepSpeedStrategy" in {c.__name__ for c in type(trainer.strategy).__mro__}:
+        precision = deepspeed_mode(precision, getattr(trainer.strategy, "config", None), strategy) or "fp32"
+    return precision
 
 
 def _strategy(trainer) -> tuple[str, int | None, dict]:
@@ -219,6 +226,14 @@ def _strategy(trainer) -> tuple[str, int | None, dict]:
         if sharding == "hybrid_shard" and isinstance(per_node, int) and 0 < per_node < world and world % per_node == 0:
             extra["gpus_per_node"] = per_node
         return "fsdp1", world, extra
+    if "ModelParallelStrategy" in classes:  # FSDP2 (fully_shard in configure_model), with DTensor TP
+        tp = getattr(trainer.strategy, "_tensor_parallel_size", "auto")
+        if tp == "auto":  # setup_environment's default: the GPUs of one node
+            tp = getattr(trainer, "num_devices", world)
+        if tp == 1:
+            return "fsdp", world, {}
+        raise UsageError(f"ModelParallelStrategy with tensor_parallel_size={tp} is not read from the Trainer; "
+                         f"estimate it with memcheck MODEL --layout dp={max(world // tp, 1)},tp={tp}")
     if "DDPStrategy" in classes:
         return "ddp", world, {}
     raise UsageError(f"strategy {type(trainer.strategy).__name__} is not one memcheck emulates; it knows "

@@ -43,7 +43,7 @@ from memcheck.integrations._common import (
     target,
 )
 from memcheck.job import Job
-from memcheck.workloads.trainer_files import fsdp1_sharding, zero_strategy
+from memcheck.workloads.trainer_files import deepspeed_mode, fsdp1_sharding, zero_strategy
 from memcheck.training.optimizers import hf_optimizer
 from memcheck.report.results import Verdict
 from memcheck.workloads import hf
@@ -292,17 +292,20 @@ def _packing(args) -> bool:
 
 def _precision(args, model) -> str:
     """Pure bf16/fp16 when the weights already are (a model loaded in that dtype); otherwise
-    fp16=True / bf16=True are the Trainer's autocast (mixed precision)."""
+    fp16=True / bf16=True are the Trainer's autocast (mixed precision), except under DeepSpeed,
+    where they fill its config's ``bf16.enabled`` / ``fp16.enabled``: DeepSpeed's bf16/fp16 mode,
+    bf16 weights with an fp32 master, pure ``bf16`` (``trainer_files.deepspeed_mode``)."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if dtypes == {torch.bfloat16}:
         return "bf16"
     if dtypes == {torch.float16}:
         return "fp16"
-    if args.bf16:
-        return "amp-bf16"
-    if args.fp16:
-        return "amp-fp16"
-    return "fp32"
+    precision = "amp-bf16" if args.bf16 else "amp-fp16" if args.fp16 else "fp32"
+    if args.deepspeed and int(args.world_size) > 1:  # _strategy reads the same config
+        ds = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+        if ds is not None:
+            precision = deepspeed_mode(precision, ds, zero_strategy(ds, 2)[0]) or "fp32"
+    return precision
 
 
 def _checkpointing(args, twin) -> tuple[str | tuple[str, ...], bool]:

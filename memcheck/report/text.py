@@ -6,15 +6,18 @@ arguments broken after commas (``continued``), runs of repeated blocks are range
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import shlex
 import textwrap
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tabulate import tabulate
 
 from memcheck.choices import ANSWERS, words
 from memcheck.enums import PRECISION_ALIASES, Phase
+from memcheck.job import SPELLING, Job, Spelling
 from memcheck.training.checkpointing import half_of
 from memcheck.training.optimizers import HF_OPTIMIZERS, optimizer_name
 from memcheck.workloads.hf import checkpointing_argument
@@ -492,9 +495,12 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
         args.extend((f"{name}=True", f"{name}_kwargs={{'every_n_layers': 2}}"))
     if r.precision != "fp32":
         flags.append(f"--precision {r.precision}")
-    args.append({"amp-bf16": "bf16=True", "amp-fp16": "fp16=True", "bf16": "bf16=True with the model loaded in "
-                 "torch.bfloat16", "fp16": "the model loaded in torch.float16 (no TrainingArguments flag)"}
-                .get(r.precision, "fp32 (neither bf16 nor fp16)"))
+    if _deepspeed(plan, r):  # the Trainer's bf16=True turns on DeepSpeed's bf16 mode (bf16.enabled)
+        args.append(_DEEPSPEED_PRECISION.get(r.precision, "fp32 (neither bf16 nor fp16)"))
+    else:
+        args.append({"amp-bf16": "bf16=True", "amp-fp16": "fp16=True", "bf16": "bf16=True with the model loaded in "
+                     "torch.bfloat16", "fp16": "the model loaded in torch.float16 (no TrainingArguments flag)"}
+                    .get(r.precision, "fp32 (neither bf16 nor fp16)"))
     optimizer = plan.job.optimizer if plan.job is not None else None
     if isinstance(optimizer, str):  # every setting traced, the optimizer too (issue 17)
         flags.append(f"--optimizer {optimizer}")
@@ -509,6 +515,9 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
         args.append("packing=True (TRL's SFTConfig; or DataCollatorWithFlattening)")
     if plan.job is not None and plan.job.assume:  # the data-dependent answers the plan pinned, or the user's
         flags.append(f"--assume {','.join(plan.job.assume)}")
+    for spelling, value in _kept_settings(plan):  # the user's own settings the plan traced with
+        flags.append(spelling.flag if value is True else f"{spelling.flag} {shlex.quote(str(value))}")
+    args.extend(_trainer_words(plan))
     if r.offload == "optimizer":  # DeepSpeed's ZeRO-Offload on this one GPU
         flags.extend(("--strategy zero2", "--gpus 1", "--offload optimizer"))
         args.append('deepspeed= a ZeRO stage 2 config with "offload_optimizer": {"device": "cpu"}')
@@ -526,6 +535,67 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
     return flags, args
 
 
+# The job settings plan takes from the user and traces every option with (cli._JOB_OPTIONS), echoed in
+# the recommendation's flags and TOML when they differ from the Job's defaults, so that pasting them
+# back traces the plan's own job.
+KEPT_SETTINGS = ("weights_dtype", "lora", "qlora", "max_grad_norm", "padding", "eval_batch_size",
+                 "eval_accumulate_predictions", "reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters")
+
+
+def _kept_settings(plan: Plan) -> list[tuple[Spelling, Any]]:
+    """``(spelling, value)`` of each ``KEPT_SETTINGS`` field the plan's job sets to other than the
+    default; values as a flag or config key takes them (enums by value, LoRA settings as text)."""
+    if plan.job is None:
+        return []
+    defaults = {f.name: f.default for f in dataclasses.fields(Job)}
+    out = []
+    for field in KEPT_SETTINGS:
+        value = getattr(plan.job, field)
+        if value == defaults[field] or (field == "qlora" and not value):
+            continue
+        out.append((SPELLING[field], value.value if hasattr(value, "value") else
+                    str(value) if not isinstance(value, (bool, int, float)) else value))
+    return out
+
+
+def _trainer_words(plan: Plan) -> list[str]:
+    """The kept settings the HF Trainer takes (TrainingArguments) or its model is built with."""
+    job, words = plan.job, []
+    if job is None:
+        return words
+    if job.qlora:  # memcheck.training.adapters: NF4, double quantization, bf16 compute (each part one line)
+        words.extend(("BitsAndBytesConfig(load_in_4bit=True, nf4, double quant, bf16 compute)",
+                      "prepare_model_for_kbit_training"))
+    if job.lora is not None or job.qlora:
+        words.append(f"PEFT LoraConfig({job.lora or 'defaults'})")
+    if job.max_grad_norm is not None:
+        words.append(f"max_grad_norm={job.max_grad_norm}")
+    if job.eval_batch_size is not None:
+        words.append(f"per_device_eval_batch_size={job.eval_batch_size}")
+    return words
+
+
+# A precision under DeepSpeed, in the Trainer's words. bf16=True fills the DeepSpeed config's bf16.enabled
+# (transformers/integrations/deepspeed.py, fill_match): DeepSpeed's bf16 mode, whose engine casts the
+# weights to bf16 and whose ZeRO optimizer keeps an fp32 master, memcheck's pure bf16
+# (memcheck.workloads.trainer_files.deepspeed_mode); autocast over fp32 weights is the config's torch_autocast.
+_DEEPSPEED_PRECISION = {
+    "bf16": "bf16=True (DeepSpeed's bf16 mode: the engine casts the weights to bf16, an fp32 master in the "
+            "optimizer)",
+    "fp16": "fp16=True (DeepSpeed's fp16 mode: the engine casts the weights to fp16, an fp32 master in the "
+            "optimizer)",
+    "amp-bf16": 'neither bf16 nor fp16 (they would turn on DeepSpeed\'s bf16 mode); the DeepSpeed config\'s '
+                '"torch_autocast": {"enabled": true, "dtype": "bfloat16"}',
+    "amp-fp16": 'neither bf16 nor fp16 (they would turn on DeepSpeed\'s fp16 mode); the DeepSpeed config\'s '
+                '"torch_autocast": {"enabled": true, "dtype": "float16"}',
+}
+
+
+def _deepspeed(plan: Plan, r: PlanOption) -> bool:
+    """The recommendation runs under DeepSpeed: a ZeRO stage, or ZeRO-Offload on one GPU."""
+    return r.offload == "optimizer" or plan.strategy.startswith("zero")
+
+
 def _fsdp1_sharding(plan: Plan) -> str:
     """The plan's fsdp1 sharding strategy (FSDP1's default, full_shard, when the job names none)."""
     sharding = plan.job.fsdp_sharding if plan.job is not None else None
@@ -539,13 +609,27 @@ LIGHTNING_NAMES = {v: k for k, v in reversed(list(PRECISION_ALIASES.items()))}
 def _lightning_parts(plan: Plan, r: PlanOption) -> list[str]:
     """The recommendation in Lightning's words: the Trainer's arguments, then what Lightning
     has no Trainer argument for (checkpointing, the optimizer)."""
-    parts = [f'precision="{LIGHTNING_NAMES.get(r.precision, r.precision)}"']
+    autocast = _deepspeed(plan, r) and r.precision.startswith("amp-")  # bf16-mixed: DeepSpeed's bf16 mode
+    parts = [f'precision="{"32-true" if autocast else LIGHTNING_NAMES.get(r.precision, r.precision)}"']
     if r.accumulation_steps > 1:
         parts.append(f"accumulate_grad_batches={r.accumulation_steps}")
-    if r.offload == "optimizer":
+    if autocast:  # fp32 weights under torch.autocast: the DeepSpeed config's torch_autocast section
+        stage = 2 if r.offload == "optimizer" else int(plan.strategy[-1])
+        offload = ', "offload_optimizer": {"device": "cpu"}' if r.offload == "optimizer" else ""
+        dtype = "bfloat16" if r.precision == "amp-bf16" else "float16"
+        parts.append(f'strategy=DeepSpeedStrategy(config={{"zero_optimization": {{"stage": {stage}{offload}}}, '
+                     f'"torch_autocast": {{"enabled": true, "dtype": "{dtype}"}}}})')
+        if r.offload != "optimizer":
+            parts.append(f"devices={plan.gpus}")
+    elif r.offload == "optimizer":
         parts.append('strategy="deepspeed_stage_2_offload"')
-    elif plan.strategy in ("ddp", "fsdp"):
-        parts.extend((f'strategy="{plan.strategy}"', f"devices={plan.gpus}"))
+    elif plan.strategy == "ddp":
+        parts.extend(('strategy="ddp"', f"devices={plan.gpus}"))
+    elif plan.strategy == "fsdp":  # FSDP2: Lightning's strategy="fsdp" is FSDPStrategy, FSDP1's wrapper
+        # both sizes given: "auto" makes data_parallel_size the node count and tensor_parallel_size the
+        # GPUs of a node (lightning/pytorch/strategies/model_parallel.py, setup_environment)
+        parts.extend((f"strategy=ModelParallelStrategy(data_parallel_size={plan.gpus}, tensor_parallel_size=1)",
+                      f"devices={plan.gpus}", "fully_shard() on each block, then the model, in configure_model()"))
     elif plan.strategy == "fsdp1":  # Lightning's FSDPStrategy is FSDP1's FullyShardedDataParallel
         sharding = _fsdp1_sharding(plan)
         parts.extend(('strategy="fsdp"' if sharding == "full_shard"
@@ -583,6 +667,9 @@ def _toml_lines(plan: Plan, r: PlanOption) -> list[str]:
         lines.append("assume = [" + ", ".join(f'"{a}"' for a in plan.job.assume) + "]")
     if plan.job is not None and plan.job.trust_remote_code:
         lines.append("trust_remote_code = true")
+    for spelling, value in _kept_settings(plan):
+        lines.append(f"{spelling.config} = " + ("true" if value is True else
+                                                f'"{value}"' if isinstance(value, str) else f"{value}"))
     return lines
 
 

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memcheck.enums import FsdpSharding
+from memcheck.enums import FsdpSharding, Precision
 from memcheck.errors import UsageError
 from memcheck.job import SPELLING, translate_alias
 
@@ -96,6 +96,38 @@ def zero_strategy(config: dict | None, world: int) -> tuple[str, int, dict]:
     elif (zero.get("offload_optimizer") or {}).get("device") == "cpu":
         offload = "optimizer"
     return f"zero{stage}", world, ({"offload": offload} if offload else {})
+
+
+def deepspeed_mode(precision: str | None, config: dict | None, strategy: str) -> str | None:
+    """The precision of a trainer that runs DeepSpeed, read as ``memcheck check ds_config.json``
+    reads the config (``memcheck.workloads.deepspeed.deepspeed_precision``), so that ``bf16.enabled``
+    means one thing on every path: DeepSpeed's bf16 mode, bf16 weights with an fp32 master in the
+    ZeRO optimizer, memcheck's pure ``bf16`` (``fp16`` likewise), never autocast over fp32 weights.
+
+    The trainer's own switch is what turns the mode on: the HF Trainer fills ``bf16.enabled`` from
+    ``bf16=True`` (transformers/integrations/deepspeed.py, ``fill_match("bf16.enabled", args.bf16)``),
+    Lightning adds ``{"bf16": {"enabled": True}}`` for ``bf16-mixed`` and ``bf16-true``
+    (lightning/fabric/strategies/deepspeed.py, ``_format_precision_config``: "Enabling DeepSpeed BF16.
+    Model parameters and inputs will be cast to `bfloat16`"), accelerate for ``mixed_precision: bf16``
+    (accelerate/utils/dataclasses.py, ``DeepSpeedPlugin.set_mixed_precision``). ``precision`` is the
+    trainer's switch in memcheck's words (``amp-bf16`` for ``bf16=True``); ``strategy`` the
+    ``zero_strategy`` answer (stage 0 is ``ddp``, where the mode is refused as the ds_config path
+    refuses it). None: fp32, as the config and the trainer say nothing."""
+    from memcheck.workloads.deepspeed import deepspeed_precision
+
+    sections = {k: v for k, v in (config or {}).items() if k in ("bf16", "bfloat16", "fp16", "torch_autocast")}
+    if "bfloat16" in sections and "bf16" not in sections:  # DeepSpeed's older name of the section
+        sections["bf16"] = sections.pop("bfloat16")
+    switched = {"amp-bf16": "bf16", "bf16": "bf16", "amp-fp16": "fp16", "fp16": "fp16"}.get(precision or "")
+    for key in ("bf16", "fp16"):  # the trainer fills "auto" from its switch, and adds the section when missing
+        section = sections.get(key)
+        section = dict(section) if isinstance(section, dict) else {}
+        if section.get("enabled") == "auto" or key == switched:
+            section["enabled"] = key == switched
+        if section:
+            sections[key] = section
+    stage = int(strategy[-1]) if strategy.startswith("zero") else 0
+    return deepspeed_precision(sections, stage) or (None if precision in (None, "fp32") else precision)
 
 
 def read_data(path: Path) -> Any:
@@ -207,6 +239,9 @@ def _training_arguments(data: dict, path: Path) -> dict[str, Any]:
         strategy, _, extra = zero_strategy(config, 2)
         out["strategy"] = strategy
         out.update(extra)
+        precision = deepspeed_mode(out.get("precision"), config, strategy)
+        if precision is not None:
+            out["precision"] = precision
     fsdp = data.get("fsdp")
     if fsdp and not ds:
         words = " ".join(fsdp) if isinstance(fsdp, list) else str(fsdp)
@@ -233,6 +268,11 @@ _LIGHTNING_STRATEGIES = {
 }  # lightning/pytorch/strategies: the registered names
 
 
+def _lightning_precision(value: str) -> str:
+    """A Lightning precision name in memcheck's words (``bf16-mixed``: ``amp-bf16``)."""
+    return Precision.parse(value, what="trainer.precision").value
+
+
 def _lightning(data: dict, path: Path) -> dict[str, Any]:
     trainer = data["trainer"]
     out: dict[str, Any] = {}
@@ -252,6 +292,8 @@ def _lightning(data: dict, path: Path) -> dict[str, Any]:
         name, extra = _LIGHTNING_STRATEGIES[strategy]
         out["strategy"] = name
         out.update(extra)
+        if strategy.startswith("deepspeed") and "precision" in out:  # DeepSpeed's bf16/fp16 mode
+            out["precision"] = deepspeed_mode(_lightning_precision(out["precision"]), None, name)
         if isinstance(trainer.get("devices"), int) and trainer["devices"] > 1:
             out["gpus"] = trainer["devices"]
     data_section = data.get("data") or {}
@@ -299,6 +341,10 @@ def _accelerate(data: dict, path: Path) -> dict[str, Any]:
                 out["accumulation"] = _int(ds, "gradient_accumulation_steps")
         out["strategy"] = strategy
         out.update(extra)
+        precision = deepspeed_mode(out.get("precision"), config if ds.get("deepspeed_config_file") else None,
+                                   strategy)
+        if precision is not None:
+            out["precision"] = precision
     elif kind not in ("NO",):
         raise UsageError(f"distributed_type {kind!r} has no memcheck equivalent; memcheck knows NO, MULTI_GPU, FSDP, "
                          "DEEPSPEED")

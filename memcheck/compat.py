@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 
 import torch
 
@@ -160,8 +161,23 @@ def default_device_type() -> str | None:
 
 
 def import_dynamo() -> None:
-    """Import ``torch._dynamo`` (2.6+): it maps torch's functions to its rules when first imported."""
-    importlib.import_module("torch._dynamo")
+    """Import ``torch._dynamo`` (2.6+): it maps torch's functions to its rules when first imported.
+
+    The torch-function modes in force (``with torch.device("meta")`` while a model is built) are
+    set aside meanwhile: on 2.6 to 2.8 the import runs tensor ops at module level
+    (torch/_dynamo/variables/torch_function.py, ``populate_builtin_to_tensor_fn_map`` on
+    ``torch.ones(1)``); on meta tensors those reach Python meta kernels wrapped in
+    ``_disable_dynamo``, which imports torch._dynamo again, half-made: "partially initialized module
+    'torch._dynamo' has no attribute 'disable'" (or 'external_utils'), every --device cuda estimate
+    on those versions. 2.9 and later import cleanly either way."""
+    if "torch._dynamo" in sys.modules:
+        return
+    modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    try:
+        importlib.import_module("torch._dynamo")
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)
 
 
 # --- Optional features, imported on first use --------------------------------------------------

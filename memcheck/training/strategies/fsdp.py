@@ -159,12 +159,13 @@ class _MetaFSDP(_Emulation):
     def _unshard(self, g: _FsdpGroup, forward: bool) -> None:
         gathered = g.prefetched if g.prefetched is not None else self._all_gather(g)
         g.prefetched = None
-        if forward:
-            self.kept_all_gather = None  # the previous group's output (wait_for_unshard)
         g.unsharded = [_empty(self.tracer, n * g.world, p.dtype, Category.PARAMETER, "(FSDP unsharded params)")
                        for (n, _), p in zip(g.rows, g.params)]
         if forward:
-            self.kept_all_gather = gathered  # kept in all_gather_state until the next group's unshard
+            # kept in all_gather_state until the next group's unshard; the previous group's output goes only
+            # after this copy-out: wait_for_unshard clears all_gather_state before it, but its walrus local
+            # prev_all_gather_state holds the result to the function's return (_fsdp_param_group.py:429-432)
+            self.kept_all_gather = gathered
         del gathered  # backward: freed right after the copy-out
 
     def _pre_forward(self, g: _FsdpGroup, args, kwargs):

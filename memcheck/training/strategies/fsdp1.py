@@ -96,6 +96,7 @@ class _Unit:
         trainable = sum(p.numel() for p in self.trainable)
         self.stepped = (self.shard if trainable == self.numel
                         else shard_numel(trainable, world) if sharded else trainable)
+        self.flat: torch.Tensor | None = None  # this rank's flat parameter (its shard, or the whole unit)
         self.unsharded: torch.Tensor | None = None
         self.in_backward = False
         self.needs_pre_backward = False  # FlatParamHandle._needs_pre_backward_unshard
@@ -161,6 +162,7 @@ class _MetaFSDP1(_Emulation):
             flat = (self.host(u.shard, u.dtype) if self.offload
                     else _empty(self.tracer, u.shard, u.dtype, Category.PARAMETER,
                                 "(FSDP1 flat param shards)" if self.sharded else "(FSDP1 flat params)"))
+            u.flat = flat  # kept for the whole run, a frozen unit's too (no optimizer stand-in holds it)
             if not self.sharded:
                 u.unsharded = flat  # no_shard: the parameters are views of it all along
             if u.trainable:

@@ -34,6 +34,7 @@ import contextlib
 import os
 import pickle
 import queue as queue_module
+import sys
 import tempfile
 import time
 import traceback
@@ -440,10 +441,11 @@ def _measure_zero3_rank(build, make_optimizer, loss_fn, steps, rank, world_size,
     """One DeepSpeed ZeRO-3 rank over the process group ``_rank_main`` made."""
     try:
         import deepspeed
-        import deepspeed.comm.torch as ds_torch
+        import deepspeed.comm.torch  # noqa: F401  (the module; the package's attribute ``torch`` is torch itself)
     except ImportError as e:
         raise DistributedMeasureError("measure_zero3_cpu needs DeepSpeed (pip install deepspeed)") from e
-    ds_torch.build_shm_op = lambda: None  # the inference all-reduce op, JIT-compiled otherwise (see the docstring)
+    # the inference all-reduce op, JIT-compiled otherwise (see the docstring)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # joins the existing group
     config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,

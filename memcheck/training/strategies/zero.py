@@ -14,8 +14,11 @@ step the partition's gradients are flattened and cast to fp32 (3114-3118).
 
 **zero3** (``stage3.py``, ``partition_parameters.py``, ``partitioned_param_coordinator.py``):
 each parameter is split into ``ceil(numel/W)``-element partitions (1690-1817), the
-trainable ones in one buffer per dtype; the fp32 master is a copy unless the model is
-fp32 (then it is the partition itself, 1162); the IPG bucket and the gradient
+trainable ones in one buffer per dtype; the fp32 master is a copy, also when the model is
+fp32: the branch meant to reuse the partition (1162-1163) compares the partition's
+``torch.device`` with ``self.device``, the accelerator's device name as a string
+(``current_device_name()``, 333), which is never equal, so the copy of 1169-1172 runs
+(seen on CPU ranks: a clone of the trainable partition); the IPG bucket and the gradient
 partition buffer are allocated once (780, 791). Each module's parameters are
 gathered at its pre-forward and pre-backward: one flat buffer, then a full copy per
 parameter (``AllGatherCoalescedHandle.wait``), ~2x while both live; one parameter
@@ -378,9 +381,7 @@ class _MetaZero3(_Emulation):
         for size in sizes:
             if self.offload_optimizer:
                 master = self.host(size, torch.float32)
-            elif dtype == torch.float32:  # already fp32 on the device: the partition itself (stage3.py:1162)
-                master = torch.nn.Parameter(lp[start: start + size])
-            else:
+            else:  # a copy even in fp32: stage3.py:1162's torch.device == str test is never true (module docstring)
                 master = _empty(self.tracer, size, torch.float32, Category.OPTIMIZER, "(ZeRO fp32 master)")
             master.requires_grad_(True)
             if self.offload_optimizer:
@@ -408,8 +409,10 @@ class _MetaZero3(_Emulation):
         self.elements: dict[torch.dtype, int] = collections.defaultdict(int)
 
     def _index_modules(self) -> None:
-        """The modules with parameters of their own, their parameters, and each parameter's modules."""
-        self.modules = [m for m in self.model.modules() if any(True for _ in m.parameters(recurse=False))]
+        """Every module (DeepSpeed hooks each one, ``_register_deepspeed_module``, ``parameter_offload.py:337-528``:
+        a module without parameters of its own still enters the trace, advances the step and prefetches,
+        so the root's fetch prefetches the first blocks), its own parameters, and each parameter's modules."""
+        self.modules = list(self.model.modules())
         self.mparams = {id(m): list(m.parameters(recurse=False)) for m in self.modules}
         self.modules_of: dict[int, list] = collections.defaultdict(list)
         for m in self.modules:

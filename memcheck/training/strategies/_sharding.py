@@ -19,10 +19,13 @@ Known limitations:
     The real wrappers allocate their buffers on several CUDA streams, each with its
     own allocator pool; here they share one, so reserved memory comes out lower. The
     optimizer is the one memcheck is given, run on the rank's stand-ins (DeepSpeed's
-    default FusedAdam and CPUAdam allocate no step temporaries). A block's (fsdp) or
-    module's (zero3) post-backward runs when its last gradient is accumulated; the
-    real hooks watch the gradients of its inputs. Only DeepSpeed's defaults are
-    modelled. Each of these is also stated as an assumption in the report.
+    default FusedAdam and CPUAdam allocate no step temporaries). A block's (fsdp),
+    module's (zero3) and frozen unit's (fsdp1) post-backward hangs on the gradients of its
+    forward inputs, as the real hooks do (``_AfterInputGradients``), so frozen modules are
+    released in backward too; fsdp1's trainable units still reduce when their last
+    gradient is accumulated (FSDP1 hooks the FlatParameter's AccumulateGrad). Only
+    DeepSpeed's defaults are modelled. Each of these is also stated as an assumption in
+    the report.
 """
 
 from __future__ import annotations

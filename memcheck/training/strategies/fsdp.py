@@ -207,7 +207,7 @@ class _MetaFSDP(_Emulation):
                 target.prefetched = self._all_gather(target)
 
     def _post_backward(self, g: _FsdpGroup) -> None:
-        """``FSDPParamGroup.post_backward`` (``_fsdp_param_group.py:588-720``), for trainable and frozen groups alike."""
+        """``FSDPParamGroup.post_backward`` (``_fsdp_param_group.py:588-720``), trainable and frozen groups alike."""
         g.post_backward_done = True
         present = [i for i in g.trainable if g.params[i].grad is not None]
         dtype = g.params[present[0]].grad.dtype if present else None

@@ -203,12 +203,7 @@ def test_typing_only_imports_do_not_count(fake_package):
 
 
 # The one module that imports torch's private names, and the one left to move to it.
-PRIVATE_TORCH_ALLOWED = {
-    "memcheck.compat",
-    # being rewritten by the lead (issue 38's branch left it alone): its torch._C._get_mkldnn_enabled,
-    # torch._C._VariableFunctions and torch._prims_common import are in memcheck.compat already.
-    "memcheck.rules.cpu_kernels",
-}
+PRIVATE_TORCH_ALLOWED = {"memcheck.compat"}
 
 
 def _private(dotted: str) -> bool:

@@ -1,5 +1,5 @@
-"""Measure what DDP, FSDP2, FSDP1, tensor, pipeline, context and expert parallelism really allocate per
-process, on CPU with gloo.
+"""Measure what DDP, FSDP2, FSDP1, DeepSpeed ZeRO-3, tensor, pipeline, context and expert parallelism really
+allocate per process, on CPU with gloo.
 
 Each rank is a fresh process (``torch.multiprocessing``, start method ``spawn``)
 that joins a gloo process group over a file store, wraps the model, trains
@@ -34,6 +34,7 @@ import contextlib
 import os
 import pickle
 import queue as queue_module
+import sys
 import tempfile
 import time
 import traceback
@@ -118,6 +119,7 @@ def measure_fsdp_cpu(
     world_size: int = 2,
     steps: int = 2,
     wrap: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
+    in_place: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Measured]:
     """Train under FSDP2 (``fully_shard``) on ``world_size`` CPU ranks and measure each.
@@ -130,6 +132,9 @@ def measure_fsdp_cpu(
 
     ``build``, ``make_optimizer``, ``loss_fn`` and ``wrap`` must be picklable
     module-level functions, as for ``measure_ddp_cpu``.
+
+    ``in_place=True`` runs all-gather and reduce-scatter as in-place broadcasts and reduces
+    (``_InPlaceCollectives``), so gloo's staging copies, which NCCL does not make, are not measured.
 
     Returns:
         One ``Measured`` per rank, in rank order.
@@ -150,7 +155,8 @@ def measure_fsdp_cpu(
         activation (2 MiB for the 256 x 2048 float MLP).
     """
     require_torch("fully_shard", "measure_fsdp_cpu (a real FSDP2 run)")
-    return _run_ranks("fsdp", build, make_optimizer, loss_fn, world_size, steps, {"wrap": wrap}, timeout_s)
+    return _run_ranks("fsdp", build, make_optimizer, loss_fn, world_size, steps,
+                      {"wrap": wrap, "in_place": bool(in_place)}, timeout_s)
 
 
 def measure_tp_cpu(
@@ -336,6 +342,7 @@ def measure_fsdp1_cpu(
     shardings: Sequence[str] = ("full_shard",),
     gpus_per_node: int | None = None,
     wrap: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
+    in_place: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> dict[str, list[Measured]]:
     """Train under FSDP1 (``FullyShardedDataParallel``) on ``world_size`` CPU ranks, once per sharding
@@ -352,6 +359,9 @@ def measure_fsdp1_cpu(
     gpus_per_node))``: without a mesh FSDP1 asks CUDA for the node size. ``build``,
     ``make_optimizer``, ``loss_fn`` and ``wrap`` must be picklable module-level functions, as for
     ``measure_ddp_cpu``.
+
+    ``in_place=True`` runs all-gather and reduce-scatter as in-place broadcasts and reduces
+    (``_InPlaceCollectives``), so gloo's staging copies, which NCCL does not make, are not measured.
 
     Returns:
         ``{sharding: [Measured of rank 0, rank 1, ...]}``, in the order of ``shardings``.
@@ -381,9 +391,89 @@ def measure_fsdp1_cpu(
                 or not isinstance(world_size, int) or world_size % gpus_per_node):
             raise UsageError(f"gpus_per_node must be a positive integer dividing world_size={world_size!r}, "
                              f"got {gpus_per_node!r}")
-    options = {"wrap": wrap, "shardings": shardings, "gpus_per_node": gpus_per_node}
+    options = {"wrap": wrap, "shardings": shardings, "gpus_per_node": gpus_per_node, "in_place": bool(in_place)}
     ranks = _run_ranks("fsdp1", build, make_optimizer, loss_fn, world_size, steps, options, timeout_s)
     return {name: [rank[name] for rank in ranks] for name in shardings}
+
+
+def measure_zero3_cpu(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    loss_fn: LossFn | None = None,
+    world_size: int = 2,
+    steps: int = 2,
+    zero_optimization: dict | None = None,
+    in_place: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Measured]:
+    """Train under DeepSpeed ZeRO stage 3 on ``world_size`` CPU ranks (DeepSpeed's CPU accelerator, gloo) and
+    measure each.
+
+    Every rank calls ``build()`` inside ``deepspeed.zero.Init`` (so only the partitions are ever
+    materialised, as the HF Trainer builds a model under ZeRO-3), makes the optimizer with
+    ``make_optimizer`` on the trainable parameters, and calls ``deepspeed.initialize`` with
+    ``{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **zero_optimization},
+    "zero_allow_untested_optimizer": true}`` (fp32, DeepSpeed's defaults otherwise), all inside the
+    profiled region; each step is ``loss_fn(engine, batch)``, ``engine.backward(loss)``,
+    ``engine.step()``, as DeepSpeed's own loop. ``build``, ``make_optimizer`` and ``loss_fn`` must be
+    picklable module-level functions, as for ``measure_ddp_cpu``.
+
+    ``in_place=True`` runs all-gather and reduce-scatter as in-place broadcasts and reduces
+    (``_InPlaceCollectives``), so gloo's staging copies, which NCCL does not make, are not measured.
+
+    Returns:
+        One ``Measured`` per rank, in rank order.
+
+    Raises:
+        UsageError: a bad argument, or a callable that cannot be pickled.
+        DistributedMeasureError: DeepSpeed is not installed, or a rank could not start, raised, died or
+            timed out.
+
+    Known limitations:
+        DeepSpeed's communication backend builds a shared-memory all-reduce op for inference at start-up
+        (a C++ extension compiled on first use, minutes); the ranks replace its builder with one that
+        returns None (``deepspeed.comm.torch.build_shm_op``): training's collectives do not use it. The
+        default ``reduce_bucket_size`` (5e8 elements, 2 GB in fp32) is allocated on every rank: pass a
+        smaller one in ``zero_optimization``.
+    """
+    if zero_optimization is not None and not isinstance(zero_optimization, dict):
+        raise UsageError(f"zero_optimization must be a dict of DeepSpeed ZeRO keys, got {zero_optimization!r}")
+    if zero_optimization and zero_optimization.get("stage", 3) != 3:
+        raise UsageError(f"measure_zero3_cpu runs stage 3, got stage={zero_optimization['stage']!r}")
+    options = {"zero_optimization": dict(zero_optimization or {}), "in_place": bool(in_place)}
+    return _run_ranks("zero3", build, make_optimizer, loss_fn, world_size, steps, options, timeout_s)
+
+
+def _measure_zero3_rank(build, make_optimizer, loss_fn, steps, rank, world_size, *, zero_optimization) -> Measured:
+    """One DeepSpeed ZeRO-3 rank over the process group ``_rank_main`` made."""
+    try:
+        import deepspeed
+        import deepspeed.comm.torch  # noqa: F401  (the module; the package's attribute ``torch`` is torch itself)
+    except ImportError as e:
+        raise DistributedMeasureError("measure_zero3_cpu needs DeepSpeed (pip install deepspeed)") from e
+    # the inference all-reduce op, JIT-compiled otherwise (see the docstring)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # joins the existing group
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {**zero_optimization, "stage": 3}}
+    loss_fn = loss_fn or default_loss
+
+    def train():
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model, batch = build()
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        engine.train()
+        for step in range(steps):
+            mark_step(step, Phase.FORWARD)
+            loss = loss_fn(engine, batch)
+            engine.backward(loss)
+            del loss
+            engine.step()
+
+    return _measured(train)
 
 
 def _run_ranks(strategy, build, make_optimizer, loss_fn, world_size, steps, options, timeout_s) -> list[Measured]:
@@ -472,6 +562,72 @@ def _stop(processes, grace_s: float) -> None:
             process.join()
 
 
+class _InPlaceCollectives:
+    """All-gather and reduce-scatter as ``W`` in-place gloo broadcasts and reduces, for ``in_place=True``.
+
+    gloo stages ``all_gather_single`` through a flat copy of the whole output and runs
+    ``reduce_scatter_single`` on a clone of the whole input (``ProcessGroupGloo.cpp``,
+    ``AsyncAllgatherWork`` / ``reduce_scatter_tensor_coalesced``); NCCL writes into the caller's
+    output and reads the caller's input. A gloo broadcast and reduce work on the tensor itself, so
+    a collective built from them allocates nothing in the c10 allocator, as NCCL's: rank ``r``'s
+    chunk of the output is broadcast from ``r`` (all-gather); chunk ``r`` of the input is reduced
+    onto ``r`` and copied to the output (reduce-scatter; the input, a scratch buffer of the caller,
+    is overwritten on the other ranks). ``torch.distributed``'s functions (and the
+    ``distributed_c10d`` globals its deprecated aliases call) are replaced for the life of the
+    rank; the values of the results are the same, the speed is not."""
+
+    NAMES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+             "all_gather")
+
+    def __enter__(self):
+        dist, c10d = torch.distributed, torch.distributed.distributed_c10d
+        self.saved = [(mod, name, getattr(mod, name)) for mod in (dist, c10d) for name in self.NAMES
+                      if hasattr(mod, name)]
+        self.broadcast, self.reduce = c10d.broadcast, c10d.reduce
+        for mod, name, _ in self.saved:
+            setattr(mod, name, getattr(self, name))
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, fn in self.saved:
+            setattr(mod, name, fn)
+
+    @staticmethod
+    def _finish(works, async_op):
+        for work in works[:-1]:
+            work.wait()
+        if not async_op:
+            works[-1].wait()
+            return None
+        return works[-1]
+
+    def all_gather_single(self, output_tensor, input_tensor, group=None, async_op=False):
+        world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        chunks = output_tensor.view(-1).chunk(world)
+        chunks[rank].copy_(input_tensor.reshape(-1))
+        works = [self.broadcast(chunk, group=group, group_src=r, async_op=True) for r, chunk in enumerate(chunks)]
+        return self._finish(works, async_op)
+
+    all_gather_into_tensor = all_gather_single
+
+    def all_gather(self, tensor_list, tensor, group=None, async_op=False):
+        rank = torch.distributed.get_rank(group)
+        tensor_list[rank].copy_(tensor)
+        works = [self.broadcast(t, group=group, group_src=r, async_op=True) for r, t in enumerate(tensor_list)]
+        return self._finish(works, async_op)
+
+    def reduce_scatter_single(self, output, input, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        chunks = input.view(-1).chunk(world)
+        works = [self.reduce(chunk, group=group, group_dst=r, op=op, async_op=True) for r, chunk in enumerate(chunks)]
+        for work in works:
+            work.wait()
+        output.view(-1).copy_(chunks[rank])
+        return self._finish(works, async_op)
+
+    reduce_scatter_tensor = reduce_scatter_single
+
+
 @contextlib.contextmanager
 def _environ(values: dict[str, str]):
     """Set environment variables for the spawned ranks, restoring the parent's afterwards."""
@@ -491,12 +647,19 @@ def _rank_main(rank, world_size, init_method, results, strategy, build, make_opt
                timeout_s) -> None:
     """Entry point of one spawned rank: join the group, measure, report ``(rank, ok, payload)``."""
     dist = torch.distributed
+    options = dict(options)
+    in_place = options.pop("in_place", False)
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
-        if strategy == "pp":
+        if in_place:
+            _InPlaceCollectives().__enter__()  # for the life of this spawned rank
+        if strategy == "zero3":
+            report = (rank, True, _measure_zero3_rank(build, make_optimizer, loss_fn, steps, rank, world_size,
+                                                      **options))
+        elif strategy == "pp":
             report = (rank, True, _measure_pp_rank(build, make_optimizer, loss_fn, steps, rank, world_size,
                                                    **options))
         elif strategy == "fsdp1":  # each sharding strategy in turn, each measured on its own

@@ -19,10 +19,13 @@ Known limitations:
     The real wrappers allocate their buffers on several CUDA streams, each with its
     own allocator pool; here they share one, so reserved memory comes out lower. The
     optimizer is the one memcheck is given, run on the rank's stand-ins (DeepSpeed's
-    default FusedAdam and CPUAdam allocate no step temporaries). A block's (fsdp) or
-    module's (zero3) post-backward runs when its last gradient is accumulated; the
-    real hooks watch the gradients of its inputs. Only DeepSpeed's defaults are
-    modelled. Each of these is also stated as an assumption in the report.
+    default FusedAdam and CPUAdam allocate no step temporaries). A block's (fsdp),
+    module's (zero3) and frozen unit's (fsdp1) post-backward hangs on the gradients of its
+    forward inputs, as the real hooks do (``_AfterInputGradients``), so frozen modules are
+    released in backward too; fsdp1's trainable units still reduce when their last
+    gradient is accumulated (FSDP1 hooks the FlatParameter's AccumulateGrad). Only
+    DeepSpeed's defaults are modelled. Each of these is also stated as an assumption in
+    the report.
 """
 
 from __future__ import annotations
@@ -71,6 +74,55 @@ def _empty(tracer, numel: int, dtype: torch.dtype, category: Category, label: st
         t = torch.empty(int(numel), dtype=dtype, device="meta")
     tracer.register(t, category, label)
     return t
+
+
+class _AfterInputGradients(torch.autograd.Function):
+    """Identity on a module's inputs whose backward calls ``callback`` once their gradients are
+    computed: FSDP2's ``RegisterPostBackwardFunction`` (torch 2.13
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py:1110-1127``, applied to all the
+    grad-requiring inputs at once, 891-904) and, one tensor at a time, DeepSpeed's
+    ``PostBackwardFunctionModule`` (``deepspeed/runtime/zero/parameter_offload.py:497-526``).
+    The wrapper's post-backward hangs on the inputs, not on the parameters' gradients, so it
+    runs for a module whose parameters are all frozen too; autograd's AccumulateGrad nodes run
+    before it (their sequence number is the largest), so the module's own gradients are in."""
+
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def after_input_gradients(args, kwargs, callback, *, each: bool = False):
+    """``(args, kwargs)`` with their grad-requiring tensors passed through ``_AfterInputGradients``.
+
+    ``each=False`` (FSDP2): one node over all of them, ``callback()`` once it runs. ``each=True``
+    (DeepSpeed): one node per tensor, ``callback()`` when the last of them has run. Returns the
+    inputs unchanged when none requires a gradient: then no backward hook runs at all (the wrapper's
+    end-of-backward catches the module)."""
+    leaves, spec = compat.tree_flatten((args, kwargs))
+    wanted = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wanted:
+        return args, kwargs
+    if each:
+        remaining = [len(wanted)]
+
+        def one_done():
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                callback()
+
+        for i in wanted:
+            (leaves[i],) = _AfterInputGradients.apply(one_done, leaves[i])
+    else:
+        outs = _AfterInputGradients.apply(callback, *(leaves[i] for i in wanted))
+        for i, t in zip(wanted, outs):
+            leaves[i] = t
+    return compat.tree_unflatten(leaves, spec)
 
 
 def _tensors(out) -> list[torch.Tensor]:

@@ -12,11 +12,16 @@ sharded strategy holds here); sources: torch 2.13 ``torch/distributed/fsdp/_full
   parameters at post-forward, the root keeps them to the end of backward
   (``_fsdp_state.py:205``); the last all-gather output goes at the root's post-forward;
 - backward: a block's pre-backward re-gathers it (the all-gather output freed at
-  once) and prefetches the block before it (``_backward_prefetch``); once all its
-  gradients exist, its post-backward frees the unsharded parameters and the previous
-  reduce-scatter input, allocates its own (``W`` padded shards), frees autograd's
-  gradients and allocates the reduce-scatter output, whose views are the sharded
-  gradients (``_fsdp_collectives.py:592-754``); the root's runs at the end of backward;
+  once) and prefetches the block before it (``_backward_prefetch``); its post-backward
+  runs once the gradients of its forward inputs are computed (``RegisterPostBackwardFunction``
+  on the grad-requiring inputs, ``_fsdp_param_group.py:891-904``, ``1110-1127``), whether or
+  not its parameters are trainable, or, for a group whose inputs need no gradient, in the
+  root's final callback (``_fsdp_state.py:395-420``, the root first, then the blocks in
+  module order). It frees the unsharded parameters and the previous reduce-scatter input
+  (also when the group has no gradient, ``_fsdp_param_group.py:637-657``); a group with
+  gradients then allocates its reduce-scatter input (``W`` padded shards), frees autograd's
+  gradients and allocates the reduce-scatter output, whose views are the sharded gradients
+  (``_fsdp_collectives.py:592-754``);
 - ``offload="params"`` (``CPUOffloadPolicy``): shards, sharded gradients and the
   optimizer live in host memory; each all-gather copies the shards to the device first.
 """
@@ -29,7 +34,7 @@ import torch
 
 from memcheck.enums import Category, Offload
 from memcheck.training.checkpointing import repeated_blocks
-from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, train_sharded
+from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, after_input_gradients, train_sharded
 from memcheck.training.strategies.base import Run
 
 
@@ -54,7 +59,7 @@ class _FsdpGroup:
         self.unsharded: list[torch.Tensor] | None = None
         self.prefetched: torch.Tensor | None = None  # an all-gather output issued ahead (backward prefetch)
         self.in_backward = False
-        self.ready: set[int] = set()
+        self.post_backward_done = False  # TrainingState.POST_BACKWARD, reset at the end of backward
 
     def gathered_bytes(self) -> int:
         return sum(n * self.world * p.element_size() for (n, _), p in zip(self.rows, self.params))
@@ -110,8 +115,9 @@ class _MetaFSDP(_Emulation):
         if experts:
             tracer.assume(f"fsdp with ep: each block's experts sharded apart over {self.blocks[0].world} rank(s), "
                           "dp*cp / ep, as torchtitan's apply_fsdp does")
-        tracer.assume("fsdp: a block's reduce-scatter runs when its last gradient is accumulated "
-                      "(FSDP2 hooks the gradients of its inputs)")
+        if any(not p.requires_grad for p in self.full):
+            tracer.assume("fsdp with frozen parameters: a block's unsharded parameters are freed once the gradients "
+                          "of its inputs are computed, trainable or not (FSDP2's RegisterPostBackwardFunction)")
         if self.offload:
             tracer.assume("fsdp offload: shards, sharded gradients and the optimizer step are host memory; "
                           "the optimizer's temporaries are not on the GPU")
@@ -132,9 +138,10 @@ class _MetaFSDP(_Emulation):
     def _register_hooks(self) -> None:
         """Each group's pre- and post-forward, then every trainable parameter's gradient hook."""
         for g in self.blocks + [self.root]:
-            self.handles.append(g.module.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g)))
+            self.handles.append(g.module.register_forward_pre_hook(
+                lambda m, a, k, g=g: self._pre_forward(g, a, k), with_kwargs=True))
             self.handles.append(g.module.register_forward_hook(lambda m, a, o, g=g: self._post_forward(g, o)))
-        self.hook_gradients(self._on_grad)
+        self.hook_gradients(lambda p: self.queue_end_of_backward())
 
     def make_optimizer(self, make_optimizer):
         opt = make_optimizer(list(self.stand_ins.values()))
@@ -152,17 +159,24 @@ class _MetaFSDP(_Emulation):
     def _unshard(self, g: _FsdpGroup, forward: bool) -> None:
         gathered = g.prefetched if g.prefetched is not None else self._all_gather(g)
         g.prefetched = None
-        if forward:
-            self.kept_all_gather = None  # the previous group's output (wait_for_unshard)
         g.unsharded = [_empty(self.tracer, n * g.world, p.dtype, Category.PARAMETER, "(FSDP unsharded params)")
                        for (n, _), p in zip(g.rows, g.params)]
         if forward:
-            self.kept_all_gather = gathered  # kept in all_gather_state until the next group's unshard
+            # kept in all_gather_state until the next group's unshard; the previous group's output goes only
+            # after this copy-out: wait_for_unshard clears all_gather_state before it, but its walrus local
+            # prev_all_gather_state holds the result to the function's return (_fsdp_param_group.py:429-432)
+            self.kept_all_gather = gathered
         del gathered  # backward: freed right after the copy-out
 
-    def _pre_forward(self, g: _FsdpGroup) -> None:
+    def _pre_forward(self, g: _FsdpGroup, args, kwargs):
+        if g.in_backward:
+            return args, kwargs  # a checkpointed block recomputed inside its backward: already unsharded
         if g.params and g.unsharded is None:  # a root without parameters has no group to gather
             self._unshard(g, forward=True)
+        if not g.params or not torch.is_grad_enabled():
+            return args, kwargs
+        # FSDPParamGroup.pre_forward -> _register_post_backward_hook (_fsdp_param_group.py:541-555, 891-904)
+        return after_input_gradients(args, kwargs, lambda g=g: self._post_backward(g))
 
     def _post_forward(self, g: _FsdpGroup, output) -> None:
         if g.in_backward:
@@ -192,28 +206,21 @@ class _MetaFSDP(_Emulation):
             if target.unsharded is None and target.prefetched is None:
                 target.prefetched = self._all_gather(target)
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        self.queue_end_of_backward()
-        g = self.group_of[id(p)]
-        if g is self.root:
-            return  # the root reduces in the final callback
-        g.ready.add(id(p))
-        if len(g.ready) == len(g.trainable):
-            self._post_backward(g)
-
     def _post_backward(self, g: _FsdpGroup) -> None:
+        """``FSDPParamGroup.post_backward`` (``_fsdp_param_group.py:588-720``), trainable and frozen groups alike."""
+        g.post_backward_done = True
         present = [i for i in g.trainable if g.params[i].grad is not None]
         dtype = g.params[present[0]].grad.dtype if present else None
         grads = [g.params[i].grad for i in present]
         for i in present:
             g.params[i].grad = None
         g.unsharded = None  # reshard before reducing
-        g.ready.clear()
         g.in_backward = False
+        # reduce_scatter_max_input_buffers=1: the previous input goes, before the no-gradient return (637-657)
+        self.kept_reduce_scatter = None
         if not present:
             del grads
             return
-        self.kept_reduce_scatter = None  # reduce_scatter_max_input_buffers=1: the previous input goes
         padded = sum(g.rows[i][0] for i in present)
         rs_in = _empty(self.tracer, padded * g.world, dtype, Category.COMMUNICATION, "(FSDP reduce-scatter)")
         del grads  # chunk_cat copied them; autograd's unsharded gradients are freed
@@ -236,11 +243,13 @@ class _MetaFSDP(_Emulation):
         self.kept_reduce_scatter = rs_in
 
     def end_of_backward(self) -> None:
-        """``_root_post_backward_final_callback``: leftover groups, then the root; clear the RS inputs."""
-        for g in self.blocks:
-            if g.in_backward or g.ready:
+        """``_root_post_backward_final_callback`` (``_fsdp_state.py:395-432``): the post-backward of every group
+        whose inputs needed no gradient (so no hook ran), the root first and then the blocks in module order
+        (``all_states``, ``_fsdp_state.py:185-201``); then the retained reduce-scatter input goes."""
+        for g in [self.root] + self.blocks:
+            if not g.post_backward_done:
                 self._post_backward(g)
-        self._post_backward(self.root)
+            g.post_backward_done = False
         self.kept_reduce_scatter = None
         for g in self.blocks + [self.root]:
             g.prefetched = None

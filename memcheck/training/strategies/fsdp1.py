@@ -35,6 +35,13 @@ with the rest. Defaults (``fully_sharded_data_parallel.py:397-412``): ``backward
   all-reduced in place and kept, like DDP with one bucket per unit (``_runtime_utils.py:932-950``);
 - ``hybrid_shard``: as ``full_shard`` over the ``gpus_per_node`` ranks of a node; the sharded
   gradient is then all-reduced in place across nodes (``_runtime_utils.py:858-882``);
+- a unit whose parameters are all frozen (its ``FlatParameter`` does not require a gradient) has
+  no post-backward hook on a gradient; at its pre-forward FSDP1 hangs a multi-gradient hook on its
+  grad-requiring inputs (``_register_post_backward_reshard_only_hook``, ``_runtime_utils.py:406``,
+  ``1473-1517``), which frees its unsharded flat parameter once their gradients are computed
+  (``_post_backward_reshard_only_hook``, ``777-790``); with no such input, the catch-all reshard at
+  the end of backward does (``1130-1165``). A unit whose outputs need no gradient is never
+  prefetched in backward (``_needs_pre_backward_unshard``, ``1393-1410``, checked in ``1265-1272``);
 - a unit mixing frozen and trainable parameters (``use_orig_params=True``, as under LoRA) keeps
   a gradient of its whole flat parameter; the optimizer's share is taken as
   ``ceil(trainable / W)`` elements (the real split follows where each parameter falls);
@@ -51,6 +58,7 @@ import math
 
 import torch
 
+from memcheck import compat
 from memcheck.enums import Category, FsdpSharding, Offload
 from memcheck.training.checkpointing import repeated_blocks
 from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, train_sharded
@@ -88,8 +96,10 @@ class _Unit:
         trainable = sum(p.numel() for p in self.trainable)
         self.stepped = (self.shard if trainable == self.numel
                         else shard_numel(trainable, world) if sharded else trainable)
+        self.flat: torch.Tensor | None = None  # this rank's flat parameter (its shard, or the whole unit)
         self.unsharded: torch.Tensor | None = None
         self.in_backward = False
+        self.needs_pre_backward = False  # FlatParamHandle._needs_pre_backward_unshard
         self.ready: set[int] = set()
         self.device_grad: torch.Tensor | None = None  # offload: _saved_grad_shard, on the device to the end of backward
 
@@ -107,7 +117,8 @@ class _MetaFSDP1(_Emulation):
         self._allocate_flat_params()
         self.order: list[_Unit] = []  # post-forward order, for backward prefetch
         for u in self.units:
-            self.handles.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
+            self.handles.append(u.module.register_forward_pre_hook(
+                lambda m, a, k, u=u: self._pre_forward(u, a, k), with_kwargs=True))
             self.handles.append(u.module.register_forward_hook(lambda m, a, o, u=u: self._post_forward(u, o)))
         self.hook_gradients(self._on_grad)
 
@@ -151,6 +162,7 @@ class _MetaFSDP1(_Emulation):
             flat = (self.host(u.shard, u.dtype) if self.offload
                     else _empty(self.tracer, u.shard, u.dtype, Category.PARAMETER,
                                 "(FSDP1 flat param shards)" if self.sharded else "(FSDP1 flat params)"))
+            u.flat = flat  # kept for the whole run, a frozen unit's too (no optimizer stand-in holds it)
             if not self.sharded:
                 u.unsharded = flat  # no_shard: the parameters are views of it all along
             if u.trainable:
@@ -176,10 +188,20 @@ class _MetaFSDP1(_Emulation):
         if self.sharded:
             u.unsharded = None
 
-    def _pre_forward(self, u: _Unit) -> None:
+    def _pre_forward(self, u: _Unit, args, kwargs) -> None:
         if u.in_backward:
             return  # a checkpointed block recomputed inside its backward: stays unsharded
         self._unshard(u)
+        if u.params and not u.trainable and torch.is_grad_enabled():  # _register_post_backward_reshard_only_hook
+            inputs = [t for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if inputs:
+                self.handles.append(torch.autograd.graph.register_multi_grad_hook(
+                    inputs, lambda grads, u=u: self._post_backward_reshard_only(u)))
+
+    def _post_backward_reshard_only(self, u: _Unit) -> None:
+        """``_post_backward_reshard_only_hook`` (``_runtime_utils.py:777-790``): a frozen unit's reshard."""
+        u.in_backward = False
+        self._reshard(u)
 
     def _post_forward(self, u: _Unit, output) -> None:
         if u.in_backward:
@@ -188,10 +210,12 @@ class _MetaFSDP1(_Emulation):
             self._reshard(u)
         if u.params:
             self.order.append(u)
+        u.needs_pre_backward = False
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad, u=u: self._pre_backward(u))
+                    u.needs_pre_backward = True
 
     # backward
     def _pre_backward(self, u: _Unit) -> None:
@@ -200,8 +224,9 @@ class _MetaFSDP1(_Emulation):
         u.in_backward = True
         self.queue_end_of_backward()
         self._unshard(u)
+        u.needs_pre_backward = False
         index = max((i for i, h in enumerate(self.order) if h is u), default=0)
-        if index > 0:  # BACKWARD_PRE: the unit before it in post-forward order
+        if index > 0 and self.order[index - 1].needs_pre_backward:  # BACKWARD_PRE: the unit before it
             self._unshard(self.order[index - 1])
 
     def _on_grad(self, p: torch.Tensor) -> None:

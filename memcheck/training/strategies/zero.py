@@ -14,12 +14,20 @@ step the partition's gradients are flattened and cast to fp32 (3114-3118).
 
 **zero3** (``stage3.py``, ``partition_parameters.py``, ``partitioned_param_coordinator.py``):
 each parameter is split into ``ceil(numel/W)``-element partitions (1690-1817), the
-trainable ones in one buffer per dtype; the fp32 master is a copy unless the model is
-fp32 (then it is the partition itself, 1162); the IPG bucket and the gradient
+trainable ones in one buffer per dtype; the fp32 master is a copy, also when the model is
+fp32: the branch meant to reuse the partition (1162-1163) compares the partition's
+``torch.device`` with ``self.device``, the accelerator's device name as a string
+(``current_device_name()``, 333), which is never equal, so the copy of 1169-1172 runs
+(seen on CPU ranks: a clone of the trainable partition); the IPG bucket and the gradient
 partition buffer are allocated once (780, 791). Each module's parameters are
 gathered at its pre-forward and pre-backward: one flat buffer, then a full copy per
 parameter (``AllGatherCoalescedHandle.wait``), ~2x while both live; one parameter
-alone is a padded buffer. After the module they are released unless they are
+alone is a padded buffer. After the module's forward, and in backward once the gradients
+of its grad-requiring forward inputs are computed (``PostBackwardFunctionModule`` on each
+input, ``parameter_offload.py:437-442``, ``493-528``: whether or not its own parameters
+are trainable; a module whose inputs need no gradient is released at the end of
+backward, ``release_backward_leftovers``, ``partitioned_param_coordinator.py:554-566``),
+they are released unless they are
 persistent (at most 1e5 elements) or, once step 1 has recorded the module trace,
 used again within ``max_reuse_distance`` elements of the trace; later modules are
 prefetched up to ``prefetch_bucket_size`` elements. Gradients are copied into the
@@ -43,7 +51,7 @@ import torch
 
 from memcheck.enums import Category, Offload, Phase, Strategy
 from memcheck.errors import UsageError
-from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, train_sharded
+from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, after_input_gradients, train_sharded
 from memcheck.training.strategies.base import Run
 
 # DeepSpeed 0.19.8 defaults, deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig), all in elements:
@@ -331,8 +339,6 @@ class _MetaZero3(_Emulation):
                       f"{_e(MAX_REUSE_DISTANCE)} elements; "
                       "step 1 records the module trace, so from step 2 parameters reused within max_reuse_distance "
                       "stay gathered")
-        tracer.assume("zero3: a module's parameters are released when its last gradient is accumulated "
-                      "(DeepSpeed hooks its inputs' gradients)")
         _assume_zero_common(tracer, "zero3")
         if self.offload_params:
             tracer.assume("zero3 offload='params': offload_param and offload_optimizer both to the CPU")
@@ -375,9 +381,7 @@ class _MetaZero3(_Emulation):
         for size in sizes:
             if self.offload_optimizer:
                 master = self.host(size, torch.float32)
-            elif dtype == torch.float32:  # already fp32 on the device: the partition itself (stage3.py:1162)
-                master = torch.nn.Parameter(lp[start: start + size])
-            else:
+            else:  # a copy even in fp32: stage3.py:1162's torch.device == str test is never true (module docstring)
                 master = _empty(self.tracer, size, torch.float32, Category.OPTIMIZER, "(ZeRO fp32 master)")
             master.requires_grad_(True)
             if self.offload_optimizer:
@@ -401,13 +405,14 @@ class _MetaZero3(_Emulation):
         self.n_available = 0
         self.pre_backward_pending: dict[int, int] = collections.defaultdict(int)
         self.backward_active: dict[int, torch.nn.Module] = {}
-        self.waiting: dict[int, set[int]] = {}
         self.in_bucket: dict[torch.dtype, list] = collections.defaultdict(list)
         self.elements: dict[torch.dtype, int] = collections.defaultdict(int)
 
     def _index_modules(self) -> None:
-        """The modules with parameters of their own, their parameters, and each parameter's modules."""
-        self.modules = [m for m in self.model.modules() if any(True for _ in m.parameters(recurse=False))]
+        """Every module (DeepSpeed hooks each one, ``_register_deepspeed_module``, ``parameter_offload.py:337-528``:
+        a module without parameters of its own still enters the trace, advances the step and prefetches,
+        so the root's fetch prefetches the first blocks), its own parameters, and each parameter's modules."""
+        self.modules = list(self.model.modules())
         self.mparams = {id(m): list(m.parameters(recurse=False)) for m in self.modules}
         self.modules_of: dict[int, list] = collections.defaultdict(list)
         for m in self.modules:
@@ -420,6 +425,11 @@ class _MetaZero3(_Emulation):
         for m in self.modules:
             self.handles.append(m.register_forward_pre_hook(lambda mod, a: self._fetch(mod, forward=True)))
             self.handles.append(m.register_forward_hook(lambda mod, a, o: self._post_forward(mod, o)))
+            # _post_backward_module_hook, registered after the fetch (parameter_offload.py:437-442, 528):
+            # the positional inputs only, as a forward pre-hook without kwargs sees them
+            self.handles.append(m.register_forward_pre_hook(
+                lambda mod, a: after_input_gradients(a, {}, lambda mod=mod: self._post_backward(mod), each=True)[0]
+                if torch.is_grad_enabled() else None))
         self.hook_gradients(self._on_grad)
 
     def make_optimizer(self, make_optimizer):
@@ -552,10 +562,15 @@ class _MetaZero3(_Emulation):
         self.queue_end_of_backward()
         self._fetch(m, forward=False)
         self.backward_active[id(m)] = m
-        self.waiting[id(m)] = {id(p) for p in self.mparams[id(m)] if p.requires_grad}
+
+    def _post_backward(self, m: torch.nn.Module) -> None:
+        """``post_sub_module_backward_function`` -> ``release_sub_module(forward=False)``
+        (``parameter_offload.py:594-605``, ``partitioned_param_coordinator.py:494-534``): also for frozen modules."""
+        if self.backward_active.pop(id(m), None) is not None:
+            self._release_module(m)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        """The gradient hook: into the IPG bucket; a module whose gradients are all in is released."""
+        """The gradient hook: into the IPG bucket."""
         self.queue_end_of_backward()
         dtype, n = p.dtype, p.numel()
         if self.elements[dtype] and self.elements[dtype] + n > self.reduce_bucket:
@@ -565,14 +580,6 @@ class _MetaZero3(_Emulation):
             p.grad = self.buckets[dtype][start: start + n].view_as(p)  # autograd's gradient is freed
         self.in_bucket[dtype].append(p)
         self.elements[dtype] += n
-        for m in self.modules_of[id(p)]:  # approximates the module's post-backward hook
-            waiting = self.waiting.get(id(m))
-            if waiting is not None and id(p) in waiting:
-                waiting.discard(id(p))
-                if not waiting:
-                    del self.waiting[id(m)]
-                    self.backward_active.pop(id(m), None)
-                    self._release_module(m)
 
     def _reduce_scatter(self, dtype: torch.dtype) -> None:
         """``__reduce_and_partition_ipg_grads``: reduce_scatter_coalesced concatenates the W-padded chunks."""
@@ -596,7 +603,6 @@ class _MetaZero3(_Emulation):
                 if id(p) not in self.persist:
                     self._release(p)
         self.backward_active.clear()
-        self.waiting.clear()
 
     def _step(self, inner, *args, **kwargs):
         self._clean_inflight()  # _partition_all_parameters: every gathered parameter goes, persistent too

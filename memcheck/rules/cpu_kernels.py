@@ -110,7 +110,7 @@ def _storage_bytes(t) -> int:
 
 def _window_peak(prof, op_name: str) -> int:
     """The running peak of the CPU allocator's events inside the (only) call of ``op_name``."""
-    raw = prof.profiler.kineto_results.events()
+    raw = prof.kineto_results.events()
     ev = min((e for e in raw if e.name() == op_name), key=lambda e: e.start_ns())
     mem = cpu_memory_events(raw)
     return running_peak(nb for ts, nb in mem if ev.start_ns() <= ts <= ev.end_ns())
@@ -314,7 +314,7 @@ def _probe_layer(t, n, i, h) -> dict:
         run()  # warm-up: oneDNN caches its primitives
         with profile_memory() as prof:
             ws = run()
-    raw = prof.profiler.kineto_results.events()
+    raw = prof.kineto_results.events()
     mem = cpu_memory_events(raw)
     res = {"ws": ws}
     for key, name in (("fwd", "aten::mkldnn_rnn_layer"), ("bwd", "aten::mkldnn_rnn_layer_backward")):

@@ -42,7 +42,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.autograd.profiler import profile
 
 from memcheck import compat
 from memcheck.enums import Phase
@@ -1029,9 +1029,9 @@ def _measured(train: Callable[[], None]) -> Measured:
     """Run ``train()`` under the profiler with process-wide accounting; its peaks from the allocator's events
     (the steady peak from the ``STEP_MARK.1`` marker on)."""
     with _process_wide_cpu_accounting() as process_wide:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with profile(use_cpu=True, profile_memory=True) as prof:
             train()
-    events, step_start = allocator_events(prof.profiler.kineto_results.experimental_event_tree())
+    events, step_start = allocator_events(prof.kineto_results.experimental_event_tree())
     live = live_bytes_process_wide(events) if process_wide else live_bytes_paired(events)
     steady_from = step_start.get(1, step_start.get(0, 0))
     peak = max((n for _, n in live), default=0)
@@ -1077,7 +1077,7 @@ def _process_wide_cpu_accounting():
 def allocator_events(event_tree) -> tuple[list[tuple[int, int, int, int]], dict[int, int]]:
     """The CPU allocator's events in time order, and ``{step: start_ns}`` from the ``STEP_MARK`` markers.
 
-    ``event_tree`` is ``prof.profiler.kineto_results.experimental_event_tree()``;
+    ``event_tree`` is ``prof.kineto_results.experimental_event_tree()``;
     each event is ``(start_ns, signed nbytes, total_allocated, ptr)``. The sort
     is stable, so events with the same timestamp keep the tree's order.
     """

@@ -94,7 +94,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     'qwen3_5_moe': "build failed: AttributeError: 'Qwen3_5MoeConfig' object has no attribute 'vocab_size'",
     'qwen4_exp': "build failed: AttributeError: 'Qwen4ExpConfig' object has no attribute 'vocab_size'",
     'reformer': 'build failed: ModelLoadError: cannot build ReformerConfig for task None: Make sure that config.axial_pos_embds factors: (64, 192) sum to config.hidden_size: 64',
-    'sew': '-19.89% (measured 4,756,052 B, estimated 3,809,876 B)',
     'sew-d': 'estimate failed: TraceError: SEWDForCTC failed while being traced, in the meta kernel of aten.masked_fill.Tensor: RuntimeError: Expected `value` to be on same device a',
     'shieldgemma2': 'real failed: ValueError: You must specify exactly one of input_ids or inputs_embeds',
     'siglip2': 'real failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (1344x224 and 768x64)',

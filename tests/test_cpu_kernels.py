@@ -118,7 +118,7 @@ def test_large_convolutions_are_extrapolated_in_the_batch_within_2_percent(monke
     for backward, params in ((False, conv), (True, ((64,), *conv, (True, True, True)))):
         args = specs(backward)
         exact, _, _ = cpu_kernels.conv_probe(backward, args, params, torch.get_num_threads(), "exact")
-        monkeypatch.setattr(cpu_kernels, "CONV_PROBE_LIMIT", cpu_kernels._probe_bytes(args, 16))
+        monkeypatch.setattr(cpu_kernels, "CONV_PROBE_LIMIT", cpu_kernels._probe_bytes(args, 16, backward))
         got, _, extrapolated = cpu_kernels.conv_probe(backward, args, params, torch.get_num_threads(), "extrapolated")
         monkeypatch.undo()
         assert extrapolated

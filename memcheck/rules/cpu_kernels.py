@@ -119,7 +119,7 @@ def _window_peak(prof, op_name: str) -> int:
 def _probe_once(backward: bool, specs: tuple, params: tuple, batch: int | None) -> tuple[int, tuple]:
     """Run one real convolution (or its backward) on CPU; (bytes beyond its outputs, their strides)."""
     with compat.disable_current_modes(), compat.DisableTorchFunction(), torch.no_grad():
-        tensors = [None if s is None else _real(s, batch if i == 0 or (backward and i == 1) else None)
+        tensors = [None if s is None else _real(s, batch if _batched(backward, i) else None)
                    for i, s in enumerate(specs)]
         if backward:
             op, name = (lambda: aten.convolution_backward(*tensors[:3], *params)), _CONV_BWD_OP
@@ -134,12 +134,18 @@ def _probe_once(backward: bool, specs: tuple, params: tuple, batch: int | None) 
         return max(0, peak - sum(_storage_bytes(o) for o in outs)), strides
 
 
-def _probe_bytes(specs, batch) -> int:
+def _batched(backward: bool, i: int) -> bool:
+    """Whether a probe's ``i``-th tensor has the batch first: the input (and, in backward, the
+    output gradient before it); never the weight or the bias."""
+    return i == 0 or (backward and i == 1)
+
+
+def _probe_bytes(specs, batch, backward: bool) -> int:
     """Roughly what a probe's tensors take: its inputs and outputs twice over."""
     total = 0
     for i, s in enumerate(specs):
         if s is not None:
-            shape = (batch, *s[0][1:]) if i == 0 or i == 1 else s[0]
+            shape = (batch, *s[0][1:]) if _batched(backward, i) else s[0]
             total += math.prod(shape) * s[2].itemsize
     return 3 * total
 
@@ -151,11 +157,11 @@ def conv_probe(backward: bool, specs: tuple, params: tuple, threads: int, capabi
     backward (``aten.convolution_backward(grad_output, input, weight, *params)``). ``threads`` and
     ``capability`` are part of the key: the implementation oneDNN picks depends on both."""
     n = specs[0][0][0]
-    if n <= 2 or _probe_bytes(specs, n) <= CONV_PROBE_LIMIT:
+    if n <= 2 or _probe_bytes(specs, n, backward) <= CONV_PROBE_LIMIT:
         extra, strides = _probe_once(backward, specs, params, None)
         return extra, strides, False
     # the two largest batches that fit: past oneDNN's small-batch implementations (below)
-    n1 = max(1, min(n // 2, int(n * CONV_PROBE_LIMIT / _probe_bytes(specs, n)) // 2))
+    n1 = max(1, min(n // 2, int(n * CONV_PROBE_LIMIT / _probe_bytes(specs, n, backward)) // 2))
     (a, strides), (b, _) = _probe_once(backward, specs, params, n1), _probe_once(backward, specs, params, 2 * n1)
     # The larger of the line through both probes and the larger probe scaled with the batch: at small
     # batches some implementations keep a per-thread buffer that does not grow with it (SSE4.1's

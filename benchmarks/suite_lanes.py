@@ -1,0 +1,98 @@
+"""Sort the suite into lanes from measured test durations: ``tests/lanes.txt``.
+
+``make test`` (CI) must finish in 8 minutes on 2 cores and ``make test-fast`` in 90 s
+(issue 32). Which tests are heavy is measured, not guessed: run the suite once with every
+duration printed, then let this script write the lanes file that ``tests/conftest.py`` reads::
+
+    HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --durations=0 -m "not bench" > durations.txt
+    python benchmarks/suite_lanes.py durations.txt > tests/lanes.txt
+
+The rule, in seconds of the durations file (setup, call and teardown of a test summed):
+
+- **bench** (``make test-bench`` runs them, ``make test`` does not): of a parametrized test
+  whose cases together take over ``--sweep`` seconds, every case but the cheapest one (the
+  cheapest still runs in ``make test``, so each mechanism keeps a real-run check in CI); a
+  single test over ``--single`` seconds.
+- **slow** (``make test`` runs them, ``make test-fast`` does not): any other test over
+  ``--slow`` seconds.
+
+The coverage census (tests/test_coverage.py samples itself) and the property tests
+(tests/test_fuzz.py runs a fixed, smaller number of examples) are left to their own files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+
+OWN_LANES = ("tests/test_coverage.py", "tests/test_fuzz.py")
+# Cases kept in `make test` whatever the rule says, and why.
+KEEP = {
+    # the zoo's real-run comparison is the suite's core: only its two longest cases (an
+    # encoder-decoder and a state-space model, each covered again elsewhere in make test) move out
+    **{f"tests/test_accuracy_cpu.py::test_cpu_estimate_matches_measured_peak_within_2_percent[{name}]": "zoo"
+       for name in ("mlp", "cnn_bn", "two_branch", "lstm", "gpt2", "bert", "t5", "vit", "dinov2", "clip")},
+    # the two cases share one module fixture whose cost lands on whichever runs first; the MLP is
+    # the cheaper rank job on a quiet machine (21 s against 36 s)
+    "tests/test_sharded.py::test_fsdp_estimate_matches_what_fsdp2_itself_allocates_on_a_cpu_rank[mlp]": "fixture",
+}
+CHEAPEST_INSTEAD = {
+    "tests/test_sharded.py::test_fsdp_estimate_matches_what_fsdp2_itself_allocates_on_a_cpu_rank[gpt2]",
+}
+LINE = re.compile(r"([\d.]+)s (?:call|setup|teardown)\s+(\S+)")
+
+
+def durations(lines) -> dict[str, float]:
+    """Seconds per test node id, summed over its setup, call and teardown lines."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for line in lines:
+        m = LINE.match(line)
+        if m and not m.group(2).startswith(OWN_LANES):
+            out[m.group(2)] += float(m.group(1))
+    return dict(out)
+
+
+def lanes(seconds: dict[str, float], sweep: float, single: float, slow: float) -> dict[str, list[str]]:
+    by_function: dict[str, list[tuple[float, str]]] = collections.defaultdict(list)
+    for node, t in seconds.items():
+        by_function[node.split("[")[0]].append((t, node))
+    bench, rest = [], []
+    for cases in by_function.values():
+        cases.sort()
+        total = sum(t for t, _ in cases)
+        if len(cases) > 1 and total > sweep:
+            bench += [node for _, node in cases[1:]]
+            rest.append(cases[0])
+        elif len(cases) == 1 and total > single:
+            bench.append(cases[0][1])
+        else:
+            rest += cases
+    bench = [node for node in bench if node not in KEEP] + [node for node in CHEAPEST_INSTEAD if node in seconds]
+    rest = [(t, node) for t, node in rest if node not in CHEAPEST_INSTEAD]
+    rest += [(seconds[node], node) for node in KEEP if node in seconds and (seconds[node], node) not in rest]
+    return {"bench": sorted(set(bench)), "slow": sorted(node for t, node in rest if t > slow)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("durations", type=argparse.FileType())
+    parser.add_argument("--sweep", type=float, default=20.0)
+    parser.add_argument("--single", type=float, default=30.0)
+    parser.add_argument("--slow", type=float, default=3.0)
+    args = parser.parse_args(argv)
+    seconds = durations(args.durations)
+    chosen = lanes(seconds, args.sweep, args.single, args.slow)
+    out = sys.stdout
+    out.write("# Written by benchmarks/suite_lanes.py from a measured --durations=0 run (its docstring has the\n"
+              f"# rule): --sweep {args.sweep:g} --single {args.single:g} --slow {args.slow:g}. One node id a line,\n"
+              "# under the lane it moves to. tests/conftest.py adds the lane's marker.\n")
+    for lane, nodes in chosen.items():
+        out.write(f"[{lane}]\n")
+        out.writelines(f"{node}\n" for node in nodes)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -285,14 +285,18 @@ def test_shard_gives_each_linear_its_local_shape_and_the_rank_its_bytes():
     assert attn.o_proj.weight.shape == (64, 32)
     assert mlp.gate_proj.weight.shape == (64, 64) and mlp.up_proj.weight.shape == (64, 64)
     assert mlp.down_proj.weight.shape == (64, 64)
-    assert model.model.embed_tokens.weight.shape == (128, 64) and model.lm_head.weight.shape == (128, 64)
+    # transformers' whole plan (model.tp_plan): embed_tokens embedding_rowwise, lm_head colwise_gather_output,
+    # both [vocab/2, hidden] = [64, 64]
+    assert model.model.embed_tokens.weight.shape == (64, 64) and model.lm_head.weight.shape == (64, 64)
     # Per layer, whole: q 4096 + k 2048 + v 2048 + o 4096 + gate/up/down 3 x 8192 = 36,864; sharded: half,
-    # 18,432. Replicated: embedding 8192 + lm_head 8192 + final norm 64 + 2 layers x 2 norms x 64 = 16,704.
-    assert rank.full_parameter_bytes == (2 * 36_864 + 16_704) * 4 == 361_728
-    assert rank.parameter_bytes == (2 * 18_432 + 16_704) * 4 == 214_272
-    assert rank.replicated_parameter_bytes == 16_704 * 4
-    assert len(rank.colwise) == 2 * 5 and len(rank.rowwise) == 2 * 2
-    assert rank.plan[0] == ("model.layers.*.self_attn.q_proj", "colwise")
+    # 18,432. Embedding and lm_head 8192 each whole, 4096 each sharded. Replicated: final norm 64 +
+    # 2 layers x 2 norms x 64 = 320.
+    assert rank.full_parameter_bytes == (2 * 36_864 + 2 * 8192 + 320) * 4 == 361_728
+    assert rank.parameter_bytes == (2 * 18_432 + 2 * 4096 + 320) * 4 == 181_504
+    assert rank.replicated_parameter_bytes == 320 * 4
+    assert len(rank.colwise) == 2 * 5 + 1 and len(rank.rowwise) == 2 * 2 and rank.embeddings == ("model.embed_tokens",)
+    assert rank.plan[:3] == (("lm_head", "colwise_gather_output"), ("model.embed_tokens", "embedding_rowwise"),
+                             ("model.layers.*.self_attn.q_proj", "colwise"))
 
 
 def test_a_user_plan_shards_what_it_names_and_keeps_a_row_wise_bias_whole():
@@ -309,13 +313,13 @@ def test_a_user_plan_shards_what_it_names_and_keeps_a_row_wise_bias_whole():
 
 def test_the_estimate_of_a_shard_runs_on_cpu_and_on_a_cuda_target():
     # Both targets trace the sharded twin, and the weights live at the peak are one rank's:
-    # (2 layers x 18,432 sharded + 16,704 whole) floats x 4 B = 214,272 B (see the test above).
-    # On CUDA the caching allocator rounds each tensor up to 512 B: every weight matrix here is a
-    # multiple already, the 5 RMSNorm weights (64 floats = 256 B) take 512 B each: + 5 x 256 B.
+    # (2 layers x 18,432 + embedding and head 2 x 4096, sharded, + 320 whole) floats x 4 B = 181,504 B
+    # (see the test above). On CUDA the caching allocator rounds each tensor up to 512 B: every weight
+    # matrix here is a multiple already, the 5 RMSNorm weights (64 floats = 256 B) take 512 B each: + 5 x 256 B.
     cpu = _estimate_llama(2, device="cpu")
-    assert cpu.busiest.breakdown_at_peak.params == 214_272
+    assert cpu.busiest.breakdown_at_peak.params == 181_504
     cuda = _estimate_llama(2, device="cuda", gpu="H100-80GB")
-    assert cuda.busiest.breakdown_at_peak.params == 214_272 + 5 * 256
+    assert cuda.busiest.breakdown_at_peak.params == 181_504 + 5 * 256
 
 
 @pytest.mark.parametrize("degree, match", [
@@ -396,7 +400,7 @@ def test_sequence_parallel_keeps_the_residual_stream_at_s_over_t_tokens_and_gath
     with torch.device("meta"):
         model, batch = make_llama("meta")
     rank = tp.shard(model, 2, sequence_parallel=True)
-    assert rank.sequence_parallel and rank.parameter_bytes == 214_272  # the same shards as tp=2 (above)
+    assert rank.sequence_parallel and rank.parameter_bytes == 181_504  # the same shards as tp=2 (above)
     seen = {}
     layer = model.model.layers[1]
     for name, module in [("norm", layer.input_layernorm), ("q", layer.self_attn.q_proj),

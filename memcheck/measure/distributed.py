@@ -169,6 +169,7 @@ def measure_tp_cpu(
     plan: dict[str, str] | None = None,
     sequence_parallel: bool = False,
     after: Callable[[torch.nn.Module, Any], torch.nn.Module] | None = None,
+    engine: str = "torch",
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Measured]:
     """Train under tensor parallelism (DTensor ``parallelize_module``) on ``world_size`` CPU ranks and measure each.
@@ -190,6 +191,14 @@ def measure_tp_cpu(
     transformers config's ``base_model_tp_plan``), the plan ``tp.shard``
     emulates. ``after(model, mesh)``, if given, returns the model to train from the sharded one
     (LoRA put over it as PEFT does over a tensor-parallel model).
+
+    ``engine="transformers"`` shards a transformers model with transformers' own code instead, as
+    ``from_pretrained(tp_plan="auto")`` does after building the model
+    (transformers/distributed/mixin.py ``maybe_distribute_model``): ``_resolve_parallel_plans``
+    (the model's ``tp_plan``: ``_tp_plan`` of the class, the config's ``base_model_tp_plan`` and
+    ``embed_tokens: embedding_rowwise``; or ``plan`` in its place), then
+    ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``: every style of
+    ``ALL_PARALLEL_STYLES``, not only the three torch ones.
 
     ``build``, ``make_optimizer``, ``loss_fn`` and ``after`` must be picklable module-level
     functions, as for ``measure_ddp_cpu``.
@@ -214,8 +223,14 @@ def measure_tp_cpu(
         check_plan(plan)
     if not isinstance(sequence_parallel, bool):
         raise UsageError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    if engine not in ("torch", "transformers"):
+        raise UsageError(f"engine must be 'torch' or 'transformers', got {engine!r}")
+    if engine == "transformers" and sequence_parallel:
+        raise UsageError("engine='transformers' measures transformers' own plan styles; sequence_parallel=True "
+                         "is torchtitan's, measured with engine='torch'")
     return _run_ranks("tp", build, make_optimizer, loss_fn, world_size, steps,
-                      {"plan": plan, "sequence_parallel": sequence_parallel, "after": after}, timeout_s)
+                      {"plan": plan, "sequence_parallel": sequence_parallel, "after": after, "engine": engine},
+                      timeout_s)
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # the schedules measure_pp_cpu runs
@@ -823,7 +838,9 @@ def _fsdp_setup(build, world_size, *, wrap):
     return setup
 
 
-def _tp_setup(build, world_size, *, plan, sequence_parallel=False, after=None):
+def _tp_setup(build, world_size, *, plan, sequence_parallel=False, after=None, engine="torch"):
+    if engine == "transformers":
+        return _transformers_tp_setup(build, world_size, plan=plan, after=after)
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (
@@ -832,23 +849,69 @@ def _tp_setup(build, world_size, *, plan, sequence_parallel=False, after=None):
         raise DistributedMeasureError(f"this torch ({torch.__version__}) has no DTensor tensor parallelism") from e
     from torch.distributed.tensor import Replicate, Shard
 
-    from memcheck.training.strategies.tp import COLWISE, ROWWISE, resolve_plan
+    from memcheck.training.strategies.tp import STYLE_KINDS, resolve_plan
 
-    def torch_style(style):
-        if style == COLWISE:
+    def torch_style(key, style):
+        # transformers' styles (transformers/distributed/tensor_parallel.py:599-622) as torch's own: the same
+        # placements and redistributions (torch/distributed/tensor/parallel/style.py), or None for the styles
+        # that leave the parameters whole and allocate nothing.
+        kind = STYLE_KINDS[style]
+        if kind == "linear_colwise":
             return ColwiseParallel()
-        if style == ROWWISE:
+        if kind == "linear_gather":  # colwise_gather_output / colwise_rep; under SP its input is Shard(1)
+            return ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                   output_layouts=Replicate())
+        if kind == "linear_rowwise":
             return RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
-        return ColwiseParallel(output_layouts=Replicate())  # colwise_gather_output, as transformers defines it
+        if kind == "linear_rowwise_replicated_input":
+            return RowwiseParallel(input_layouts=Replicate())
+        if kind == "embedding_rowwise":  # RowwiseParallel on nn.Embedding: weight Shard(0), ids Replicate
+            return RowwiseParallel(input_layouts=Replicate())
+        if kind == "embedding_colwise":  # ColwiseParallel on nn.Embedding: weight Shard(1), output gathered
+            return ColwiseParallel(output_layouts=Replicate())
+        if kind == "whole":
+            return None
+        raise UsageError(f"tensor-parallel style {style!r} ({key!r}) has no torch equivalent; measure it with "
+                         "engine='transformers'")
 
     def setup():
         model, batch = build()
         mesh = init_device_mesh("cpu", (world_size,))
         resolved = resolve_plan(model, plan)
-        styles = {key: torch_style(style) for key, style in resolved.items()}
+        styles = {key: torch_style(key, style) for key, style in resolved.items()}
+        styles = {key: style for key, style in styles.items() if style is not None}
         if sequence_parallel:
-            styles.update(_sequence_parallel_styles(model, Replicate, Shard, PrepareModuleInput, SequenceParallel))
+            sp_styles = _sequence_parallel_styles(model, Replicate, Shard, PrepareModuleInput, SequenceParallel)
+            styles.update({key: style for key, style in sp_styles.items() if key not in styles})
         parallelize_module(model, mesh, styles)
+        if after is not None:
+            model = after(model, mesh)
+        return model, batch
+
+    return setup
+
+
+def _transformers_tp_setup(build, world_size, *, plan, after=None):
+    """transformers' own tensor parallelism (transformers/distributed/mixin.py ``maybe_distribute_model``,
+    the ``tp_size > 1`` branch) on a model built whole on every rank: the plan resolved and expanded
+    by ``_resolve_parallel_plans``, then ``apply_tensor_parallelism`` (distributed/tensor_parallel.py),
+    which shards each named parameter with its style's ``shard_param`` (``distribute_tensor(...,
+    src_data_rank=None)``: each rank keeps its own chunk, no communication) and installs the style's
+    forward on each named module."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers.distributed.configuration_utils import DistributedConfig
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    except ImportError as e:
+        raise DistributedMeasureError(f"this transformers has no DTensor tensor parallelism ({e})") from e
+
+    def setup():
+        model, batch = build()
+        mesh = init_device_mesh("cpu", (world_size,))
+        if plan is not None:
+            model.tp_plan = dict(plan)  # the job's plan replaces the model's, as memcheck's tp_plan does
+        tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=world_size))
+        apply_tensor_parallelism(model, mesh, tp_plan)
         if after is not None:
             model = after(model, mesh)
         return model, batch

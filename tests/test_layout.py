@@ -122,6 +122,9 @@ def test_layouts_that_cannot_be_traced_are_refused_in_one_line():
     (["--layout", "dp=2", "--compare"], "drop --layout"),
     (["--layout", "tp=3"], "--tp-plan"),
     (["--layout", "tp=3", "--tp-plan", "transformer.h.*.mlp.c_fc=colwise"], "c_fc"),
+    (["--layout", "tp=2", "--tp-plan", "transformer.nope=colwise"], "'transformer.nope' matches no module"),
+    (["--layout", "tp=2", "--tp-plan", "transformer.h.*.mlp.c_fc=embedding_rowwise"], "an embedding style"),
+    (["--layout", "tp=2", "--tp-plan", "transformer.wte=moe_tp_experts"], "use --layout ep=N"),
 ])
 def test_a_bad_layout_on_the_command_line_exits_2_in_one_line(args, words):
     result = CliRunner().invoke(main, ["examples/gpt2_small.py", "--max-len", "64", "--device", "cpu", *args])

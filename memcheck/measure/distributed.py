@@ -170,6 +170,7 @@ def measure_tp_cpu(
     sequence_parallel: bool = False,
     after: Callable[[torch.nn.Module, Any], torch.nn.Module] | None = None,
     engine: str = "torch",
+    loss_parallel: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Measured]:
     """Train under tensor parallelism (DTensor ``parallelize_module``) on ``world_size`` CPU ranks and measure each.
@@ -200,6 +201,11 @@ def measure_tp_cpu(
     ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``: every style of
     ``ALL_PARALLEL_STYLES``, not only the three torch ones.
 
+    ``loss_parallel=True`` (``engine="torch"``): torchtitan's loss parallelism. The LM head
+    (``get_output_embeddings()``) is ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``,
+    its logits a vocabulary-sharded DTensor, and every step runs inside
+    ``torch.distributed.tensor.parallel.loss_parallel()``, so the model's own cross-entropy runs on the shards.
+
     ``build``, ``make_optimizer``, ``loss_fn`` and ``after`` must be picklable module-level
     functions, as for ``measure_ddp_cpu``.
 
@@ -225,11 +231,16 @@ def measure_tp_cpu(
         raise UsageError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     if engine not in ("torch", "transformers"):
         raise UsageError(f"engine must be 'torch' or 'transformers', got {engine!r}")
+    if not isinstance(loss_parallel, bool):
+        raise UsageError(f"loss_parallel must be True or False, got {loss_parallel!r}")
+    if engine == "transformers" and loss_parallel:
+        raise UsageError("loss_parallel=True is torchtitan's, measured with engine='torch'")
     if engine == "transformers" and sequence_parallel:
         raise UsageError("engine='transformers' measures transformers' own plan styles; sequence_parallel=True "
                          "is torchtitan's, measured with engine='torch'")
     return _run_ranks("tp", build, make_optimizer, loss_fn, world_size, steps,
-                      {"plan": plan, "sequence_parallel": sequence_parallel, "after": after, "engine": engine},
+                      {"plan": plan, "sequence_parallel": sequence_parallel, "after": after, "engine": engine,
+                       "loss_parallel": loss_parallel},
                       timeout_s)
 
 
@@ -838,7 +849,7 @@ def _fsdp_setup(build, world_size, *, wrap):
     return setup
 
 
-def _tp_setup(build, world_size, *, plan, sequence_parallel=False, after=None, engine="torch"):
+def _tp_setup(build, world_size, *, plan, sequence_parallel=False, after=None, engine="torch", loss_parallel=False):
     if engine == "transformers":
         return _transformers_tp_setup(build, world_size, plan=plan, after=after)
     try:
@@ -883,9 +894,18 @@ def _tp_setup(build, world_size, *, plan, sequence_parallel=False, after=None, e
         if sequence_parallel:
             sp_styles = _sequence_parallel_styles(model, Replicate, Shard, PrepareModuleInput, SequenceParallel)
             styles.update({key: style for key, style in sp_styles.items() if key not in styles})
+        if loss_parallel:  # torchtitan's apply_tp: the output layer keeps its logits sharded as a DTensor
+            from memcheck.training.strategies.tp import _head_name
+
+            styles[_head_name(model)] = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                                        output_layouts=Shard(-1), use_local_output=False)
         parallelize_module(model, mesh, styles)
         if after is not None:
             model = after(model, mesh)
+        if loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
+
+            return model, batch, parallel_loss()
         return model, batch
 
     return setup

@@ -81,6 +81,7 @@ module but ``nn.Linear``. See docs/tp.md.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from functools import partial
@@ -144,7 +145,7 @@ class TensorParallelRank:
     plan: tuple[tuple[str, str], ...]  # the resolved plan, (glob, style) in order
     colwise: tuple[str, ...]  # the linear modules sharded column-wise (gathered or not)
     rowwise: tuple[str, ...]  # the linear modules sharded row-wise
-    embeddings: tuple[str, ...]  # the embeddings sharded (vocabulary or hidden dimension)
+    embeddings: tuple[tuple[str, str], ...]  # (module, style) of the embeddings sharded
     whole: tuple[str, ...]  # the modules a style names but leaves whole (replicate, all_reduce, ...)
     full_parameter_bytes: int  # the whole model's parameters
     parameter_bytes: int  # one rank's parameters after sharding
@@ -264,7 +265,7 @@ BACKENDS = ("nccl", "gloo")  # the process group's backend: gloo's reduce-scatte
 
 
 def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
-          sequence_parallel: bool = False, backend: str = "nccl") -> TensorParallelRank:
+          sequence_parallel: bool = False, backend: str = "nccl", loss_parallel: bool = False) -> TensorParallelRank:
     """Turn ``model`` (parameters on the meta device) IN PLACE into one tensor-parallel rank of degree ``degree``.
 
     Column-wise ``nn.Linear`` keep ``out/T`` output features, row-wise ones ``in/T`` input
@@ -290,6 +291,8 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
         raise UsageError(f"sequence_parallel must be True or False, got {short_repr(sequence_parallel)}")
     if backend not in BACKENDS:
         raise UsageError(f"tensor-parallel backend must be 'nccl' or 'gloo', got {short_repr(backend)}")
+    if not isinstance(loss_parallel, bool):
+        raise UsageError(f"loss_parallel must be True or False, got {short_repr(loss_parallel)}")
     on_device = next((name for name, t in [*model.named_parameters(), *model.named_buffers()]
                       if t.device.type != "meta"), None)
     if on_device is not None:
@@ -303,6 +306,12 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
               for name, style in matched.items()}
     _check_divisible(target, layers, matched, degree)
     decoder = _sequence_parallel_decoder(target, matched) if sequence_parallel else None
+    head_name = _head_name(target) if loss_parallel else None
+    if loss_parallel and STYLE_KINDS.get(matched.get(head_name, "")) not in ("linear_colwise", "linear_gather"):
+        raise UsageError(f"loss parallelism keeps the LM head's logits sharded by vocabulary, so the plan must shard "
+                         f"the head column-wise; {type(target).__name__}'s head "
+                         f"{head_name or '(get_output_embeddings() is None)'} is "
+                         f"{'sharded as ' + repr(matched[head_name]) if head_name in matched else 'not in the plan'}")
     full = _parameter_bytes(model)
     sharded: set[int] = set()
     replaced: dict[int, nn.Parameter] = {}  # a tied weight (embedding and head) sharded once, still tied
@@ -329,11 +338,19 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
                          replicated_input=how == "linear_rowwise_replicated_input")
             else:
                 head = sequence_parallel and decoder[0] and name == "lm_head"  # its input is Shard(1) under SP
-                _colwise(linear, degree, gather_output=how == "linear_gather", replaced=replaced,
+                # torchtitan's apply_tp under loss_parallel: the head's output_layouts=Shard(-1),
+                # use_local_output=False: the logits stay this rank's [.., V/T] (no gather)
+                gather = how == "linear_gather" and not (loss_parallel and name == head_name)
+                _colwise(linear, degree, gather_output=gather, replaced=replaced,
                          sequence_input=(backend == "gloo") if head else None)
             sharded.update(id(p) for p in linear.parameters() if not (how in _ROWWISE_KINDS and p is linear.bias))
     if decoder is not None:
         _sequence_parallel_hooks(target, decoder, degree, head_sharded="lm_head" in matched)
+    if loss_parallel and isinstance(getattr(type(target), "loss_function", None), property):
+        # transformers' causal-LM loss views the logits as [-1, config.vocab_size] (loss/loss_utils.py:62,
+        # ForCausalLMLoss), which the global shape of the real run's DTensor logits satisfies; this rank's
+        # local logits are [.., V/T], so the loss is handed that width (the model's loss_function setter)
+        target.loss_function = partial(_local_vocab_loss, target.loss_function, modules[head_name].out_features)
     seen: set[int] = set()
     replicated = sum(p.numel() * p.element_size() for p in model.parameters()
                      if id(p) not in sharded and not (id(p) in seen or seen.add(id(p))))
@@ -344,7 +361,7 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
         plan=tuple(resolved.items()),
         colwise=tuple(n for n, k in kinds.items() if k in ("linear_colwise", "linear_gather")),
         rowwise=tuple(n for n, k in kinds.items() if k in _ROWWISE_KINDS),
-        embeddings=tuple(n for n, k in kinds.items() if k.startswith("embedding_")),
+        embeddings=tuple((n, matched[n]) for n, k in kinds.items() if k.startswith("embedding_")),
         whole=tuple(n for n, k in kinds.items() if k in ("whole", "all_reduce", "mla_kv_a_proj")),
         full_parameter_bytes=full,
         parameter_bytes=_parameter_bytes(model),
@@ -836,3 +853,100 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.contiguous()
+
+
+# ---- loss parallelism (torch.distributed.tensor.parallel.loss_parallel) ------------------------------------
+
+
+def _head_name(model: nn.Module) -> str | None:
+    """The name of the model's LM head (``get_output_embeddings()``), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Module):
+        return None
+    return next((name for name, module in model.named_modules() if module is head), None)
+
+
+def _local_vocab_loss(loss_function, local_vocab, *args, **kwargs):
+    if "vocab_size" in kwargs:
+        kwargs["vocab_size"] = local_vocab
+    return loss_function(*args, **kwargs)
+
+
+def loss_parallel_context(model: nn.Module):
+    """A factory of the context a loss-parallel rank's steps run in: ``F.cross_entropy`` on this rank's
+    vocabulary shard of the logits (``[N, V/T]``, the sharded head's ``out_features``) computed as torch's
+    ``loss_parallel()`` computes it (``_ParallelCrossEntropy``); other calls pass through. ``loss_parallel()``
+    itself swaps DTensor's handlers of ``_log_softmax``, ``nll_loss_forward`` and their backwards
+    (torch/distributed/tensor/parallel/loss.py:31-123, 598-614) for the whole step."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    local_vocab = getattr(head, "out_features", None)
+
+    @contextlib.contextmanager
+    def patched():
+        original = torch.nn.functional.cross_entropy
+
+        def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                          reduction="mean", label_smoothing=0.0):
+            if (input.dim() == 2 and input.shape[1] == local_vocab and weight is None and size_average is None
+                    and reduce is None and reduction in ("mean", "sum") and not label_smoothing):
+                return _ParallelCrossEntropy.apply(input, target, ignore_index, reduction == "mean")
+            return original(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+
+        torch.nn.functional.cross_entropy = cross_entropy
+        try:
+            yield
+        finally:
+            torch.nn.functional.cross_entropy = original
+
+    return patched
+
+
+class _ParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy on this rank's ``[N, V/T]`` logits, the local ops of torch 2.13's loss parallelism.
+
+    Forward: ``_log_softmax`` (torch/distributed/tensor/parallel/loss.py:197-221): the row max ``[N, 1]``
+    all-reduced (``funcol.all_reduce``, a copy), ``shifted = x - max`` and ``exp(shifted)`` (two ``[N, V/T]``
+    at once), their sum all-reduced, ``result = shifted - log(sumexp)``; autograd keeps ``result`` (the
+    log-softmax output ``nll_loss`` reads and ``_log_softmax`` saved). ``_nll_loss_forward`` (:271-345): the
+    targets masked to this rank's vocabulary (``_MaskPartial._partition_value``: a bool mask and shifted
+    int64 targets), ``gather`` ``[N, 1]``, all-reduced (a copy), the mean over non-ignored targets.
+    Backward: ``_nll_loss_and_log_softmax_backward`` (:451-518), both backwards fused: ``zeros_like(x)``,
+    -1 scattered at the local targets, then ``(grad_input + exp(x)) * grad_output`` (three ``[N, V/T]``
+    at once); ``_log_softmax_backward_handler`` (:259-266) passes it through (``.to`` its own dtype).
+    """
+
+    @staticmethod
+    def forward(ctx, x, target, ignore_index, mean):
+        dtype = x.dtype  # elementwise_dtypes: half and bfloat16 compute in float32, the result in their own
+        x = x.to(dtype=torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype,
+                 memory_format=torch.contiguous_format)
+        x_max = torch.amax(x, 1, keepdim=True).clone()  # funcol.all_reduce(MAX) copies
+        shifted = x - x_max
+        sumexp = torch.sum(torch.exp(shifted), 1, keepdim=True).clone()  # all_reduce(SUM)
+        result = (shifted - torch.log(sumexp)).to(dtype)
+        del shifted
+        valid = target != ignore_index
+        safe = torch.where(valid, target, 0).unsqueeze(1)
+        outside = (safe < 0) | (safe >= x.shape[1])  # noqa: F841 (_MaskPartial's mask, until the reduction)
+        local = safe.clone() - 0  # shifted to this rank's first class; rank 0's offset is 0
+        picked = torch.gather(result, 1, local).clone()  # _reduce_value: funcol.all_reduce's copy
+        out = torch.where(valid, -picked.squeeze(1), 0)
+        total = valid.sum().to(result)
+        ctx.save_for_backward(result, target, total)
+        ctx.ignore_index, ctx.mean = ignore_index, mean
+        return out.sum() / total if mean else out.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        result, target, total = ctx.saved_tensors
+        grad_output = grad / total if ctx.mean else grad
+        safe = torch.where(target != ctx.ignore_index, target, 0)
+        grad_input = torch.zeros_like(result)
+        outside = (safe < 0) | (safe >= result.shape[1])
+        local = safe.clone() - 0
+        update = outside.to(grad_input.dtype) - 1.0
+        rows = torch.arange(local.shape[0], device=local.device)
+        grad_input[rows, local] = update
+        grad_output = torch.where((target != ctx.ignore_index).unsqueeze(1), grad_output, 0)
+        return (grad_input + torch.exp(result)) * grad_output, None, None, None

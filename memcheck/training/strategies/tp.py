@@ -37,19 +37,33 @@ What a rank holds and does, from torch 2.13's source:
 - ``colwise_gather_output`` (transformers' name for
   ``ColwiseParallel(output_layouts=Replicate())``, e.g. on an LM head): the
   column-wise weight, and the output all-gathered (``_AllGatherLastDim``).
-- everything the plan does not name (embeddings, norms, the LM head) stays
-  whole on every rank and computes on the whole activations, as under
-  ``parallelize_module``; their gradients need no communication.
+- ``embedding_rowwise`` (vocabulary-parallel; transformers adds it on ``embed_tokens``): weight
+  ``[V/T, H]``, the lookup masked to the rank's rows and all-reduced (a copy), and, on DTensor, the
+  weight's gradient is the WHOLE vocabulary's ``[V, H]`` on every rank until ``zero_grad``
+  (``_VocabParallelLookup``); ``embedding_colwise``: ``[V, H/T]``, the lookup all-gathered.
+- transformers' other styles (``STYLE_KINDS``): ``packed_colwise`` as column-wise, ``colwise_rep`` as
+  ``colwise_gather_output``, ``rowwise_rep``/``rowwise_split_input`` row-wise with the whole input
+  cut first (a chunk clone; the backward all-gathers), ``all_reduce`` (the output all-reduced, a
+  copy), ``mla_kv_a_proj`` (the output split and concatenated, a copy), and ``replicate``,
+  ``replicated_with_grad_allreduce``, ``sequence_parallel``, ``local_params``, which leave the
+  module whole and allocate nothing. The expert styles (``moe_tp_experts`` ...) are refused: ``ep``
+  shards experts.
+- everything the plan does not name (norms, ...) stays whole on every rank and computes on the
+  whole activations, as under ``parallelize_module``; their gradients need no communication.
+- ``loss_parallel=True`` (torchtitan's, ``--layout tp=T,loss_parallel=true``): the head's logits stay
+  ``[.., V/T]`` and the cross-entropy runs as torch's ``loss_parallel()`` computes it on the shards
+  (``_ParallelCrossEntropy``, ``loss_parallel_context``).
 - gradients and optimizer state follow the local shards (a DTensor's
   ``.grad`` and AdamW's ``exp_avg``/``exp_avg_sq`` hold the local shard).
 
-The plan is ``{glob: "colwise" | "rowwise"}`` with ``parallelize_module``'s
+The plan is ``{glob: style}`` with ``parallelize_module``'s
 matching (torch/distributed/tensor/parallel/api.py, ``parallelize_module``:
 the key split on ``.``, each part matched with ``fnmatch`` against the child
-module names). By default it is the transformers config's
-``base_model_tp_plan`` (e.g. LlamaConfig's: q/k/v/gate/up column-wise, o/down
-row-wise), each key prefixed with the base model's attribute
-(``base_model_prefix``, ``model`` for LlamaForCausalLM).
+module names). By default it is the plan transformers applies for
+``from_pretrained(tp_plan="auto")``, the model's ``tp_plan`` (transformers/distributed/mixin.py
+``init_parallel_plans``: the class's ``_tp_plan``, e.g. ``lm_head: colwise_gather_output``, the
+config's ``base_model_tp_plan`` under ``model.``, and ``embed_tokens: embedding_rowwise``); with an
+older transformers, the config's ``base_model_tp_plan`` prefixed with the base model's attribute.
 
 Sequence parallelism (``sequence_parallel=True``; ``--layout tp=T,sp=true``): torchtitan's
 ``apply_tp`` (llama3/infra/parallelize.py) as ``measure_tp_cpu(sequence_parallel=True)`` applies
@@ -74,9 +88,9 @@ under a row-wise base, ``lora_A`` row-wise (``Shard(1)``, its output ``Partial``
 copy); the other half stays whole on every rank. Refused: DoRA, 4-bit (QLoRA) bases and sequence
 parallelism under LoRA, and LoRA over a style but ``colwise``/``rowwise`` (PEFT's own limits).
 
-Not modelled (``UsageError``): other styles
-(transformers' ``packed_colwise``, ``moe_tp_experts`` ...); sharding any
-module but ``nn.Linear``. See docs/tp.md.
+Not modelled (``UsageError``): the expert styles; the linear styles on anything but ``nn.Linear``
+and the embedding ones on anything but ``nn.Embedding``; a sharded dimension the degree does not
+divide (transformers lets the last rank hold less). See docs/tp.md.
 """
 
 from __future__ import annotations
@@ -239,6 +253,11 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     for key, style in plan.items():
         found = _match(model, key.split("."))
         if not found:
+            owner, _, leaf = key.rpartition(".")
+            if any(leaf in dict(module.named_parameters(recurse=False)) for module in _match(model, owner.split("."))):
+                raise UsageError(f"tensor-parallel plan key {short_repr(key)} names a parameter of "
+                                 f"{type(model).__name__}; memcheck shards whole modules only (transformers' "
+                                 "parameter-level entries are not modelled)")
             raise UsageError(f"tensor-parallel plan key {short_repr(key)} matches no module of {type(model).__name__}")
         for module in found:
             name = names[id(module)]
@@ -347,7 +366,7 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
     if decoder is not None:
         _sequence_parallel_hooks(target, decoder, degree, head_sharded="lm_head" in matched)
     if loss_parallel and isinstance(getattr(type(target), "loss_function", None), property):
-        # transformers' causal-LM loss views the logits as [-1, config.vocab_size] (loss/loss_utils.py:62,
+        # transformers' causal-LM loss views the logits as [-1, config.vocab_size] (loss/loss_utils.py:69,
         # ForCausalLMLoss), which the global shape of the real run's DTensor logits satisfies; this rank's
         # local logits are [.., V/T], so the loss is handed that width (the model's loss_function setter)
         target.loss_function = partial(_local_vocab_loss, target.loss_function, modules[head_name].out_features)
@@ -763,11 +782,11 @@ class _VocabParallelLookup(torch.autograd.Function):
     Forward: ``EmbeddingParallel.transform_inputs_pre_forward`` (transformers/distributed/tensor_parallel.py:335-345)
     wraps the ids ``Replicate`` (``DTensor.from_local``, a view). ``aten.embedding``'s row-wise strategy
     (torch/distributed/tensor/_ops/_embedding_ops.py:50-53) redistributes them to ``_MaskPartial``:
-    ``_MaskPartial._mask_tensor`` (torch/distributed/tensor/placement_types.py:1656-1673) builds the
+    ``_MaskPartial._mask_tensor`` (torch/distributed/tensor/placement_types.py:1656-1696) builds the
     out-of-shard mask (bool ``[B, S]``, two comparisons or-ed; kept in the ``MaskBuffer`` until the reduction)
     and the shifted ids (``ids.clone() - offset``, int64 ``[B, S]``, out-of-shard ones set to 0 in place); the
     local lookup gives ``[B, S, H]``; ``transform_output_post_forward`` (:347-353) redistributes it to
-    ``Replicate``: ``_MaskPartial._reduce_value`` (placement_types.py:1697-1712) zeroes the masked rows in
+    ``Replicate``: ``_MaskPartial._reduce_value`` (placement_types.py:1697-1714) zeroes the masked rows in
     place and calls ``funcol.all_reduce``, which clones (Functional.cpp ``c10d::all_reduce``); the partial
     lookup is dropped after.
 

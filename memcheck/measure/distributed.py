@@ -928,9 +928,18 @@ def _transformers_tp_setup(build, world_size, *, plan, after=None):
     def setup():
         model, batch = build()
         mesh = init_device_mesh("cpu", (world_size,))
-        if plan is not None:
-            model.tp_plan = dict(plan)  # the job's plan replaces the model's, as memcheck's tp_plan does
-        tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=world_size))
+        if not hasattr(model, "_resolve_parallel_plans"):  # a plain nn.Module: the plan expanded as transformers
+            from memcheck.training.strategies.tp import match_plan  # expands it (mixin.py _expand_parallel_plan):
+
+            tp_plan = {}  # each matched module's own parameters (to shard), then the module (to hook)
+            for name, style in match_plan(model, plan or {}).items():
+                for param in model.get_submodule(name)._parameters:
+                    tp_plan[f"{name}.{param}"] = style
+                tp_plan[name] = style
+        else:
+            if plan is not None:
+                model.tp_plan = dict(plan)  # the job's plan replaces the model's, as memcheck's tp_plan does
+            tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=world_size))
         apply_tensor_parallelism(model, mesh, tp_plan)
         if after is not None:
             model = after(model, mesh)

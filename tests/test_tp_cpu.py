@@ -770,3 +770,22 @@ def test_each_other_transformers_style_matches_real_ranks(plan, measured_bytes):
     for rank, measured in enumerate(ranks):
         _check(f"{plan} rank {rank}", estimated.peak_bytes, measured.steady_peak_bytes)
         _check(f"{plan} rank {rank} against the recorded run", measured_bytes, measured.steady_peak_bytes)
+
+
+def test_a_subclassed_embedding_keeps_its_own_forward_around_the_vocabulary_parallel_lookup():
+    # Gemma3's scaled embedding (an nn.Embedding subclass that multiplies nn.Embedding.forward's output):
+    # transformers shards it embedding_rowwise; its own forward still runs, with the lookup vocabulary-parallel.
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+    config = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, vocab_size=1024, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = Gemma3ForCausalLM(config)
+    tp.shard(model, 2)
+    embedding = model.model.embed_tokens
+    assert type(embedding).__name__ == "Gemma3TextScaledWordEmbedding" and embedding.weight.shape == (512, 64)
+    assert model.lm_head.weight is embedding.weight  # tied, one [V/T, H] tensor
+    scaled = []
+    embedding.register_forward_hook(lambda m, a, o: scaled.append(o.shape))
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    assert embedding(ids).shape == (1, 8, 64) and scaled == [(1, 8, 64)]

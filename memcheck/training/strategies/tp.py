@@ -405,7 +405,7 @@ def _module_of(name: str, module: nn.Module, style: str, sequence_parallel: bool
             raise UsageError(f"sequence parallelism with LoRA ({name!r}) is not modelled; drop sp=true or --lora")
         module = base
     if kind.startswith("embedding_"):
-        if type(module) is not nn.Embedding:
+        if not isinstance(module, nn.Embedding):
             raise UsageError(f"tensor-parallel plan shards {name!r} ({type(module).__name__}) as {style!r}, "
                              "an embedding style; it shards nn.Embedding only")
         if module.max_norm is not None or module.sparse:
@@ -771,9 +771,23 @@ def _embedding(embedding: nn.Embedding, degree: int, *, rows: bool, replaced: di
         embedding.register_forward_hook(partial(_colwise_gathered_output, degree))
 
 
-def _vocab_parallel_forward(embedding: nn.Embedding, vocab: int, ids: torch.Tensor) -> torch.Tensor:
-    padding = -1 if embedding.padding_idx is None else embedding.padding_idx
-    return _VocabParallelLookup.apply(ids, embedding.weight, vocab, padding, embedding.scale_grad_by_freq)
+def _vocab_parallel_forward(embedding: nn.Embedding, vocab: int, *args, **kwargs) -> torch.Tensor:
+    # The module's own forward (a subclass's too, e.g. Gemma3's scaled embedding, which multiplies
+    # nn.Embedding.forward's output), with its F.embedding of this weight run as the vocabulary-parallel lookup.
+    original = torch.nn.functional.embedding
+
+    def lookup(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+               sparse=False):
+        if weight is not embedding.weight:
+            return original(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+        padding = -1 if padding_idx is None else padding_idx
+        return _VocabParallelLookup.apply(input, weight, vocab, padding, scale_grad_by_freq)
+
+    torch.nn.functional.embedding = lookup
+    try:
+        return type(embedding).forward(embedding, *args, **kwargs)
+    finally:
+        torch.nn.functional.embedding = original
 
 
 class _VocabParallelLookup(torch.autograd.Function):
@@ -803,7 +817,7 @@ class _VocabParallelLookup(torch.autograd.Function):
     def forward(ctx, ids, weight, vocab, padding, scale_grad_by_freq):
         mask = (ids < 0) | (ids >= weight.shape[0])  # noqa: F841 (the MaskBuffer: alive until the reduction)
         shifted = ids.clone() - 0  # the real offset is this rank's first row; rank 0's is 0
-        local = torch.nn.functional.embedding(shifted, weight)
+        local = torch.ops.aten.embedding(weight, shifted)  # the local lookup (not F.embedding: patched here)
         del shifted
         out = local.clone(memory_format=torch.contiguous_format)  # funcol.all_reduce's copy
         ctx.save_for_backward(ids)

@@ -178,19 +178,20 @@ def measure_tp_cpu(
     Every rank calls ``build()`` (the whole model, and the same batch on every
     rank: tensor-parallel ranks see the same tokens), then
     ``parallelize_module(model, init_device_mesh("cpu", (world_size,)), styles)``
-    with ``styles`` the plan translated to torch's ``ColwiseParallel()`` and
+    with ``styles`` the plan's transformers styles translated to torch's ``ColwiseParallel()`` and
     ``RowwiseParallel()`` (their defaults: ``use_local_output=True``, the
     row-wise output all-reduced to ``Replicate``; ``"colwise_gather_output"`` is
-    ``ColwiseParallel(output_layouts=Replicate())``), then
+    ``ColwiseParallel(output_layouts=Replicate())``, ``"embedding_rowwise"``
+    ``RowwiseParallel(input_layouts=Replicate())`` on the embedding; the styles that keep a module
+    whole get none; see ``_tp_setup``), then
     ``make_optimizer(model.parameters())``, all inside the profiled region.
     ``sequence_parallel=True`` adds torchtitan's sequence-parallel styles for a transformers
     decoder (``_sequence_parallel_styles``): row-wise outputs ``Shard(1)``, ``SequenceParallel``
     norms, ``PrepareModuleInput`` cutting the first layer's input and gathering the attention
     (``hidden_states=`` keyword, ``input_kwarg_layouts``), MLP and LM head inputs.
-    ``plan`` is ``{glob: "colwise" | "rowwise" | "colwise_gather_output"}``; by default the one
-    ``memcheck.training.strategies.tp.resolve_plan`` reads from the model (a
-    transformers config's ``base_model_tp_plan``), the plan ``tp.shard``
-    emulates. ``after(model, mesh)``, if given, returns the model to train from the sharded one
+    ``plan`` is ``{glob: style}`` with transformers' style names; by default the one
+    ``memcheck.training.strategies.tp.resolve_plan`` reads from the model (the model's
+    ``tp_plan`` as transformers applies it), the plan ``tp.shard`` emulates. ``after(model, mesh)``, if given, returns the model to train from the sharded one
     (LoRA put over it as PEFT does over a tensor-parallel model).
 
     ``engine="transformers"`` shards a transformers model with transformers' own code instead, as

@@ -330,7 +330,8 @@ _WORKLOAD_OPTIONS = [
                  help="fsdp / fsdp1 / zero: move the optimizer state or the parameters to CPU memory."),
     click.option("--layout", default=None, metavar="dp=D,tp=T,pp=P,...",
                  help="Several kinds of parallelism at once: dp, dp_replicate, tp, pp, cp, ep degrees, and "
-                      "schedule= (gpipe, 1f1b, interleaved-1f1b, zero-bubble), virtual=, sp=true. --strategy runs "
+                      "schedule= (gpipe, 1f1b, interleaved-1f1b, zero-bubble), virtual=, sp=true, loss_parallel=true "
+                      "(torchtitan's loss parallelism: sharded logits). --strategy runs "
                       "over dp*cp (fsdp by default); one column per pipeline stage."),
     click.option("--fsdp-sharding", default=None, metavar="full_shard|shard_grad_op|no_shard|hybrid_shard",
                  help="fsdp1: FullyShardedDataParallel's sharding_strategy (default full_shard)."),
@@ -338,8 +339,9 @@ _WORKLOAD_OPTIONS = [
                  help="GPUs a node: fsdp1 hybrid_shard's shard group (default: all of --gpus); for plan --gpus N "
                       "with no --strategy, where tensor parallelism stays (default 8)."),
     click.option("--tp-plan", "tp_plan", default=None, metavar="GLOB=STYLE,...",
-                 help="With a layout's tp: the modules to shard, colwise or rowwise (as parallelize_module takes "
-                      "them); default: the transformers config's base_model_tp_plan."),
+                 help="With a layout's tp: the modules to shard and transformers' style for each (colwise, "
+                      "rowwise, colwise_gather_output, embedding_rowwise, ...); default: the model's own plan as "
+                      "transformers applies it (tp_plan=\"auto\")."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table."),
     click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise)."),
     click.option("--trust-remote-code", is_flag=True,

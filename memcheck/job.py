@@ -306,9 +306,10 @@ class Job:
     ranks (``fsdp`` when not given), ``gpus`` is the whole world, and under ``pp`` ``accumulate``
     is the pipeline's micro-batches per step. None: one kind, ``strategy`` over ``gpus``."""
     tp_plan: tuple[tuple[str, str], ...] | None = None
-    """The layout's tensor-parallel plan, ``{module glob: "colwise" | "rowwise" | "colwise_gather_output"}``
-    as ``parallelize_module`` takes it (``"layers.*.attn.q_proj=colwise,..."`` on the command line);
-    None: the transformers config's ``base_model_tp_plan``."""
+    """The layout's tensor-parallel plan, ``{module glob: style}`` with transformers' style names
+    (``colwise``, ``rowwise``, ``colwise_gather_output``, ``embedding_rowwise``, ...;
+    ``"layers.*.attn.q_proj=colwise,..."`` on the command line); None: the model's own plan as
+    transformers applies it (``tp_plan="auto"``)."""
     fsdp_sharding: FsdpSharding | None = None
     """fsdp1: ``full_shard`` (None: torch's default), ``shard_grad_op``, ``no_shard`` or ``hybrid_shard``.
     HF ``TrainingArguments.fsdp`` is not an alias: it is a list of options (``"full_shard offload

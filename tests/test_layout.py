@@ -101,10 +101,11 @@ def test_each_pipeline_stage_is_a_column_and_the_busiest_sets_the_peak():
 def test_a_tensor_parallel_rank_holds_its_shards():
     # The Llama's blocks: q, k, v, o (64x64, 64x32, 64x32, 64x64) and gate, up, down (64x128 x 3);
     # tp=2 halves them all. Per block 4096 + 2048 + 2048 + 4096 + 3 x 8192 = 36,864 weights, 18,432 a
-    # rank; two norms (64 each) whole. Two blocks, plus the embedding and head (128 x 64 each) and the
-    # final norm (64), whole: 2 x (18,432 + 128) + 2 x 8,192 + 64 = 53,568 fp32 weights = 214,272 B.
+    # rank; two norms (64 each) whole. Two blocks, the embedding (vocabulary-parallel) and head (gathered
+    # column-wise) of transformers' plan, 128 x 64 each, halved, and the final norm (64) whole:
+    # 2 x (18,432 + 128) + 2 x 4,096 + 64 = 45,376 fp32 weights = 181,504 B.
     est = memcheck.estimate(tiny_llama(layers=2), batch(), device="cpu", layout="tp=2", optimizer="sgd")
-    assert est.breakdown_at_peak.params == 214_272
+    assert est.breakdown_at_peak.params == 181_504
 
 
 def test_layouts_that_cannot_be_traced_are_refused_in_one_line():
@@ -122,6 +123,11 @@ def test_layouts_that_cannot_be_traced_are_refused_in_one_line():
     (["--layout", "dp=2", "--compare"], "drop --layout"),
     (["--layout", "tp=3"], "--tp-plan"),
     (["--layout", "tp=3", "--tp-plan", "transformer.h.*.mlp.c_fc=colwise"], "c_fc"),
+    (["--layout", "tp=2", "--tp-plan", "transformer.nope=colwise"], "'transformer.nope' matches no module"),
+    (["--layout", "tp=2", "--tp-plan", "transformer.h.*.mlp.c_fc=embedding_rowwise"], "an embedding style"),
+    (["--layout", "tp=2", "--tp-plan", "transformer.wte=moe_tp_experts"], "use --layout ep=N"),
+    (["--layout", "dp=2,loss_parallel=true"], "loss_parallel shards the logits over the tensor-parallel ranks and "
+                                              "needs tp > 1"),
 ])
 def test_a_bad_layout_on_the_command_line_exits_2_in_one_line(args, words):
     result = CliRunner().invoke(main, ["examples/gpt2_small.py", "--max-len", "64", "--device", "cpu", *args])

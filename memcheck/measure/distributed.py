@@ -169,6 +169,8 @@ def measure_tp_cpu(
     plan: dict[str, str] | None = None,
     sequence_parallel: bool = False,
     after: Callable[[torch.nn.Module, Any], torch.nn.Module] | None = None,
+    engine: str = "torch",
+    loss_parallel: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Measured]:
     """Train under tensor parallelism (DTensor ``parallelize_module``) on ``world_size`` CPU ranks and measure each.
@@ -176,20 +178,34 @@ def measure_tp_cpu(
     Every rank calls ``build()`` (the whole model, and the same batch on every
     rank: tensor-parallel ranks see the same tokens), then
     ``parallelize_module(model, init_device_mesh("cpu", (world_size,)), styles)``
-    with ``styles`` the plan translated to torch's ``ColwiseParallel()`` and
+    with ``styles`` the plan's transformers styles translated to torch's ``ColwiseParallel()`` and
     ``RowwiseParallel()`` (their defaults: ``use_local_output=True``, the
     row-wise output all-reduced to ``Replicate``; ``"colwise_gather_output"`` is
-    ``ColwiseParallel(output_layouts=Replicate())``), then
+    ``ColwiseParallel(output_layouts=Replicate())``, ``"embedding_rowwise"``
+    ``RowwiseParallel(input_layouts=Replicate())`` on the embedding; the styles that keep a module
+    whole get none; see ``_tp_setup``), then
     ``make_optimizer(model.parameters())``, all inside the profiled region.
     ``sequence_parallel=True`` adds torchtitan's sequence-parallel styles for a transformers
     decoder (``_sequence_parallel_styles``): row-wise outputs ``Shard(1)``, ``SequenceParallel``
     norms, ``PrepareModuleInput`` cutting the first layer's input and gathering the attention
     (``hidden_states=`` keyword, ``input_kwarg_layouts``), MLP and LM head inputs.
-    ``plan`` is ``{glob: "colwise" | "rowwise" | "colwise_gather_output"}``; by default the one
-    ``memcheck.training.strategies.tp.resolve_plan`` reads from the model (a
-    transformers config's ``base_model_tp_plan``), the plan ``tp.shard``
-    emulates. ``after(model, mesh)``, if given, returns the model to train from the sharded one
+    ``plan`` is ``{glob: style}`` with transformers' style names; by default the one
+    ``memcheck.training.strategies.tp.resolve_plan`` reads from the model (the model's
+    ``tp_plan`` as transformers applies it), the plan ``tp.shard`` emulates. ``after(model, mesh)``, if given, returns the model to train from the sharded one
     (LoRA put over it as PEFT does over a tensor-parallel model).
+
+    ``engine="transformers"`` shards a transformers model with transformers' own code instead, as
+    ``from_pretrained(tp_plan="auto")`` does after building the model
+    (transformers/distributed/mixin.py ``maybe_distribute_model``): ``_resolve_parallel_plans``
+    (the model's ``tp_plan``: ``_tp_plan`` of the class, the config's ``base_model_tp_plan`` and
+    ``embed_tokens: embedding_rowwise``; or ``plan`` in its place), then
+    ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``: every style of
+    ``ALL_PARALLEL_STYLES``, not only the three torch ones.
+
+    ``loss_parallel=True`` (``engine="torch"``): torchtitan's loss parallelism. The LM head
+    (``get_output_embeddings()``) is ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``,
+    its logits a vocabulary-sharded DTensor, and every step runs inside
+    ``torch.distributed.tensor.parallel.loss_parallel()``, so the model's own cross-entropy runs on the shards.
 
     ``build``, ``make_optimizer``, ``loss_fn`` and ``after`` must be picklable module-level
     functions, as for ``measure_ddp_cpu``.
@@ -214,8 +230,19 @@ def measure_tp_cpu(
         check_plan(plan)
     if not isinstance(sequence_parallel, bool):
         raise UsageError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    if engine not in ("torch", "transformers"):
+        raise UsageError(f"engine must be 'torch' or 'transformers', got {engine!r}")
+    if not isinstance(loss_parallel, bool):
+        raise UsageError(f"loss_parallel must be True or False, got {loss_parallel!r}")
+    if engine == "transformers" and loss_parallel:
+        raise UsageError("loss_parallel=True is torchtitan's, measured with engine='torch'")
+    if engine == "transformers" and sequence_parallel:
+        raise UsageError("engine='transformers' measures transformers' own plan styles; sequence_parallel=True "
+                         "is torchtitan's, measured with engine='torch'")
     return _run_ranks("tp", build, make_optimizer, loss_fn, world_size, steps,
-                      {"plan": plan, "sequence_parallel": sequence_parallel, "after": after}, timeout_s)
+                      {"plan": plan, "sequence_parallel": sequence_parallel, "after": after, "engine": engine,
+                       "loss_parallel": loss_parallel},
+                      timeout_s)
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # the schedules measure_pp_cpu runs
@@ -823,7 +850,9 @@ def _fsdp_setup(build, world_size, *, wrap):
     return setup
 
 
-def _tp_setup(build, world_size, *, plan, sequence_parallel=False, after=None):
+def _tp_setup(build, world_size, *, plan, sequence_parallel=False, after=None, engine="torch", loss_parallel=False):
+    if engine == "transformers":
+        return _transformers_tp_setup(build, world_size, plan=plan, after=after)
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (
@@ -832,23 +861,87 @@ def _tp_setup(build, world_size, *, plan, sequence_parallel=False, after=None):
         raise DistributedMeasureError(f"this torch ({torch.__version__}) has no DTensor tensor parallelism") from e
     from torch.distributed.tensor import Replicate, Shard
 
-    from memcheck.training.strategies.tp import COLWISE, ROWWISE, resolve_plan
+    from memcheck.training.strategies.tp import STYLE_KINDS, resolve_plan
 
-    def torch_style(style):
-        if style == COLWISE:
+    def torch_style(key, style):
+        # transformers' styles (transformers/distributed/tensor_parallel.py:599-622) as torch's own: the same
+        # placements and redistributions (torch/distributed/tensor/parallel/style.py), or None for the styles
+        # that leave the parameters whole and allocate nothing.
+        kind = STYLE_KINDS[style]
+        if kind == "linear_colwise":
             return ColwiseParallel()
-        if style == ROWWISE:
+        if kind == "linear_gather":  # colwise_gather_output / colwise_rep; under SP its input is Shard(1)
+            return ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                   output_layouts=Replicate())
+        if kind == "linear_rowwise":
             return RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
-        return ColwiseParallel(output_layouts=Replicate())  # colwise_gather_output, as transformers defines it
+        if kind == "linear_rowwise_replicated_input":
+            return RowwiseParallel(input_layouts=Replicate())
+        if kind == "embedding_rowwise":  # RowwiseParallel on nn.Embedding: weight Shard(0), ids Replicate
+            return RowwiseParallel(input_layouts=Replicate())
+        if kind == "embedding_colwise":  # ColwiseParallel on nn.Embedding: weight Shard(1), output gathered
+            return ColwiseParallel(output_layouts=Replicate())
+        if kind == "whole":
+            return None
+        raise UsageError(f"tensor-parallel style {style!r} ({key!r}) has no torch equivalent; measure it with "
+                         "engine='transformers'")
 
     def setup():
         model, batch = build()
         mesh = init_device_mesh("cpu", (world_size,))
         resolved = resolve_plan(model, plan)
-        styles = {key: torch_style(style) for key, style in resolved.items()}
+        styles = {key: torch_style(key, style) for key, style in resolved.items()}
+        styles = {key: style for key, style in styles.items() if style is not None}
         if sequence_parallel:
-            styles.update(_sequence_parallel_styles(model, Replicate, Shard, PrepareModuleInput, SequenceParallel))
+            sp_styles = _sequence_parallel_styles(model, Replicate, Shard, PrepareModuleInput, SequenceParallel)
+            styles.update({key: style for key, style in sp_styles.items() if key not in styles})
+        if loss_parallel:  # torchtitan's apply_tp: the output layer keeps its logits sharded as a DTensor
+            from memcheck.training.strategies.tp import _head_name
+
+            styles[_head_name(model)] = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                                        output_layouts=Shard(-1), use_local_output=False)
         parallelize_module(model, mesh, styles)
+        if after is not None:
+            model = after(model, mesh)
+        if loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
+
+            return model, batch, parallel_loss()
+        return model, batch
+
+    return setup
+
+
+def _transformers_tp_setup(build, world_size, *, plan, after=None):
+    """transformers' own tensor parallelism (transformers/distributed/mixin.py ``maybe_distribute_model``,
+    the ``tp_size > 1`` branch) on a model built whole on every rank: the plan resolved and expanded
+    by ``_resolve_parallel_plans``, then ``apply_tensor_parallelism`` (distributed/tensor_parallel.py),
+    which shards each named parameter with its style's ``shard_param`` (``distribute_tensor(...,
+    src_data_rank=None)``: each rank keeps its own chunk, no communication) and installs the style's
+    forward on each named module."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers.distributed.configuration_utils import DistributedConfig
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    except ImportError as e:
+        raise DistributedMeasureError(f"this transformers has no DTensor tensor parallelism ({e})") from e
+
+    def setup():
+        model, batch = build()
+        mesh = init_device_mesh("cpu", (world_size,))
+        if not hasattr(model, "_resolve_parallel_plans"):  # a plain nn.Module: the plan expanded as transformers
+            from memcheck.training.strategies.tp import match_plan  # expands it (mixin.py _expand_parallel_plan):
+
+            tp_plan = {}  # each matched module's own parameters (to shard), then the module (to hook)
+            for name, style in match_plan(model, plan or {}).items():
+                for param in model.get_submodule(name)._parameters:
+                    tp_plan[f"{name}.{param}"] = style
+                tp_plan[name] = style
+        else:
+            if plan is not None:
+                model.tp_plan = dict(plan)  # the job's plan replaces the model's, as memcheck's tp_plan does
+            tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=world_size))
+        apply_tensor_parallelism(model, mesh, tp_plan)
         if after is not None:
             model = after(model, mesh)
         return model, batch

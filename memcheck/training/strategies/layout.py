@@ -27,7 +27,7 @@ from memcheck.errors import UsageError, closest
 
 # The degrees a layout names, in the order its label writes them (torchtitan's mesh order).
 DEGREES = ("dp_replicate", "dp", "cp", "tp", "pp", "ep")
-_KEYS = (*DEGREES, "schedule", "virtual", "sp")
+_KEYS = (*DEGREES, "schedule", "virtual", "sp", "loss_parallel")
 MAX_DEGREE = 65536  # as memcheck.job.MAX_GPUS
 
 
@@ -44,6 +44,9 @@ class Layout:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual: int = 1  # pipeline stages per rank (interleaved-1f1b, zero-bubble)
     sp: bool = False  # sequence parallelism with tp
+    # torchtitan's loss parallelism with tp (``parallelism.disable_loss_parallel = false``, its default):
+    # the LM head's logits stay sharded by vocabulary, the cross-entropy runs on the shards
+    loss_parallel: bool = False
 
     def __post_init__(self):
         for name in (*DEGREES, "virtual"):
@@ -51,8 +54,9 @@ class Layout:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEGREE:
                 raise UsageError(f"layout: {name} must be an integer from 1 to {MAX_DEGREE:,}, got {value!r}")
         object.__setattr__(self, "schedule", Schedule.parse(self.schedule, what="pipeline schedule"))
-        if not isinstance(self.sp, bool):
-            raise UsageError(f"layout: sp must be true or false, got {self.sp!r}")
+        for flag in ("sp", "loss_parallel"):
+            if not isinstance(getattr(self, flag), bool):
+                raise UsageError(f"layout: {flag} must be true or false, got {getattr(self, flag)!r}")
         if self.world > MAX_DEGREE:
             raise UsageError(f"layout {self.label} is {self.world:,} GPUs; at most {MAX_DEGREE:,}")
         if (self.dp * self.cp) % self.ep:
@@ -60,6 +64,8 @@ class Layout:
                              "borrows its ranks from the data- and context-parallel ones, as torchtitan's does)")
         if self.sp and self.tp == 1:
             raise UsageError("layout: sp (sequence parallelism) needs tp > 1")
+        if self.loss_parallel and self.tp == 1:
+            raise UsageError("layout: loss_parallel shards the logits over the tensor-parallel ranks and needs tp > 1")
         interleaved = self.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
         if self.pp == 1 and (self.virtual != 1 or self.schedule is not Schedule.ONE_F_ONE_B):
             raise UsageError("layout: schedule and virtual apply to pipeline parallelism; give pp > 1")
@@ -128,6 +134,8 @@ class Layout:
             parts.append(f"virtual={self.virtual}")
         if self.sp:
             parts.append("sp=true")
+        if self.loss_parallel:
+            parts.append("loss_parallel=true")
         return ",".join(parts)
 
     def to_dict(self) -> dict:
@@ -142,7 +150,7 @@ class Layout:
 def _value(key: str, value):
     if key == "schedule":
         return value
-    if key == "sp":
+    if key in ("sp", "loss_parallel"):
         if isinstance(value, bool):
             return value
         text = str(value).lower()
@@ -150,7 +158,7 @@ def _value(key: str, value):
             return True
         if text in ("false", "0", "no", "off"):
             return False
-        raise UsageError(f"layout: sp must be true or false, got {value!r}")
+        raise UsageError(f"layout: {key} must be true or false, got {value!r}")
     if isinstance(value, str):
         text = value.replace("_", "")
         if not text.isdigit():
@@ -200,6 +208,7 @@ class Role:
         """``model`` (on meta, changed in place) and ``batch`` as this rank holds them, notes for the
         report, and a factory of the context the rank's steps run in (``cp``'s ring attention) or None."""
         layout, notes = self.layout, []
+        context = None
         if layout.ep > 1:
             from memcheck.training.strategies import ep
 
@@ -213,12 +222,21 @@ class Role:
                 experts = [k for k in plan if ".experts" in k]
                 plan = {k: v for k, v in plan.items() if k not in experts} or None
             rank = tp.shard(model, layout.tp, plan=plan, sequence_parallel=layout.sp,
-                            backend="gloo" if device == "cpu" else "nccl")  # CPU ranks talk through gloo
+                            backend="gloo" if device == "cpu" else "nccl",  # CPU ranks talk through gloo
+                            loss_parallel=layout.loss_parallel)
+            embeddings = "".join(f", {name} {style}" for name, style in rank.embeddings)
             notes.append(f"tp={layout.tp}: {len(rank.colwise)} linear layers column-wise, {len(rank.rowwise)} "
-                         "row-wise (DTensor's ColwiseParallel/RowwiseParallel); the rest replicated"
+                         f"row-wise{embeddings} (transformers' plan styles on DTensor); the rest replicated"
+                         + ("; the vocabulary-parallel embedding's gradient is the whole vocabulary's on every "
+                            "rank (DTensor's embedding backward)" if any(
+                                style == tp.EMBEDDING_ROWWISE for _, style in rank.embeddings) else "")
                          + ("; sequence parallel: norms and residual at S/tp tokens, block inputs all-gathered, "
                             "row-wise outputs reduce-scattered" if layout.sp else "")
-                         + ("; MoE experts are not tensor-parallel (ep shards them)" if experts else ""))
+                         + ("; MoE experts are not tensor-parallel (ep shards them)" if experts else "")
+                         + ("; loss parallel: the LM head's logits stay sharded by vocabulary and the "
+                            "cross-entropy runs on the shards (torch's loss_parallel)" if layout.loss_parallel else ""))
+            if layout.loss_parallel:
+                context = tp.loss_parallel_context(model)
         if layout.pp > 1:
             from memcheck.training.strategies import pp
 
@@ -229,13 +247,14 @@ class Role:
                 notes.append(f"pp={layout.pp}: stages {self.stage + 1}-{self.through} are not traced: they hold no "
                              f"more blocks and, under 1F1B, fewer micro-batches at once than stage {self.stage}, "
                              "whose figures stand for them")
-        context = None
         if layout.cp > 1:
             from memcheck.training.strategies import cp
 
             length = cp.sequence_length(batch, 1)
             batch = cp.shard_sequence(batch, layout.cp, seq_len=length)
             kernel = "cuda-flash" if device == "cuda" else "cpu-flash"
+            if context is not None:
+                raise UsageError("layout: loss_parallel with cp is not modelled; drop one of them")
             context = lambda: cp.cp_attention(layout.cp, seq_len=length, rank=0, kernel=kernel)  # noqa: E731
             notes.append(f"cp={layout.cp}: {length // layout.cp} of the {length} tokens a rank "
                          f"({'load-balanced head and tail chunks' if cp.load_balanced(length, layout.cp) else 'one chunk'}"

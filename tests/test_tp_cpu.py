@@ -153,9 +153,7 @@ def _estimate_llama(degree, kv_heads=2, **job):
 # ---- real gloo ranks ----------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("MEMCHECK_TP_EXTRA") != "1",
-                    reason="time budget: the Qwen3 run under transformers' own plan (below) checks the same default "
-                           "plan; measured 1,093,284 B on both ranks, estimated 1,093,276 B; MEMCHECK_TP_EXTRA=1 runs it")
+@pytest.mark.bench  # time budget: the Qwen3 run under transformers' own plan (below) checks the same default plan
 def test_each_tp_rank_of_a_llama_matches_the_estimate_of_its_shard():
     # LlamaForCausalLM's whole plan (model.tp_plan) through torch's own styles on 2 gloo ranks, AdamW, 2 steps.
     ranks = measure_tp_cpu(build_llama, adamw, world_size=2, steps=2)
@@ -213,9 +211,8 @@ def test_each_sequence_parallel_rank_of_a_llama_matches_the_estimate_of_its_shar
                measured.steady_peak_bytes)
 
 
-# The suite's time budget holds two real runs; these three more run with MEMCHECK_TP_EXTRA=1.
-extra = pytest.mark.skipif(os.environ.get("MEMCHECK_TP_EXTRA") != "1",
-                           reason="more gloo runs than the suite's time budget holds; MEMCHECK_TP_EXTRA=1 runs them")
+# The suite's time budget holds two real runs; these three more run in the benchmark lane (make test-bench).
+extra = pytest.mark.bench
 
 
 @pytest.mark.slow
@@ -749,8 +746,7 @@ def ids_sum_loss(model, batch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("MEMCHECK_TP_EXTRA") != "1",
-                    reason="time budget (about 25 s each); MEMCHECK_TP_EXTRA=1 runs them")
+@pytest.mark.bench  # time budget (about 25 s each)
 @pytest.mark.parametrize("plan, measured_bytes", [
     # measured on this machine (torch 2.13 CPU, transformers 5.23, 2 gloo ranks, SGD): both ranks
     ({"emb": "embedding_colwise"}, 17_061_904),

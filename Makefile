@@ -13,8 +13,9 @@ install:
 test: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 --durations=25 -m "not bench"
 
-# The benchmark lane: the whole coverage census (make test runs a quarter of it) and the 70B-scale
-# plans; minutes each on 2 cores, so not in the edit-test loop nor in make test.
+# The benchmark lane (tests/lanes.txt, benchmarks/suite_lanes.py): the long real-run sweeps beyond
+# their cheapest case, the longest single real-run checks, the whole coverage census and the
+# 70B-scale plans; about half an hour on 2 cores, so not in make test.
 test-bench: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 --durations=25 -m bench
 
@@ -25,7 +26,8 @@ test-isa: install
 	eval "$$($(PYTHON) benchmarks/cpu_rules.py --lower-cap-env)" && HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 \
 		tests/test_cpu_kernels.py tests/test_conv_models.py
 
-# The edit-test loop: everything but the tests marked slow or bench (CI runs `make test` and `make test-isa`).
+# The edit-test loop: everything but the tests marked slow (over about 3 s) or bench (CI runs
+# `make test` and `make test-isa`).
 test-fast: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 -m "not slow and not bench"
 

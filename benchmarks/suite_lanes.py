@@ -7,6 +7,9 @@ duration printed, then let this script write the lanes file that ``tests/conftes
     HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --durations=0 -m "not bench" > durations.txt
     python benchmarks/suite_lanes.py durations.txt > tests/lanes.txt
 
+Several files may be given, oldest first: a test's newest figure wins, so a run of ``make test``
+(which no longer runs the bench lane) keeps the bench lane's tests at their last measured times.
+
 The rule, in seconds of the durations file (setup, call and teardown of a test summed):
 
 - **bench** (``make test-bench`` runs them, ``make test`` does not): of a parametrized test
@@ -77,12 +80,14 @@ def lanes(seconds: dict[str, float], sweep: float, single: float, slow: float) -
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("durations", type=argparse.FileType())
-    parser.add_argument("--sweep", type=float, default=20.0)
-    parser.add_argument("--single", type=float, default=30.0)
+    parser.add_argument("durations", type=argparse.FileType(), nargs="+")
+    parser.add_argument("--sweep", type=float, default=8.0)
+    parser.add_argument("--single", type=float, default=12.0)
     parser.add_argument("--slow", type=float, default=3.0)
     args = parser.parse_args(argv)
-    seconds = durations(args.durations)
+    seconds = {}
+    for file in args.durations:
+        seconds.update(durations(file))
     chosen = lanes(seconds, args.sweep, args.single, args.slow)
     out = sys.stdout
     out.write("# Written by benchmarks/suite_lanes.py from a measured --durations=0 run (its docstring has the\n"

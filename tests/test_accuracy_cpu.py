@@ -71,7 +71,7 @@ def test_foreach_optimizer_temporaries_match_a_real_cpu_run():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mlp", "gpt2", "bert", "vit"])
+@pytest.mark.parametrize("name", ["mlp", "gpt2-narrow", "bert-narrow", "vit-narrow", "gpt2", "bert", "vit"])
 def test_amp_bf16_estimate_matches_a_real_cpu_autocast_run(name):
     """The autocast emulation against ``torch.autocast("cpu", bfloat16)`` for real: the casts,
     the weight-cast cache and the low-precision saved activations all show in the peak."""

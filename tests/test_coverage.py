@@ -124,10 +124,10 @@ RECORDED = {line.strip() for line in (Path(__file__).parent / "hf_coverage_model
             if line.strip() and not line.startswith("#")}
 
 
-# `make test` runs a sample of the census: every SAMPLE_EVERY-th model type in sorted order, and the
-# types whose CPU rules are their own (convolutions, batch norms, CTC feature encoders, LSTMs,
-# state-space layers, MoE routing). `make test-bench` (the benchmark lane) runs every one.
-SAMPLE_EVERY = 4
+# `make test` runs the types whose CPU rules are their own (convolutions, batch norms, CTC feature
+# encoders, state-space layers, MoE routing) and the common text families; `make test-bench` (the
+# benchmark lane) runs every one. (Every 4th type ran in make test too until issue 32's time budget:
+# the 104 cases took 264 s of the suite's 1,860 s on the 2-core CI host, the ALWAYS set 109 s.)
 ALWAYS = {"bert", "gpt2", "llama", "t5", "bart", "vit", "convnext", "convnextv2", "dinov2", "mobilevit", "segformer",
           "pvt_v2", "resnet", "efficientnet", "wav2vec2", "hubert", "speecht5", "whisper", "mamba", "mixtral",
           "qwen3_moe", "clip", "siglip", "swin", "regnet", "deberta-v2", "gemma3_text", "gpt_oss"}
@@ -135,9 +135,9 @@ ALWAYS = {"bert", "gpt2", "llama", "t5", "bart", "vit", "convnext", "convnextv2"
 
 def _params():
     out = []
-    for i, case in enumerate(cases()):
+    for case in cases():
         model_type = case[0]
-        marks = [] if i % SAMPLE_EVERY == 0 or model_type in ALWAYS else [pytest.mark.bench]
+        marks = [] if model_type in ALWAYS else [pytest.mark.bench]
         if model_type not in RECORDED:
             mark = pytest.mark.xfail(reason="new since transformers 5.23.0; not examined yet", strict=False)
             out.append(pytest.param(*case, marks=[mark, *marks], id=model_type))

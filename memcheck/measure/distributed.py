@@ -120,15 +120,17 @@ def measure_fsdp_cpu(
     steps: int = 2,
     wrap: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
     in_place: bool = False,
+    mp_policy: Any = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Measured]:
     """Train under FSDP2 (``fully_shard``) on ``world_size`` CPU ranks and measure each.
 
-    Every rank calls ``build()``, then ``fully_shard(m, mesh=mesh)`` for each
+    Every rank calls ``build()``, then ``fully_shard(m, mesh=mesh, mp_policy=mp_policy)`` for each
     module ``wrap(model)`` returns (in that order), then ``fully_shard(model)``
     on the root, then ``make_optimizer(model.parameters())``, all inside the
     profiled region. ``wrap`` defaults to the root's direct children that own
-    parameters. The mesh is ``init_device_mesh("cpu", (world_size,))``.
+    parameters. The mesh is ``init_device_mesh("cpu", (world_size,))``. ``mp_policy``: a
+    ``MixedPrecisionPolicy`` given to every ``fully_shard`` call (None: FSDP2's default, no casts).
 
     ``build``, ``make_optimizer``, ``loss_fn`` and ``wrap`` must be picklable
     module-level functions, as for ``measure_ddp_cpu``.
@@ -155,8 +157,14 @@ def measure_fsdp_cpu(
         activation (2 MiB for the 256 x 2048 float MLP).
     """
     require_torch("fully_shard", "measure_fsdp_cpu (a real FSDP2 run)")
-    return _run_ranks("fsdp", build, make_optimizer, loss_fn, world_size, steps,
-                      {"wrap": wrap, "in_place": bool(in_place)}, timeout_s)
+    options = {"wrap": wrap, "in_place": bool(in_place)}
+    if mp_policy is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise UsageError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {mp_policy!r}")
+        options["mp_policy"] = mp_policy
+    return _run_ranks("fsdp", build, make_optimizer, loss_fn, world_size, steps, options, timeout_s)
 
 
 def measure_tp_cpu(
@@ -807,7 +815,7 @@ class _FencedGlooGroup:
         self.backend.allreduce([self.fence]).wait()
 
 
-def _fsdp_setup(build, world_size, *, wrap):
+def _fsdp_setup(build, world_size, *, wrap, mp_policy=None):
     fully_shard = require_torch("fully_shard", "measure_fsdp_cpu (a real FSDP2 run)")
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -815,9 +823,10 @@ def _fsdp_setup(build, world_size, *, wrap):
         model, batch = build()
         mesh = init_device_mesh("cpu", (world_size,))
         blocks = wrap(model) if wrap is not None else _children_with_parameters(model)
+        extra = {} if mp_policy is None else {"mp_policy": mp_policy}
         for block in blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **extra)
+        fully_shard(model, mesh=mesh, **extra)
         return model, batch
 
     return setup

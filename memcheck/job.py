@@ -667,6 +667,20 @@ def _check_adapters(lora, qlora: bool, strategy: Strategy) -> None:
                                     "or zero3")
 
 
+def _dtype(field: str, value):
+    """A ``Dtype`` from its name, torch's name (``bfloat16``) or a ``torch.dtype``; None stays None."""
+    import torch
+
+    if isinstance(value, torch.dtype):
+        value = str(value)  # torch.bfloat16 -> "torch.bfloat16", which Dtype.parse reads
+    if value is None or isinstance(value, Dtype) or not isinstance(value, str):
+        return _choice(field, Dtype, value, optional=True)
+    try:
+        return Dtype.parse(value, what="\x00")
+    except UsageError as exc:  # "unknown --param-dtype 'bf61' (did you mean 'bf16'?); allowed: ..."
+        raise SettingError(field, escape(str(exc)).replace("\x00", "{name}", 1)) from None
+
+
 # The Job fields of FSDP's mixed precision, and their defaults
 MIXED_PRECISION_FIELDS = {"param_dtype": None, "reduce_dtype": None, "output_dtype": None, "cast_forward_inputs": True}
 
@@ -746,9 +760,9 @@ _CHECKS = {
     "tp_plan": lambda v: _tp_plan(v),
     "fsdp_sharding": lambda v: _choice("fsdp_sharding", FsdpSharding, v, optional=True),
     "gpus_per_node": lambda v: _int("gpus_per_node", v, maximum=MAX_GPUS, why=" (2**16)"),
-    "param_dtype": lambda v: _choice("param_dtype", Dtype, v, optional=True),
-    "reduce_dtype": lambda v: _choice("reduce_dtype", Dtype, v, optional=True),
-    "output_dtype": lambda v: _choice("output_dtype", Dtype, v, optional=True),
+    "param_dtype": lambda v: _dtype("param_dtype", v),
+    "reduce_dtype": lambda v: _dtype("reduce_dtype", v),
+    "output_dtype": lambda v: _dtype("output_dtype", v),
     "cast_forward_inputs": lambda v: _flag("cast_forward_inputs", v),
     "eval_batch_size": lambda v: _int("eval_batch_size", v, maximum=MAX_BATCH, why=" (2**24 rows)"),
     "eval_accumulate_predictions": lambda v: _int("eval_accumulate_predictions", v, minimum=0, optional=False,

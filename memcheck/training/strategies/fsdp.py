@@ -24,6 +24,18 @@ sharded strategy holds here); sources: torch 2.13 ``torch/distributed/fsdp/_full
   (``_fsdp_collectives.py:592-754``);
 - ``offload="params"`` (``CPUOffloadPolicy``): shards, sharded gradients and the
   optimizer live in host memory; each all-gather copies the shards to the device first.
+- a ``MixedPrecisionPolicy`` (``StrategyConfig.mixed_precision``, the same on every ``fully_shard``
+  call, as torchtitan's ``apply_fsdp`` passes it): a parameter's ``param_dtype`` is dropped when it
+  is its own dtype or not floating, ``reduce_dtype`` when it equals ``param_dtype``
+  (``_fsdp_param.py:586-600``). The all-gather input is one flat copy of the group's shards cast
+  to ``param_dtype`` (``_fsdp_collectives.py:381-426``; with offload each device copy is cast,
+  ``_fsdp_param.py:896-901``), freed once the all-gather is issued; the all-gather output and the
+  unsharded parameters are ``param_dtype`` (``_fsdp_param.py:636-665``), so the forward and
+  backward compute, and autograd's gradients, are in it. The reduce-scatter input and output are
+  ``reduce_dtype`` (else the gradients' dtype), the output cast to the shards' dtype when it differs,
+  the ``reduce_dtype`` one freed then (``_fsdp_collectives.py:559-614``, ``696``). Each module's
+  floating inputs are cast to ``param_dtype`` (``cast_forward_inputs``) and its outputs to
+  ``output_dtype`` (``_fsdp_state.py:290-362``, ``_fsdp_common.py:181-188``).
 """
 
 from __future__ import annotations
@@ -135,8 +147,9 @@ class _MetaFSDP(_Emulation):
         """State the wrapping, the defaults and the offload in the report."""
         tracer = self.tracer
         experts = sum(1 for g in self.blocks if g.world != self.world)
+        policy = "no mixed-precision policy; " if self.policy.is_default else ""
         tracer.assume(f"fsdp: fully_shard on each of the {len(self.blocks) - experts} repeated blocks, then on the "
-                      "root; FSDP2 defaults (no mixed-precision policy; blocks resharded after forward, the root not)")
+                      f"root; FSDP2 defaults ({policy}blocks resharded after forward, the root not)")
         if experts:
             tracer.assume(f"fsdp with ep: each block's experts sharded apart over {self.blocks[0].world} rank(s), "
                           "dp*cp / ep, as torchtitan's apply_fsdp does")

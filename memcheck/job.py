@@ -332,9 +332,9 @@ class Job:
     output_dtype: Dtype | None = None
     """fsdp: ``MixedPrecisionPolicy.output_dtype``, each ``fully_shard`` module's floating outputs cast to it.
     None: no cast."""
-    cast_forward_inputs: bool = True
+    cast_forward_inputs: bool | None = None
     """fsdp: ``MixedPrecisionPolicy.cast_forward_inputs``, each ``fully_shard`` module's floating inputs cast
-    to ``param_dtype`` (FSDP2's default, True)."""
+    to ``param_dtype``; None: the wrapper's default (FSDP2's True)."""
     eval_batch_size: int | None = None
     """Also trace an evaluation pass at this batch size."""
     eval_accumulate_predictions: int = 0
@@ -682,22 +682,31 @@ def _dtype(field: str, value):
 
 
 # The Job fields of FSDP's mixed precision, and their defaults
-MIXED_PRECISION_FIELDS = {"param_dtype": None, "reduce_dtype": None, "output_dtype": None, "cast_forward_inputs": True}
+MIXED_PRECISION_FIELDS = {"param_dtype": None, "reduce_dtype": None, "output_dtype": None, "cast_forward_inputs": None}
 
 
 def _check_mixed_precision(job: "Job", strategy: Strategy) -> None:
     """FSDP's own casts are refused under any other strategy, naming the first field that sets one
     (DDP, DeepSpeed and DataParallel have no such policy: they train in the weights' dtype or under
-    autocast); fsdp1's ``MixedPrecision`` is not modelled yet. ``cast_forward_inputs`` alone casts
-    nothing (FSDP2 casts to ``param_dtype`` only, ``_fsdp_state.py:349``) but is refused the same way."""
+    autocast); ``output_dtype`` is FSDP2's alone, and fsdp1's ``no_shard`` with a policy is not modelled."""
     changed = [f for f, default in MIXED_PRECISION_FIELDS.items() if getattr(job, f) != default]
     if not changed or strategy is Strategy.FSDP:
         return
+    if strategy is Strategy.FSDP1:
+        if job.output_dtype is not None:
+            raise SettingError("output_dtype", "{name} is FSDP2's (MixedPrecisionPolicy); FSDP1's MixedPrecision "
+                                               "has none: use strategy fsdp, or drop {name}")
+        if job.fsdp_sharding is FsdpSharding.NO_SHARD and (job.param_dtype or job.reduce_dtype):
+            field = "param_dtype" if job.param_dtype else "reduce_dtype"
+            raise SettingError(field, "{name} with fsdp_sharding no_shard is not modelled (FSDP1 keeps the "
+                                      "low-precision flat parameter from unshard to reshard there); use full_shard, "
+                                      "shard_grad_op or hybrid_shard")
+        return
     value = getattr(job, changed[0])
     shown = value.value if hasattr(value, "value") else str(value).lower()
-    why = ("memcheck does not model fsdp1's MixedPrecision yet" if strategy is Strategy.FSDP1 else
-           "it is FSDP2's MixedPrecisionPolicy; for other strategies use precision amp-bf16 (autocast) or pure bf16")
-    raise SettingError(changed[0], f"{{name}} {shown} applies to strategy fsdp, not {strategy.value}: {escape(why)}")
+    raise SettingError(changed[0], f"{{name}} {shown} applies to strategies fsdp and fsdp1 (FSDP's mixed "
+                                   f"precision), not {strategy.value}: use precision amp-bf16 (autocast) or pure "
+                                   "bf16 weights")
 
 
 def _check_packing(packing: bool, padding: Padding, task: Task | None, strategy: Strategy) -> None:
@@ -763,7 +772,7 @@ _CHECKS = {
     "param_dtype": lambda v: _dtype("param_dtype", v),
     "reduce_dtype": lambda v: _dtype("reduce_dtype", v),
     "output_dtype": lambda v: _dtype("output_dtype", v),
-    "cast_forward_inputs": lambda v: _flag("cast_forward_inputs", v),
+    "cast_forward_inputs": lambda v: None if v is None else _flag("cast_forward_inputs", v),
     "eval_batch_size": lambda v: _int("eval_batch_size", v, maximum=MAX_BATCH, why=" (2**24 rows)"),
     "eval_accumulate_predictions": lambda v: _int("eval_accumulate_predictions", v, minimum=0, optional=False,
                                                   text="{name} must be an integer of 0 or more",

@@ -351,6 +351,7 @@ def measure_fsdp1_cpu(
     gpus_per_node: int | None = None,
     wrap: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
     in_place: bool = False,
+    mixed_precision: Any = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> dict[str, list[Measured]]:
     """Train under FSDP1 (``FullyShardedDataParallel``) on ``world_size`` CPU ranks, once per sharding
@@ -362,7 +363,8 @@ def measure_fsdp1_cpu(
     direct children that own parameters) and the root with the rest, then calls
     ``make_optimizer(fsdp.parameters())``, all inside that strategy's own profiled region. Every
     other FSDP1 setting is torch's default (``use_orig_params=False``, ``BACKWARD_PRE`` prefetch,
-    ``limit_all_gathers=True``). ``hybrid_shard`` shards over groups of ``gpus_per_node`` ranks
+    ``limit_all_gathers=True``; ``mixed_precision``: a ``torch.distributed.fsdp.MixedPrecision``, None
+    for none). ``hybrid_shard`` shards over groups of ``gpus_per_node`` ranks
     (default ``world_size``) through ``init_device_mesh("cpu", (world_size // gpus_per_node,
     gpus_per_node))``: without a mesh FSDP1 asks CUDA for the node size. ``build``,
     ``make_optimizer``, ``loss_fn`` and ``wrap`` must be picklable module-level functions, as for
@@ -400,6 +402,12 @@ def measure_fsdp1_cpu(
             raise UsageError(f"gpus_per_node must be a positive integer dividing world_size={world_size!r}, "
                              f"got {gpus_per_node!r}")
     options = {"wrap": wrap, "shardings": shardings, "gpus_per_node": gpus_per_node, "in_place": bool(in_place)}
+    if mixed_precision is not None:
+        from torch.distributed.fsdp import MixedPrecision
+
+        if not isinstance(mixed_precision, MixedPrecision):
+            raise UsageError(f"mixed_precision must be a torch.distributed.fsdp.MixedPrecision, got {mixed_precision!r}")
+        options["mixed_precision"] = mixed_precision
     ranks = _run_ranks("fsdp1", build, make_optimizer, loss_fn, world_size, steps, options, timeout_s)
     return {name: [rank[name] for rank in ranks] for name in shardings}
 
@@ -996,14 +1004,14 @@ def _measure_pp_rank(build, make_optimizer, loss_fn, steps, rank, world_size, *,
 
     return _measured(train)
 
-def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node):
+def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node, mixed_precision=None):
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import CustomPolicy
 
     def setup():
         model, batch = build()
         units = {id(m) for m in (wrap(model) if wrap is not None else _children_with_parameters(model))}
-        extra = {}
+        extra = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
         if sharding == "hybrid_shard":
             from torch.distributed.device_mesh import init_device_mesh
 

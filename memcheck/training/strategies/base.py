@@ -43,7 +43,9 @@ class MixedPrecision:
     param_dtype: Dtype | None = None  # the unsharded parameters, so the forward and backward compute
     reduce_dtype: Dtype | None = None  # the gradient reduce-scatter (None: param_dtype's)
     output_dtype: Dtype | None = None  # FSDP2 only: each fully_shard module's floating outputs
-    cast_forward_inputs: bool = True  # FSDP2: each module's floating inputs to param_dtype
+    # each wrapped module's floating inputs to param_dtype; None: the wrapper's default, FSDP2's True, FSDP1's
+    # False (FSDP1 casts the root's inputs all the same: cast_root_forward_inputs=True)
+    cast_forward_inputs: bool | None = None
 
     @property
     def is_default(self) -> bool:
@@ -55,8 +57,8 @@ class MixedPrecision:
         parts = [f"{name.removesuffix('_dtype')} {value.value}"
                  for name, value in (("param_dtype", self.param_dtype), ("reduce_dtype", self.reduce_dtype),
                                      ("output_dtype", self.output_dtype)) if value is not None]
-        if not self.cast_forward_inputs:
-            parts.append("inputs not cast")
+        if self.cast_forward_inputs is not None:
+            parts.append("inputs cast" if self.cast_forward_inputs else "inputs not cast")
         return ", ".join(parts)
 
 
@@ -128,7 +130,7 @@ class StrategyConfig:
                 raise UsageError(f"{name} applies to {which} only (a DeepSpeed ZeRO setting), not {strategy.value!r}")
             require_int(value, name, minimum=minimum,
                         message=f"{name} must be an integer of at least {minimum} (elements), got {value!r}")
-        mixed_precision = _mixed_precision(strategy, mixed_precision)
+        mixed_precision = _mixed_precision(strategy, mixed_precision, fsdp_sharding)
         return cls(strategy, gpus, bool(bucket_view), bucket_cap_mb, offload, reduce_bucket_size,
                    prefetch_bucket_size, max_live_parameters, fsdp_sharding, gpus_per_node, mixed_precision)
 
@@ -150,20 +152,25 @@ class StrategyConfig:
         return f"{self.strategy.value} x{self.gpus}{extra}"
 
 
-def _mixed_precision(strategy: Strategy, policy) -> MixedPrecision:
+def _mixed_precision(strategy: Strategy, policy, sharding: FsdpSharding | None) -> MixedPrecision:
     """The wrapper's mixed precision, checked against the strategy: FSDP's own casts, which no other
     wrapper has (DDP, DeepSpeed and DataParallel train in the model's dtype or under autocast)."""
     if policy is None:
         return MixedPrecision()
     if not isinstance(policy, MixedPrecision):
         raise UsageError(f"mixed_precision must be a memcheck MixedPrecision, got {type(policy).__name__}")
-    if policy.is_default:
+    if policy.is_default or strategy is Strategy.FSDP:
         return policy
-    if strategy is not Strategy.FSDP:
-        which = "fsdp1's MixedPrecision is not modelled yet" if strategy is Strategy.FSDP1 else \
-            "a policy of FSDP's own; use --precision (autocast) or pure bf16/fp16 weights"
-        raise UsageError(f"mixed precision ({policy.label}) applies to strategy fsdp (FSDP2's MixedPrecisionPolicy), "
-                         f"not {strategy.value!r}: {which}")
+    if strategy is not Strategy.FSDP1:
+        raise UsageError(f"mixed precision ({policy.label}) applies to strategies fsdp and fsdp1 (FSDP's own "
+                         f"policies), not {strategy.value!r}; use autocast or pure bf16/fp16 weights")
+    if policy.output_dtype is not None:
+        raise UsageError(f"output_dtype is FSDP2's (MixedPrecisionPolicy); FSDP1's MixedPrecision has none: use "
+                         f"strategy fsdp, or drop output_dtype")
+    if sharding is FsdpSharding.NO_SHARD and (policy.param_dtype or policy.reduce_dtype):
+        raise UsageError("fsdp1 no_shard with a param_dtype or reduce_dtype is not modelled (FSDP1 keeps the "
+                         "low-precision flat parameter from unshard to reshard there); use full_shard, "
+                         "shard_grad_op or hybrid_shard")
     return policy
 
 

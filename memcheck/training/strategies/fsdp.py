@@ -44,11 +44,10 @@ import math
 
 import torch
 
-from memcheck import compat
-from memcheck.compat import disable_current_modes as _disable_current_modes
-from memcheck.enums import Category, Dtype, Offload
+from memcheck.enums import Category, Offload
 from memcheck.training.checkpointing import repeated_blocks
-from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, after_input_gradients, train_sharded
+from memcheck.training.strategies._sharding import (_empty, _Emulation, _tensors, after_input_gradients, cast_floating,
+                                                    train_sharded)
 from memcheck.training.strategies.base import MixedPrecision, Run
 
 
@@ -109,7 +108,9 @@ class _MetaFSDP(_Emulation):
         self._group_parameters()
         self._assume()
         self._allocate_shards()
-        self._swapped = self._compute_in_param_dtype()
+        # the modules point at the unsharded parameters, the all-gather outputs in param_dtype
+        # (_fsdp_param.py:636-665): the compute and autograd's gradients are in it
+        self.compute_in({id(p): g.gathered_dtype(i) for g in self.blocks + [self.root] for i, p in enumerate(g.params)})
         self.host_grads: dict[int, torch.Tensor] = {}
         self.kept_all_gather: torch.Tensor | None = None  # forward: freed by the next group's unshard
         self.kept_reduce_scatter: torch.Tensor | None = None  # freed by the next group's post-backward
@@ -177,28 +178,6 @@ class _MetaFSDP(_Emulation):
                     self.stand_ins[id(p)] = torch.nn.Parameter(shard[: math.prod(local)].view(local))
                     self.owner(self.stand_ins[id(p)], self.tracer._owner.get(id(p)))
 
-    def _compute_in_param_dtype(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """The model's (meta, uncounted) parameters in their gathered dtype for the compute: FSDP2 points each
-        module at the unsharded parameter, the all-gather output in param_dtype (``_fsdp_param.py:636-665``),
-        so autograd's gradients come in that dtype too. Returns what ``close`` puts back."""
-        swapped = []
-        for g in self.blocks + [self.root]:
-            for i, p in enumerate(g.params):
-                if g.param_dtypes[i] is None:
-                    continue
-                with _disable_current_modes():
-                    data = torch.empty_like(p.data, dtype=g.param_dtypes[i], device="meta")
-                swapped.append((p, p.data))
-                p.data = data
-                self.tracer.ignore(p)
-        return swapped
-
-    def close(self) -> None:
-        for p, data in reversed(self._swapped):
-            p.data = data
-        self._swapped = []
-        super().close()
-
     def _register_hooks(self) -> None:
         """Each group's pre- and post-forward, then every trainable parameter's gradient hook."""
         for g in self.blocks + [self.root]:
@@ -250,22 +229,11 @@ class _MetaFSDP(_Emulation):
             self.kept_all_gather = gathered
         del gathered  # backward: freed right after the copy-out
 
-    def _cast(self, dtype: Dtype | None, tree):
-        """``_cast_fp_tensor`` on every tensor of ``tree`` (``_fsdp_common.py:181-188``): floating tensors of
-        another dtype become ``x.to(dtype)`` copies, traced as any op."""
-        if dtype is None:
-            return tree
-        target = dtype.torch_dtype
-        leaves, spec = compat.tree_flatten(tree)
-        leaves = [t.to(target) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != target else t
-                  for t in leaves]
-        return compat.tree_unflatten(leaves, spec)
-
     def _cast_inputs(self, args, kwargs):
         """``FSDPState._cast_forward_inputs`` (``_fsdp_state.py:346-353``): to param_dtype, when it is set."""
-        if not self.policy.cast_forward_inputs or self.policy.param_dtype is None:
+        if self.policy.cast_forward_inputs is False or self.policy.param_dtype is None:  # None: FSDP2's True
             return args, kwargs
-        return self._cast(self.policy.param_dtype, (args, kwargs))
+        return cast_floating(self.policy.param_dtype.torch_dtype, (args, kwargs))
 
     def _pre_forward(self, g: _FsdpGroup, args, kwargs):
         # FSDPState._pre_forward casts the inputs before the group's pre_forward hooks them (_fsdp_state.py:290-320),
@@ -286,7 +254,7 @@ class _MetaFSDP(_Emulation):
             self._reshard_after_forward(g, output)
         if self.policy.output_dtype is None:
             return None
-        return self._cast(self.policy.output_dtype, output)
+        return cast_floating(self.policy.output_dtype.torch_dtype, output)
 
     def _reshard_after_forward(self, g: _FsdpGroup, output) -> None:
         if g is self.root:

@@ -590,7 +590,12 @@ class _InPlaceCollectives:
     onto ``r`` and copied to the output (reduce-scatter; the input, a scratch buffer of the caller,
     is overwritten on the other ranks). ``torch.distributed``'s functions (and the
     ``distributed_c10d`` globals its deprecated aliases call) are replaced for the life of the
-    rank; the values of the results are the same, the speed is not."""
+    rank; the values of the results are the same, the speed is not.
+
+    A synchronous collective returns only once gloo's worker thread has dropped its references to
+    the tensors (``_settle``): it drops them after the work is complete, so a buffer the caller frees
+    right after the collective could otherwise be freed later, on that thread, while the caller
+    allocates the next one, a CPU-only overlap that made a rank's peak differ from run to run."""
 
     NAMES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
              "all_gather")
@@ -617,12 +622,30 @@ class _InPlaceCollectives:
             return None
         return works[-1]
 
+    @staticmethod
+    def _uses(tensor: torch.Tensor) -> int:
+        """How many references the tensor's storage has (views and gloo's pending work hold one each)."""
+        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+    @classmethod
+    def _settle(cls, tensor: torch.Tensor, uses: int, timeout_s: float = 5.0) -> None:
+        """Wait (at most ``timeout_s``) until gloo's worker thread has dropped its references to ``tensor``'s
+        storage, which it does after marking the work complete: back to the ``uses`` it had before."""
+        deadline = time.monotonic() + timeout_s
+        while cls._uses(tensor) > uses and time.monotonic() < deadline:
+            time.sleep(0.0002)
+
     def all_gather_single(self, output_tensor, input_tensor, group=None, async_op=False):
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        uses = self._uses(output_tensor)
         chunks = output_tensor.view(-1).chunk(world)
         chunks[rank].copy_(input_tensor.reshape(-1))
         works = [self.broadcast(chunk, group=group, group_src=r, async_op=True) for r, chunk in enumerate(chunks)]
-        return self._finish(works, async_op)
+        result = self._finish(works, async_op)
+        if not async_op:
+            del chunks, works
+            self._settle(output_tensor, uses)
+        return result
 
     all_gather_into_tensor = all_gather_single
 
@@ -634,12 +657,17 @@ class _InPlaceCollectives:
 
     def reduce_scatter_single(self, output, input, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        uses = self._uses(input)
         chunks = input.view(-1).chunk(world)
         works = [self.reduce(chunk, group=group, group_dst=r, op=op, async_op=True) for r, chunk in enumerate(chunks)]
         for work in works:
             work.wait()
         output.view(-1).copy_(chunks[rank])
-        return self._finish(works, async_op)
+        result = self._finish(works, async_op)
+        if not async_op:
+            del chunks, works
+            self._settle(input, uses)
+        return result
 
     reduce_scatter_tensor = reduce_scatter_single
 

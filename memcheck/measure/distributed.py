@@ -625,7 +625,7 @@ class _InPlaceCollectives:
     @staticmethod
     def _uses(tensor: torch.Tensor) -> int:
         """How many references the tensor's storage has (views and gloo's pending work hold one each)."""
-        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+        return compat.storage_use_count(tensor.untyped_storage()._cdata)
 
     @classmethod
     def _settle(cls, tensor: torch.Tensor, uses: int, timeout_s: float = 5.0) -> None:

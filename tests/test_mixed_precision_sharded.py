@@ -258,7 +258,10 @@ def test_torchtitans_policy_matches_fsdp2_on_cpu_ranks():
     # (before _InPlaceCollectives waited for gloo's worker thread to drop its references, a rank read 134,952 or
     # 130,948 B in some runs). Before the policy was modelled memcheck said
     # 162,996 B (+21.3%), the real run without a policy 163,004 B. Also seen, not run here: param_dtype bf16
-    # alone 126,100 B measured, 126,092 B estimated; reduce_dtype bf16 alone 154,684 B, 154,676 B estimated.
+    # alone 126,100 B measured, 126,092 B estimated; reduce_dtype bf16 alone 154,684 B, 154,676 B estimated; with
+    # output_dtype fp32 too, on a model whose root ends in the last block (a stem, the three blocks: an fp32
+    # block output fed to the head inside the root fails in the real run, "mat1 and mat2 must have the same
+    # dtype"), 162,224 B measured, 162,216 B estimated (161,712 / 161,704 B without output_dtype).
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from memcheck.measure.distributed import measure_fsdp_cpu

@@ -383,17 +383,31 @@ _JOB_OPTIONS = [
                  help="zero3: DeepSpeed's stage3_prefetch_bucket_size (default 5e7 elements; 0: no prefetch)."),
     click.option("--max-live-parameters", type=int, default=None, metavar="ELEMENTS",
                  help="zero3: DeepSpeed's stage3_max_live_parameters (default 1e9 elements)."),
+    click.option("--param-dtype", default=None, metavar="fp32|bf16|fp16",
+                 help="fsdp: MixedPrecisionPolicy.param_dtype, the dtype parameters are all-gathered and computed "
+                      "in (torchtitan's mixed_precision_param, bf16 there); shards and optimizer keep the weights'."),
+    click.option("--reduce-dtype", default=None, metavar="fp32|bf16|fp16",
+                 help="fsdp: MixedPrecisionPolicy.reduce_dtype, the gradients' reduce-scatter dtype (torchtitan's "
+                      "mixed_precision_reduce, fp32 there). Default: --param-dtype's."),
+    click.option("--output-dtype", default=None, metavar="fp32|bf16|fp16",
+                 help="fsdp: MixedPrecisionPolicy.output_dtype, each fully_shard module's outputs cast to it."),
+    click.option("--cast-forward-inputs/--no-cast-forward-inputs", default=None,
+                 help="fsdp: MixedPrecisionPolicy.cast_forward_inputs, module inputs cast to --param-dtype "
+                      "(default: the wrapper's, FSDP2's on)."),
 ]
 
 
 def _job_option_settings(*, weights_dtype, lora, dora, qlora, max_grad_norm, padding, eval_batch_size,
                          eval_accumulate_predictions, reduce_bucket_size, prefetch_bucket_size,
-                         max_live_parameters) -> dict:
+                         max_live_parameters, param_dtype=None, reduce_dtype=None, output_dtype=None,
+                         cast_forward_inputs=None) -> dict:
     """``_JOB_OPTIONS``' values as ``Job`` keywords (--dora folded into --lora's settings)."""
     return dict(weights_dtype=weights_dtype, lora=_lora(lora, dora), qlora=qlora, max_grad_norm=max_grad_norm,
                 padding=padding, eval_batch_size=eval_batch_size,
                 eval_accumulate_predictions=eval_accumulate_predictions, reduce_bucket_size=reduce_bucket_size,
-                prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters)
+                prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
+                param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype,
+                cast_forward_inputs=cast_forward_inputs)
 
 
 def _workload_options(command):
@@ -427,7 +441,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
              snapshot_path, plot_path, timeout, trust_remote_code=False, reduce_bucket_size=None,
              prefetch_bucket_size=None, max_live_parameters=None, layout=None, fsdp_sharding=None, gpus_per_node=None,
-             tp_plan=None):
+             tp_plan=None, param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=None):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
 
     \b
@@ -454,7 +468,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
         zero_buckets = (reduce_bucket_size, prefetch_bucket_size, max_live_parameters)
         if compare and (strategy != "single" or bucket_view or bucket_cap_mb is not None or offload != "none"
                         or any(b is not None for b in zero_buckets) or fsdp_sharding is not None
-                        or gpus_per_node is not None):
+                        or gpus_per_node is not None
+                        or (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs) != (None, None, None, None)):
             raise UsageError("--compare lists every strategy with its defaults; drop --strategy and its settings")
         check_pictures(snapshot_path, plot_path)  # before anything is traced
         if compare and gpus is not None:  # --compare's GPUs, bounded before the model loads (issue 20)
@@ -464,7 +479,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
             weights_dtype=weights_dtype, lora=lora, dora=dora, qlora=qlora, max_grad_norm=max_grad_norm,
             padding=padding, eval_batch_size=eval_batch_size, eval_accumulate_predictions=eval_accumulate_predictions,
             reduce_bucket_size=reduce_bucket_size, prefetch_bucket_size=prefetch_bucket_size,
-            max_live_parameters=max_live_parameters)
+            max_live_parameters=max_live_parameters, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            output_dtype=output_dtype, cast_forward_inputs=cast_forward_inputs)
         job = Job(device=device, gpu=gpu, budget_bytes=budget, batch_size=batch_size, max_len=max_len,
                    target_len=target_len, precision=precision, optimizer=optimizer or "adamw", steps=steps,
                    accumulate=accumulate, checkpointing=checkpointing, use_reentrant=reentrant,

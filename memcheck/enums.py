@@ -117,6 +117,32 @@ class WeightsDtype(_Choice):
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(self.value)
 
 
+class Dtype(_Choice):
+    """A floating-point dtype a wrapper casts to: FSDP2's ``MixedPrecisionPolicy`` and FSDP1's
+    ``MixedPrecision`` fields (``--param-dtype``, ``--reduce-dtype``, ...). torch's names are
+    accepted too (``DTYPE_ALIASES``: ``bfloat16``, ``torch.float32``, a ``torch.dtype``), as
+    torchtitan's ``mixed_precision_param = "bfloat16"`` writes them."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @classmethod
+    def parse(cls, value, *, what: str | None = None):
+        text = str(getattr(value, "value", value)).strip().lower()  # a torch.dtype prints as torch.bfloat16
+        return super().parse(DTYPE_ALIASES.get(text.removeprefix("torch."), value), what=what)
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
+
+# torch's dtype names (torch.bfloat16 prints as "torch.bfloat16"), as torchtitan, Accelerate and Lightning write them
+DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
 # Lightning Trainer(precision=...) names for memcheck's precisions (lightning/fabric/plugins/precision/precision.py:24-36:
 # "32" means "32-true" and "16" "16-mixed"; its legacy "bf16" alias, "bf16-mixed", is not taken: here bf16 is pure).
 PRECISION_ALIASES = {"bf16-mixed": "amp-bf16", "16-mixed": "amp-fp16", "16": "amp-fp16", "bf16-true": "bf16",

@@ -24,12 +24,13 @@ from typing import Any, Mapping
 
 from memcheck.choices import parse_assume
 from memcheck.cuda.gpus import GpuSpec, resolve_gpu
-from memcheck.enums import Attention, Device, FsdpSharding, Offload, Padding, Precision, Strategy, Task, WeightsDtype
+from memcheck.enums import Attention, Device, Dtype, FsdpSharding, Offload, Padding, Precision, Strategy, Task, WeightsDtype
 from memcheck.errors import UsageError, closest
 from memcheck.training.adapters import Lora
 from memcheck.training.checkpointing import parse_checkpointing
 from memcheck.training.optimizers import OPTIMIZERS, hf_optimizer
 from memcheck.training.strategies import StrategyConfig
+from memcheck.training.strategies.base import MixedPrecision
 from memcheck.training.strategies.layout import Layout
 from memcheck.units import MAX_BYTES, parse_size, short_repr
 
@@ -127,6 +128,12 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("tp_plan", "--tp-plan", "tp_plan", "tp_plan"),
     Spelling("fsdp_sharding", "--fsdp-sharding", "fsdp_sharding", "fsdp_sharding"),
     Spelling("gpus_per_node", "--gpus-per-node", "gpus_per_node", "gpus_per_node"),
+    # FSDP2's MixedPrecisionPolicy under its own field names (also Accelerate's mixed_precision_policy keys and
+    # FSDP1's MixedPrecision, which Lightning's FSDPStrategy takes); torchtitan's [training] keys as aliases
+    Spelling("param_dtype", "--param-dtype", "param_dtype", "param_dtype", aliases=("mixed_precision_param",)),
+    Spelling("reduce_dtype", "--reduce-dtype", "reduce_dtype", "reduce_dtype", aliases=("mixed_precision_reduce",)),
+    Spelling("output_dtype", "--output-dtype", "output_dtype", "output_dtype"),
+    Spelling("cast_forward_inputs", "--cast-forward-inputs", "cast_forward_inputs", "cast_forward_inputs"),
     Spelling("eval_batch_size", "--eval-batch-size", "eval_batch", "eval_batch_size",
              aliases=("per_device_eval_batch_size",)),  # HF TrainingArguments
     Spelling("eval_accumulate_predictions", "--eval-accumulate-predictions", "eval_accumulate_predictions",
@@ -316,6 +323,19 @@ class Job:
     auto_wrap"``); the transformers integration reads it."""
     gpus_per_node: int | None = None
     """fsdp1 ``hybrid_shard``: GPUs per node, the group a rank shards over (None: every GPU on one node)."""
+    param_dtype: Dtype | None = None
+    """fsdp: ``MixedPrecisionPolicy.param_dtype``, the dtype FSDP2 all-gathers the parameters in and so
+    the forward and backward compute in (``bf16``: torchtitan's default, ``mixed_precision_param``); the
+    shards and the optimizer keep the weights' own dtype. None: no cast."""
+    reduce_dtype: Dtype | None = None
+    """fsdp: ``MixedPrecisionPolicy.reduce_dtype``, the gradients' reduce-scatter dtype (``fp32``:
+    torchtitan's ``mixed_precision_reduce``). None: the gradients' own (``param_dtype``'s)."""
+    output_dtype: Dtype | None = None
+    """fsdp: ``MixedPrecisionPolicy.output_dtype``, each ``fully_shard`` module's floating outputs cast to it.
+    None: no cast."""
+    cast_forward_inputs: bool | None = None
+    """fsdp: ``MixedPrecisionPolicy.cast_forward_inputs``, each ``fully_shard`` module's floating inputs cast
+    to ``param_dtype``; None: the wrapper's default (FSDP2's True)."""
     eval_batch_size: int | None = None
     """Also trace an evaluation pass at this batch size."""
     eval_accumulate_predictions: int = 0
@@ -364,15 +384,23 @@ class Job:
         strategy, gpus = self.strategy, self.gpus
         if self.layout is not None:
             strategy, gpus = _layout_strategy(self.layout, strategy, gpus)
+        mixed_precision = self.mixed_precision
+        _check_mixed_precision(self, strategy)
         try:
             return StrategyConfig.parse(strategy, gpus, bucket_view=self.bucket_view,
                                         bucket_cap_mb=self.bucket_cap_mb, offload=self.offload,
                                         reduce_bucket_size=self.reduce_bucket_size,
                                         prefetch_bucket_size=self.prefetch_bucket_size,
                                         max_live_parameters=self.max_live_parameters,
-                                        fsdp_sharding=self.fsdp_sharding, gpus_per_node=self.gpus_per_node)
+                                        fsdp_sharding=self.fsdp_sharding, gpus_per_node=self.gpus_per_node,
+                                        mixed_precision=mixed_precision)
         except UsageError as exc:
             raise SettingError("strategy", escape(str(exc))) from None
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        """The job's FSDP mixed-precision policy (all fields default: none)."""
+        return MixedPrecision(self.param_dtype, self.reduce_dtype, self.output_dtype, self.cast_forward_inputs)
 
     @property
     def world(self) -> int:
@@ -640,6 +668,48 @@ def _check_adapters(lora, qlora: bool, strategy: Strategy) -> None:
                                     "or zero3")
 
 
+def _dtype(field: str, value):
+    """A ``Dtype`` from its name, torch's name (``bfloat16``) or a ``torch.dtype``; None stays None."""
+    import torch
+
+    if isinstance(value, torch.dtype):
+        value = str(value)  # torch.bfloat16 -> "torch.bfloat16", which Dtype.parse reads
+    if value is None or isinstance(value, Dtype) or not isinstance(value, str):
+        return _choice(field, Dtype, value, optional=True)
+    try:
+        return Dtype.parse(value, what="\x00")
+    except UsageError as exc:  # "unknown --param-dtype 'bf61' (did you mean 'bf16'?); allowed: ..."
+        raise SettingError(field, escape(str(exc)).replace("\x00", "{name}", 1)) from None
+
+
+# The Job fields of FSDP's mixed precision, and their defaults
+MIXED_PRECISION_FIELDS = {"param_dtype": None, "reduce_dtype": None, "output_dtype": None, "cast_forward_inputs": None}
+
+
+def _check_mixed_precision(job: "Job", strategy: Strategy) -> None:
+    """FSDP's own casts are refused under any other strategy, naming the first field that sets one
+    (DDP, DeepSpeed and DataParallel have no such policy: they train in the weights' dtype or under
+    autocast); ``output_dtype`` is FSDP2's alone, and fsdp1's ``no_shard`` with a policy is not modelled."""
+    changed = [f for f, default in MIXED_PRECISION_FIELDS.items() if getattr(job, f) != default]
+    if not changed or strategy is Strategy.FSDP:
+        return
+    if strategy is Strategy.FSDP1:
+        if job.output_dtype is not None:
+            raise SettingError("output_dtype", "{name} is FSDP2's (MixedPrecisionPolicy); FSDP1's MixedPrecision "
+                                               "has none: use strategy fsdp, or drop {name}")
+        if job.fsdp_sharding is FsdpSharding.NO_SHARD and (job.param_dtype or job.reduce_dtype):
+            field = "param_dtype" if job.param_dtype else "reduce_dtype"
+            raise SettingError(field, "{name} with fsdp_sharding no_shard is not modelled (FSDP1 keeps the "
+                                      "low-precision flat parameter from unshard to reshard there); use full_shard, "
+                                      "shard_grad_op or hybrid_shard")
+        return
+    value = getattr(job, changed[0])
+    shown = value.value if hasattr(value, "value") else str(value).lower()
+    raise SettingError(changed[0], f"{{name}} {shown} applies to strategies fsdp and fsdp1 (FSDP's mixed "
+                                   f"precision), not {strategy.value}: use precision amp-bf16 (autocast) or pure "
+                                   "bf16 weights")
+
+
 def _check_packing(packing: bool, padding: Padding, task: Task | None, strategy: Strategy) -> None:
     """Packing has no padding to vary, and packs the token sequences of causal language models
     only: an encoder-decoder's labels, a classifier's one label per sample and image or audio
@@ -700,6 +770,10 @@ _CHECKS = {
     "tp_plan": lambda v: _tp_plan(v),
     "fsdp_sharding": lambda v: _choice("fsdp_sharding", FsdpSharding, v, optional=True),
     "gpus_per_node": lambda v: _int("gpus_per_node", v, maximum=MAX_GPUS, why=" (2**16)"),
+    "param_dtype": lambda v: _dtype("param_dtype", v),
+    "reduce_dtype": lambda v: _dtype("reduce_dtype", v),
+    "output_dtype": lambda v: _dtype("output_dtype", v),
+    "cast_forward_inputs": lambda v: None if v is None else _flag("cast_forward_inputs", v),
     "eval_batch_size": lambda v: _int("eval_batch_size", v, maximum=MAX_BATCH, why=" (2**24 rows)"),
     "eval_accumulate_predictions": lambda v: _int("eval_accumulate_predictions", v, minimum=0, optional=False,
                                                   text="{name} must be an integer of 0 or more",

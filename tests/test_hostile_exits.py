@@ -243,7 +243,8 @@ _VALUES = st.one_of(
 )
 # The fields the CLI fuzz gives a value to, as flags (the rest have no flag, or take no value).
 _FLAGS = {s.field: s.flag for s in SPELLINGS
-          if s.flag and s.field not in ("packing", "use_reentrant", "qlora", "bucket_view", "margin", "global_batch")}
+          if s.flag and s.field not in ("packing", "use_reentrant", "qlora", "bucket_view", "margin", "global_batch",
+                                        "cast_forward_inputs")}
 
 
 def _settings(ci_examples: int):

@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 
@@ -265,6 +266,10 @@ def _strategy_named(name: str, world_size: int, **attrs):
     (_strategy_named("FSDPStrategy", 8), ("fsdp1", 8, {"fsdp_sharding": "full_shard"})),
     (_strategy_named("FSDPStrategy", 8, sharding_strategy="SHARD_GRAD_OP"), ("fsdp1", 8,
                                                                               {"fsdp_sharding": "shard_grad_op"})),
+    # precision="bf16-mixed": FSDPPrecision's MixedPrecision(bf16, bf16, bf16), read from the strategy
+    (_strategy_named("FSDPStrategy", 8, mixed_precision_config=SimpleNamespace(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)),
+     ("fsdp1", 8, {"fsdp_sharding": "full_shard", "param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16})),
     (_strategy_named("DeepSpeedStrategy", 4, config={"zero_optimization": {"stage": 3}}), ("zero3", 4, {})),
     # FSDP2: ModelParallelStrategy(data_parallel_size=8, tensor_parallel_size=1), what memcheck plan suggests
     (_strategy_named("ModelParallelStrategy", 8, _data_parallel_size=8, _tensor_parallel_size=1), ("fsdp", 8, {})),

@@ -282,13 +282,13 @@ def test_bad_settings_fail_when_the_callback_is_built(kwargs, message):
         MemcheckCallback(**kwargs)
 
 
-def _launch(world_size=1, n_gpu=1, deepspeed=None, fsdp=None, fsdp_config=None, ddp_bucket_cap_mb=None):
+def _launch(world_size=1, n_gpu=1, deepspeed=None, fsdp=None, fsdp_config=None, ddp_bucket_cap_mb=None, bf16=False):
     """What _strategy reads of TrainingArguments (a real multi-process launch needs GPUs)."""
     from types import SimpleNamespace
 
     ds = SimpleNamespace(config=deepspeed) if deepspeed else None
     return SimpleNamespace(world_size=world_size, n_gpu=n_gpu, deepspeed=deepspeed, hf_deepspeed_config=ds,
-                           fsdp=fsdp, fsdp_config=fsdp_config, ddp_bucket_cap_mb=ddp_bucket_cap_mb)
+                           fsdp=fsdp, fsdp_config=fsdp_config, ddp_bucket_cap_mb=ddp_bucket_cap_mb, bf16=bf16)
 
 
 @pytest.mark.parametrize("launch, expected", [
@@ -297,6 +297,11 @@ def _launch(world_size=1, n_gpu=1, deepspeed=None, fsdp=None, fsdp_config=None, 
     (_launch(world_size=8), ("ddp", 8, {})),
     (_launch(world_size=8, ddp_bucket_cap_mb=50), ("ddp", 8, {"bucket_cap_mb": 50})),
     (_launch(world_size=8, fsdp=True, fsdp_config={"cpu_offload": True}), ("fsdp", 8, {"offload": "params"})),
+    # bf16=True: the Trainer's Accelerator gives FSDP its MixedPrecisionPolicy (accelerate's set_mixed_precision)
+    (_launch(world_size=8, fsdp=True, bf16=True),
+     ("fsdp", 8, {"param_dtype": "bf16", "reduce_dtype": "bf16", "output_dtype": "bf16"})),
+    (_launch(world_size=8, fsdp=True, fsdp_config={"version": 1}, bf16=True),
+     ("fsdp1", 8, {"fsdp_sharding": "full_shard", "param_dtype": "bf16", "reduce_dtype": "bf16"})),
     # fsdp_config version 1 is FSDP1: reshard_after_forward names its sharding strategy (training_args.py)
     (_launch(world_size=8, fsdp=True, fsdp_config={"version": 1}), ("fsdp1", 8, {"fsdp_sharding": "full_shard"})),
     (_launch(world_size=8, fsdp="shard_grad_op offload", fsdp_config={"version": 1, "cpu_offload": True}),

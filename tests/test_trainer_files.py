@@ -29,11 +29,17 @@ def _write(tmp_path, name, text):
      "LightningCLI", {"precision": "bf16", "accumulation": 2, "strategy": "zero3", "gpus": 4, "micro_batch": 16}),
     ("accelerate.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: bf16\n"
                         "num_processes: 8\nfsdp_config:\n  fsdp_offload_params: true\n",
-     # accelerate's fsdp_version defaults to 1: FSDP1, FULL_SHARD
+     # accelerate's fsdp_version defaults to 1: FSDP1, FULL_SHARD; mixed_precision bf16 also gives FSDP a
+     # MixedPrecision(param_dtype=bf16, reduce_dtype=bf16) (accelerate 1.15 state.py:1014-1015, set_mixed_precision)
      "accelerate", {"precision": "amp-bf16", "strategy": "fsdp1", "fsdp_sharding": "full_shard", "offload": "params",
-                    "gpus": 8}),
+                    "param_dtype": "bf16", "reduce_dtype": "bf16", "gpus": 8}),
     ("accelerate2.yaml", "distributed_type: FSDP\nnum_processes: 4\nfsdp_config:\n  fsdp_version: 2\n",
      "accelerate", {"strategy": "fsdp", "gpus": 4}),
+    # FSDP2 under mixed_precision bf16: MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype all bf16)
+    ("accelerate3.yaml", "distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 4\nfsdp_config:\n"
+                         "  fsdp_version: 2\n",
+     "accelerate", {"precision": "amp-bf16", "strategy": "fsdp", "param_dtype": "bf16", "reduce_dtype": "bf16",
+                    "output_dtype": "bf16", "gpus": 4}),
     ("accelerate1.yaml", "distributed_type: FSDP\nnum_processes: 4\nfsdp_config:\n  fsdp_sharding_strategy: 2\n",
      "accelerate", {"strategy": "fsdp1", "fsdp_sharding": "shard_grad_op", "gpus": 4}),
     ("args1.json", json.dumps({"output_dir": "out", "fsdp": "hybrid_shard auto_wrap", "fsdp_config": {"version": 1}}),

@@ -8,7 +8,7 @@ import torch
 
 from memcheck.engine.estimate import estimate
 from memcheck.errors import UsageError, require_int
-from memcheck.job import Job, as_job, check_setting
+from memcheck.job import MIXED_PRECISION_FIELDS, Job, as_job, check_setting
 from memcheck.report.results import Comparison
 from memcheck.training.strategies import applicable
 
@@ -25,7 +25,8 @@ def compare(model: torch.nn.Module, batch: Any, job: Job | None = None, *, gpus:
     """
     require_int(gpus, "gpus")
     check_setting("gpus", gpus)  # at most MAX_GPUS; the DataParallel rows up to MAX_DP_GPUS only (applicable)
-    for key in ("strategy", "gpus", "bucket_view", "bucket_cap_mb", "offload", "fsdp_sharding", "gpus_per_node"):
+    for key in ("strategy", "gpus", "bucket_view", "bucket_cap_mb", "offload", "fsdp_sharding", "gpus_per_node",
+                *MIXED_PRECISION_FIELDS):
         if key in settings:
             raise UsageError(f"compare() sets {key} itself for each row; do not pass it")
     job = as_job(job, settings, caller="compare()")
@@ -35,7 +36,7 @@ def compare(model: torch.nn.Module, batch: Any, job: Job | None = None, *, gpus:
             continue  # DataParallel scatters rows, and a packed batch is one row (memcheck.job._check_packing)
         row_batch = _stacked(batch, gpus) if config.strategy.value.startswith("dp") else batch
         row = job.replace(strategy=config.strategy, gpus=config.gpus, bucket_view=False, bucket_cap_mb=None,
-                          offload="none", fsdp_sharding=None, gpus_per_node=None)
+                          offload="none", fsdp_sharding=None, gpus_per_node=None, **MIXED_PRECISION_FIELDS)
         rows.append(estimate(model, row_batch, row, loss_fn=loss_fn, eval_batch=eval_batch, model_name=model_name,
                              top_modules=top_modules, progress=progress))
     return Comparison(gpus=gpus, rows=tuple(rows))

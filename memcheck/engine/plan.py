@@ -82,7 +82,7 @@ from memcheck.cuda.overhead import context_bytes
 from memcheck.engine.estimate import estimate, target_gpu
 from memcheck.enums import Device, Offload, Precision, Strategy, WeightsDtype
 from memcheck.errors import UsageError, closest, require_int
-from memcheck.job import Job, as_job
+from memcheck.job import MIXED_PRECISION_FIELDS, Job, as_job
 from memcheck.report.results import (
     Estimate,
     LargerGpu,
@@ -458,6 +458,8 @@ class _Search:
             # option and the sharded GPU-count search trace other strategies)
             fsdp_sharding=self.job.fsdp_sharding if strategy is Strategy.FSDP1 else None,
             gpus_per_node=self.job.gpus_per_node if strategy is Strategy.FSDP1 and gpus == self.gpus else None,
+            # FSDP2's mixed precision holds for fsdp only (the ZeRO-Offload option traces zero1-3)
+            **({} if strategy is Strategy.FSDP else MIXED_PRECISION_FIELDS),
             # "half" by name, not as the base model's module names: apply_checkpointing picks the blocks
             # after LoRA/QLoRA have wrapped the model (PEFT renames every module: base_model.model.…)
             checkpointing=checkpointing, batch_size=micro, max_len=length or self.max_len, global_batch=None)

@@ -222,6 +222,13 @@ def _strategy(trainer) -> tuple[str, int | None, dict]:
         sharding = fsdp1_sharding(getattr(trainer.strategy, "sharding_strategy", None) or "full_shard",
                                   where="FSDPStrategy sharding_strategy")
         extra = {"fsdp_sharding": sharding, **({"offload": "params"} if offloaded else {})}
+        # FSDPStrategy.mixed_precision_config: the user's MixedPrecision, else its precision plugin's (FSDPPrecision:
+        # param, reduce and buffer dtype all bf16 under bf16-mixed, beside autocast; lightning/pytorch/plugins/
+        # precision/fsdp.py, mixed_precision_config). buffer_dtype is not modelled.
+        policy = getattr(trainer.strategy, "mixed_precision_config", None)
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(policy, name, None) is not None:
+                extra[name] = getattr(policy, name)
         per_node = getattr(trainer, "num_devices", None)  # the devices of one node
         if sharding == "hybrid_shard" and isinstance(per_node, int) and 0 < per_node < world and world % per_node == 0:
             extra["gpus_per_node"] = per_node

@@ -43,7 +43,7 @@ from memcheck.integrations._common import (
     target,
 )
 from memcheck.job import Job
-from memcheck.workloads.trainer_files import deepspeed_mode, fsdp1_sharding, zero_strategy
+from memcheck.workloads.trainer_files import deepspeed_mode, fsdp1_sharding, fsdp_mixed_precision, zero_strategy
 from memcheck.training.optimizers import hf_optimizer
 from memcheck.report.results import Verdict
 from memcheck.workloads import hf
@@ -354,9 +354,11 @@ def _strategy(args) -> tuple[str, int | None, dict]:
         fsdp = args.fsdp_config if isinstance(getattr(args, "fsdp_config", None), dict) else {}
         offloaded = "offload" in str(args.fsdp) or bool(fsdp.get("cpu_offload"))
         extra = {"offload": "params"} if offloaded else {}
+        precision = "amp-bf16" if getattr(args, "bf16", False) else "amp-fp16" if getattr(args, "fp16", False) else None
         if str(fsdp.get("version", 2)).strip() == "1":
-            return "fsdp1", world, {**_fsdp1_sharding(args.fsdp, fsdp, world), **extra}
-        return "fsdp", world, extra
+            extra.update(_fsdp1_sharding(args.fsdp, fsdp, world))
+            return "fsdp1", world, {**extra, **fsdp_mixed_precision(precision, "fsdp1", extra["fsdp_sharding"])}
+        return "fsdp", world, {**extra, **fsdp_mixed_precision(precision, "fsdp", output_dtype=True)}
     cap = getattr(args, "ddp_bucket_cap_mb", None)
     return "ddp", world, ({"bucket_cap_mb": cap} if cap else {})
 

@@ -120,15 +120,17 @@ def measure_fsdp_cpu(
     steps: int = 2,
     wrap: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
     in_place: bool = False,
+    mp_policy: Any = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Measured]:
     """Train under FSDP2 (``fully_shard``) on ``world_size`` CPU ranks and measure each.
 
-    Every rank calls ``build()``, then ``fully_shard(m, mesh=mesh)`` for each
+    Every rank calls ``build()``, then ``fully_shard(m, mesh=mesh, mp_policy=mp_policy)`` for each
     module ``wrap(model)`` returns (in that order), then ``fully_shard(model)``
     on the root, then ``make_optimizer(model.parameters())``, all inside the
     profiled region. ``wrap`` defaults to the root's direct children that own
-    parameters. The mesh is ``init_device_mesh("cpu", (world_size,))``.
+    parameters. The mesh is ``init_device_mesh("cpu", (world_size,))``. ``mp_policy``: a
+    ``MixedPrecisionPolicy`` given to every ``fully_shard`` call (None: FSDP2's default, no casts).
 
     ``build``, ``make_optimizer``, ``loss_fn`` and ``wrap`` must be picklable
     module-level functions, as for ``measure_ddp_cpu``.
@@ -155,8 +157,14 @@ def measure_fsdp_cpu(
         activation (2 MiB for the 256 x 2048 float MLP).
     """
     require_torch("fully_shard", "measure_fsdp_cpu (a real FSDP2 run)")
-    return _run_ranks("fsdp", build, make_optimizer, loss_fn, world_size, steps,
-                      {"wrap": wrap, "in_place": bool(in_place)}, timeout_s)
+    options = {"wrap": wrap, "in_place": bool(in_place)}
+    if mp_policy is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise UsageError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {mp_policy!r}")
+        options["mp_policy"] = mp_policy
+    return _run_ranks("fsdp", build, make_optimizer, loss_fn, world_size, steps, options, timeout_s)
 
 
 def measure_tp_cpu(
@@ -370,6 +378,7 @@ def measure_fsdp1_cpu(
     gpus_per_node: int | None = None,
     wrap: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
     in_place: bool = False,
+    mixed_precision: Any = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> dict[str, list[Measured]]:
     """Train under FSDP1 (``FullyShardedDataParallel``) on ``world_size`` CPU ranks, once per sharding
@@ -381,7 +390,8 @@ def measure_fsdp1_cpu(
     direct children that own parameters) and the root with the rest, then calls
     ``make_optimizer(fsdp.parameters())``, all inside that strategy's own profiled region. Every
     other FSDP1 setting is torch's default (``use_orig_params=False``, ``BACKWARD_PRE`` prefetch,
-    ``limit_all_gathers=True``). ``hybrid_shard`` shards over groups of ``gpus_per_node`` ranks
+    ``limit_all_gathers=True``; ``mixed_precision``: a ``torch.distributed.fsdp.MixedPrecision``, None
+    for none). ``hybrid_shard`` shards over groups of ``gpus_per_node`` ranks
     (default ``world_size``) through ``init_device_mesh("cpu", (world_size // gpus_per_node,
     gpus_per_node))``: without a mesh FSDP1 asks CUDA for the node size. ``build``,
     ``make_optimizer``, ``loss_fn`` and ``wrap`` must be picklable module-level functions, as for
@@ -419,6 +429,12 @@ def measure_fsdp1_cpu(
             raise UsageError(f"gpus_per_node must be a positive integer dividing world_size={world_size!r}, "
                              f"got {gpus_per_node!r}")
     options = {"wrap": wrap, "shardings": shardings, "gpus_per_node": gpus_per_node, "in_place": bool(in_place)}
+    if mixed_precision is not None:
+        from torch.distributed.fsdp import MixedPrecision
+
+        if not isinstance(mixed_precision, MixedPrecision):
+            raise UsageError(f"mixed_precision must be a torch.distributed.fsdp.MixedPrecision, got {mixed_precision!r}")
+        options["mixed_precision"] = mixed_precision
     ranks = _run_ranks("fsdp1", build, make_optimizer, loss_fn, world_size, steps, options, timeout_s)
     return {name: [rank[name] for rank in ranks] for name in shardings}
 
@@ -601,7 +617,17 @@ class _InPlaceCollectives:
     onto ``r`` and copied to the output (reduce-scatter; the input, a scratch buffer of the caller,
     is overwritten on the other ranks). ``torch.distributed``'s functions (and the
     ``distributed_c10d`` globals its deprecated aliases call) are replaced for the life of the
-    rank; the values of the results are the same, the speed is not."""
+    rank; the values of the results are the same, the speed is not.
+
+    A synchronous collective returns only after a short pause for gloo's worker thread (``_settle``, at
+    most ``SETTLE_S``, while the storage holds more references than on entry): the worker drops its
+    references after marking the work complete, so a buffer the caller frees right after the
+    collective could be freed later, on that thread, while the caller allocates the next one, a
+    CPU-only overlap that made a rank's peak differ from run to run (FSDP1 with a MixedPrecision: one
+    run in three, rank 1 +11%). One reference outlives the pause on every reduce-scatter input (held
+    outside Python's reach), so the pause is a bound, not a proof."""
+
+    SETTLE_S = 0.02  # seconds: far above the worker's hand-off, small beside a step
 
     NAMES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
              "all_gather")
@@ -628,12 +654,30 @@ class _InPlaceCollectives:
             return None
         return works[-1]
 
+    @staticmethod
+    def _uses(tensor: torch.Tensor) -> int:
+        """How many references the tensor's storage has (views and gloo's pending work hold one each)."""
+        return compat.storage_use_count(tensor.untyped_storage()._cdata)
+
+    @classmethod
+    def _settle(cls, tensor: torch.Tensor, uses: int) -> None:
+        """Wait (at most ``SETTLE_S``) until ``tensor``'s storage is back to the ``uses`` it had before the
+        collective, gloo's worker thread having dropped its references."""
+        deadline = time.monotonic() + cls.SETTLE_S
+        while cls._uses(tensor) > uses and time.monotonic() < deadline:
+            time.sleep(0.0002)
+
     def all_gather_single(self, output_tensor, input_tensor, group=None, async_op=False):
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        uses = self._uses(output_tensor)
         chunks = output_tensor.view(-1).chunk(world)
         chunks[rank].copy_(input_tensor.reshape(-1))
         works = [self.broadcast(chunk, group=group, group_src=r, async_op=True) for r, chunk in enumerate(chunks)]
-        return self._finish(works, async_op)
+        result = self._finish(works, async_op)
+        if not async_op:
+            del chunks, works
+            self._settle(output_tensor, uses)
+        return result
 
     all_gather_into_tensor = all_gather_single
 
@@ -645,12 +689,17 @@ class _InPlaceCollectives:
 
     def reduce_scatter_single(self, output, input, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        uses = self._uses(input)
         chunks = input.view(-1).chunk(world)
         works = [self.reduce(chunk, group=group, group_dst=r, op=op, async_op=True) for r, chunk in enumerate(chunks)]
         for work in works:
             work.wait()
         output.view(-1).copy_(chunks[rank])
-        return self._finish(works, async_op)
+        result = self._finish(works, async_op)
+        if not async_op:
+            del chunks, works
+            self._settle(input, uses)
+        return result
 
     reduce_scatter_tensor = reduce_scatter_single
 
@@ -834,7 +883,7 @@ class _FencedGlooGroup:
         self.backend.allreduce([self.fence]).wait()
 
 
-def _fsdp_setup(build, world_size, *, wrap):
+def _fsdp_setup(build, world_size, *, wrap, mp_policy=None):
     fully_shard = require_torch("fully_shard", "measure_fsdp_cpu (a real FSDP2 run)")
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -842,9 +891,10 @@ def _fsdp_setup(build, world_size, *, wrap):
         model, batch = build()
         mesh = init_device_mesh("cpu", (world_size,))
         blocks = wrap(model) if wrap is not None else _children_with_parameters(model)
+        extra = {} if mp_policy is None else {"mp_policy": mp_policy}
         for block in blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **extra)
+        fully_shard(model, mesh=mesh, **extra)
         return model, batch
 
     return setup
@@ -1080,14 +1130,14 @@ def _measure_pp_rank(build, make_optimizer, loss_fn, steps, rank, world_size, *,
 
     return _measured(train)
 
-def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node):
+def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node, mixed_precision=None):
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import CustomPolicy
 
     def setup():
         model, batch = build()
         units = {id(m) for m in (wrap(model) if wrap is not None else _children_with_parameters(model))}
-        extra = {}
+        extra = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
         if sharding == "hybrid_shard":
             from torch.distributed.device_mesh import init_device_mesh
 

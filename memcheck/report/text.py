@@ -516,7 +516,8 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
     if plan.job is not None and plan.job.assume:  # the data-dependent answers the plan pinned, or the user's
         flags.append(f"--assume {','.join(plan.job.assume)}")
     for spelling, value in _kept_settings(plan):  # the user's own settings the plan traced with
-        flags.append(spelling.flag if value is True else f"{spelling.flag} {shlex.quote(str(value))}")
+        flags.append(spelling.flag if value is True else f"--no-{spelling.flag[2:]}" if value is False
+                     else f"{spelling.flag} {shlex.quote(str(value))}")
     args.extend(_trainer_words(plan))
     if r.offload == "optimizer":  # DeepSpeed's ZeRO-Offload on this one GPU
         flags.extend(("--strategy zero2", "--gpus 1", "--offload optimizer"))
@@ -539,7 +540,8 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
 # the recommendation's flags and TOML when they differ from the Job's defaults, so that pasting them
 # back traces the plan's own job.
 KEPT_SETTINGS = ("weights_dtype", "lora", "qlora", "max_grad_norm", "padding", "eval_batch_size",
-                 "eval_accumulate_predictions", "reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters")
+                 "eval_accumulate_predictions", "reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters",
+                 "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
 
 
 def _kept_settings(plan: Plan) -> list[tuple[Spelling, Any]]:
@@ -668,7 +670,7 @@ def _toml_lines(plan: Plan, r: PlanOption) -> list[str]:
     if plan.job is not None and plan.job.trust_remote_code:
         lines.append("trust_remote_code = true")
     for spelling, value in _kept_settings(plan):
-        lines.append(f"{spelling.config} = " + ("true" if value is True else
+        lines.append(f"{spelling.config} = " + ("true" if value is True else "false" if value is False else
                                                 f'"{value}"' if isinstance(value, str) else f"{value}"))
     return lines
 

@@ -83,6 +83,28 @@ def fsdp1_sharding(value, *, where: str) -> str:
     return text
 
 
+def fsdp_mixed_precision(precision: str | None, strategy: str | None, sharding: str | None = None, *,
+                         output_dtype: bool = False) -> dict[str, str]:
+    """The FSDP mixed-precision policy a trainer gives FSDP for its precision, as Job settings.
+
+    Accelerate (and so the HF Trainer, which hands it ``mixed_precision``: transformers
+    ``training_args.py`` ``mixed_precision``, ``trainer.py`` ``Accelerator(mixed_precision=...)``) calls
+    ``FullyShardedDataParallelPlugin.set_mixed_precision`` when the precision is not "no" (accelerate
+    1.15 ``state.py:1014-1015``): param_dtype and reduce_dtype the precision's dtype, and under FSDP2
+    output_dtype too (``utils/dataclasses.py:2109-2143``), beside its autocast. Lightning's
+    ``FSDPPrecision.mixed_precision_config`` (lightning/pytorch/plugins/precision/fsdp.py) gives FSDP1
+    the same param and reduce dtypes (``output_dtype=False``). Their buffer_dtype is not modelled; fsdp1
+    ``no_shard`` with a policy is not modelled either, so none is given there."""
+    dtype = {"amp-bf16": "bf16", "bf16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16", "amp-fp16": "fp16",
+             "fp16": "fp16", "16-mixed": "fp16", "16-true": "fp16", "16": "fp16"}.get(str(precision).lower())
+    if dtype is None or strategy not in ("fsdp", "fsdp1") or (strategy == "fsdp1" and sharding == "no_shard"):
+        return {}
+    out = {"param_dtype": dtype, "reduce_dtype": dtype}
+    if output_dtype and strategy == "fsdp":
+        out["output_dtype"] = dtype
+    return out
+
+
 def zero_strategy(config: dict | None, world: int) -> tuple[str, int, dict]:
     """A DeepSpeed config's ZeRO stage and offload as memcheck's (strategy, gpus, settings);
     stage 0 is plain data parallelism, which memcheck traces as ddp."""
@@ -257,6 +279,8 @@ def _training_arguments(data: dict, path: Path) -> dict[str, Any]:
             out["strategy"] = "fsdp"
             if "offload" in words:
                 out["offload"] = "params"
+        out.update(fsdp_mixed_precision(out.get("precision"), out.get("strategy"), out.get("fsdp_sharding"),
+                                        output_dtype=True))
     return out
 
 
@@ -294,6 +318,7 @@ def _lightning(data: dict, path: Path) -> dict[str, Any]:
         out.update(extra)
         if strategy.startswith("deepspeed") and "precision" in out:  # DeepSpeed's bf16/fp16 mode
             out["precision"] = deepspeed_mode(_lightning_precision(out["precision"]), None, name)
+        out.update(fsdp_mixed_precision(out.get("precision"), name, out.get("fsdp_sharding")))
         if isinstance(trainer.get("devices"), int) and trainer["devices"] > 1:
             out["gpus"] = trainer["devices"]
     data_section = data.get("data") or {}
@@ -327,6 +352,8 @@ def _accelerate(data: dict, path: Path) -> dict[str, Any]:
             out["fsdp_sharding"] = fsdp1_sharding(config.get(key, "FULL_SHARD"), where=key)
         if config.get("fsdp_offload_params"):
             out["offload"] = "params"
+        out.update(fsdp_mixed_precision(out.get("precision"), out["strategy"], out.get("fsdp_sharding"),
+                                        output_dtype=True))
     elif kind == "DEEPSPEED":
         ds = data.get("deepspeed_config") or {}
         if ds.get("deepspeed_config_file"):

@@ -125,6 +125,18 @@ def after_input_gradients(args, kwargs, callback, *, each: bool = False):
     return compat.tree_unflatten(leaves, spec)
 
 
+def cast_floating(dtype: torch.dtype | None, tree):
+    """Every floating tensor of ``tree`` of another dtype as ``x.to(dtype)`` (traced as any op); None: ``tree``.
+    FSDP2's ``_cast_fp_tensor`` (torch 2.13 ``torch/distributed/fsdp/_fully_shard/_fsdp_common.py:181-188``)
+    and FSDP1's ``_cast_forward_inputs`` (``torch/distributed/utils.py:46-65``) alike."""
+    if dtype is None:
+        return tree
+    leaves, spec = compat.tree_flatten(tree)
+    leaves = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+              for t in leaves]
+    return compat.tree_unflatten(leaves, spec)
+
+
 def _tensors(out) -> list[torch.Tensor]:
     """The tensors in a module's output (tuples, lists, dicts and transformers' ModelOutput)."""
     if isinstance(out, torch.Tensor):
@@ -148,9 +160,25 @@ class _Emulation(Emulation):
         # What the rank holds of these is allocated explicitly. The tracer keys storages by
         # address, so an ignored one must outlive the trace (the model keeps them).
         self.full = list(model.parameters())  # tied parameters once, in registration order
+        self._swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # compute_in's, put back by close
         for p in self.full:
             if frozen_sharded or p.requires_grad:
                 tracer.ignore(p)
+
+    def compute_in(self, dtypes: dict[int, torch.dtype]) -> None:
+        """Point each parameter whose id is in ``dtypes`` at meta data of that dtype, uncounted, for the
+        forward and backward: the wrapper's mixed precision gathers the parameters in its ``param_dtype``
+        and points the modules at them, so the compute and autograd's gradients are in it. ``close``
+        puts the user's data back."""
+        for p in self.full:
+            dtype = dtypes.get(id(p))
+            if dtype is None or dtype == p.dtype:
+                continue
+            with _disable_current_modes():
+                data = torch.empty_like(p.data, dtype=dtype, device="meta")
+            self._swapped.append((p, p.data))
+            p.data = data
+            self.tracer.ignore(p)
 
     def hook_gradients(self, hook) -> None:
         """Run ``hook(p)`` once each trainable parameter's gradient is accumulated."""
@@ -210,6 +238,9 @@ class _Emulation(Emulation):
             self.tracer._owner[id(stand_in)] = name
 
     def close(self) -> None:
+        for p, data in reversed(self._swapped):
+            p.data = data
+        self._swapped.clear()
         for h in self.handles:
             h.remove()
         self.handles.clear()

@@ -29,9 +29,37 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from memcheck.enums import FsdpSharding, Offload, Phase, Strategy
+from memcheck.enums import Dtype, FsdpSharding, Offload, Phase, Strategy
 from memcheck.errors import UsageError, require_int, require_positive_number
 from memcheck.training.loop import LossFn, run_steps, run_train_steps
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """FSDP's own mixed precision: FSDP2's ``MixedPrecisionPolicy`` (torch 2.13
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_api.py:10-54``) and FSDP1's ``MixedPrecision``
+    (``torch/distributed/fsdp/api.py``). None: no cast (the wrapper's default)."""
+
+    param_dtype: Dtype | None = None  # the unsharded parameters, so the forward and backward compute
+    reduce_dtype: Dtype | None = None  # the gradient reduce-scatter (None: param_dtype's)
+    output_dtype: Dtype | None = None  # FSDP2 only: each fully_shard module's floating outputs
+    # each wrapped module's floating inputs to param_dtype; None: the wrapper's default, FSDP2's True, FSDP1's
+    # False (FSDP1 casts the root's inputs all the same: cast_root_forward_inputs=True)
+    cast_forward_inputs: bool | None = None
+
+    @property
+    def is_default(self) -> bool:
+        return self == MixedPrecision()
+
+    @property
+    def label(self) -> str:
+        """``param bf16, reduce fp32``: the fields that differ from the default."""
+        parts = [f"{name.removesuffix('_dtype')} {value.value}"
+                 for name, value in (("param_dtype", self.param_dtype), ("reduce_dtype", self.reduce_dtype),
+                                     ("output_dtype", self.output_dtype)) if value is not None]
+        if self.cast_forward_inputs is not None:
+            parts.append("inputs cast" if self.cast_forward_inputs else "inputs not cast")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -49,11 +77,12 @@ class StrategyConfig:
     max_live_parameters: int | None = None  # zero3: stage3_max_live_parameters
     fsdp_sharding: FsdpSharding | None = None  # fsdp1: its ShardingStrategy (None: FULL_SHARD, torch's default)
     gpus_per_node: int | None = None  # fsdp1 hybrid_shard: the shard group (None: every GPU on one node)
+    mixed_precision: MixedPrecision = MixedPrecision()  # fsdp: MixedPrecisionPolicy
 
     @classmethod
     def parse(cls, strategy="single", gpus=None, *, bucket_view=False, bucket_cap_mb=None, offload=None,
               reduce_bucket_size=None, prefetch_bucket_size=None, max_live_parameters=None, fsdp_sharding=None,
-              gpus_per_node=None):
+              gpus_per_node=None, mixed_precision=None):
         strategy = Strategy.parse(strategy, what="strategy")
         offload = Offload.parse(offload or "none", what="offload")
         if fsdp_sharding is not None:
@@ -101,8 +130,9 @@ class StrategyConfig:
                 raise UsageError(f"{name} applies to {which} only (a DeepSpeed ZeRO setting), not {strategy.value!r}")
             require_int(value, name, minimum=minimum,
                         message=f"{name} must be an integer of at least {minimum} (elements), got {value!r}")
+        mixed_precision = _mixed_precision(strategy, mixed_precision, fsdp_sharding)
         return cls(strategy, gpus, bool(bucket_view), bucket_cap_mb, offload, reduce_bucket_size,
-                   prefetch_bucket_size, max_live_parameters, fsdp_sharding, gpus_per_node)
+                   prefetch_bucket_size, max_live_parameters, fsdp_sharding, gpus_per_node, mixed_precision)
 
     @property
     def label(self) -> str:
@@ -117,7 +147,31 @@ class StrategyConfig:
                 extra += f" ({self.gpus_per_node} per node)"
         if self.offload is not Offload.NONE:
             extra += f", offload {self.offload.value}"
+        if not self.mixed_precision.is_default:
+            extra += f", {self.mixed_precision.label}"
         return f"{self.strategy.value} x{self.gpus}{extra}"
+
+
+def _mixed_precision(strategy: Strategy, policy, sharding: FsdpSharding | None) -> MixedPrecision:
+    """The wrapper's mixed precision, checked against the strategy: FSDP's own casts, which no other
+    wrapper has (DDP, DeepSpeed and DataParallel train in the model's dtype or under autocast)."""
+    if policy is None:
+        return MixedPrecision()
+    if not isinstance(policy, MixedPrecision):
+        raise UsageError(f"mixed_precision must be a memcheck MixedPrecision, got {type(policy).__name__}")
+    if policy.is_default or strategy is Strategy.FSDP:
+        return policy
+    if strategy is not Strategy.FSDP1:
+        raise UsageError(f"mixed precision ({policy.label}) applies to strategies fsdp and fsdp1 (FSDP's own "
+                         f"policies), not {strategy.value!r}; use autocast or pure bf16/fp16 weights")
+    if policy.output_dtype is not None:
+        raise UsageError(f"output_dtype is FSDP2's (MixedPrecisionPolicy); FSDP1's MixedPrecision has none: use "
+                         f"strategy fsdp, or drop output_dtype")
+    if sharding is FsdpSharding.NO_SHARD and (policy.param_dtype or policy.reduce_dtype):
+        raise UsageError("fsdp1 no_shard with a param_dtype or reduce_dtype is not modelled (FSDP1 keeps the "
+                         "low-precision flat parameter from unshard to reshard there); use full_shard, "
+                         "shard_grad_op or hybrid_shard")
+    return policy
 
 
 def _fsdp1_settings(strategy: Strategy, gpus: int, offload: Offload, sharding, per_node):

@@ -24,6 +24,18 @@ sharded strategy holds here); sources: torch 2.13 ``torch/distributed/fsdp/_full
   (``_fsdp_collectives.py:592-754``);
 - ``offload="params"`` (``CPUOffloadPolicy``): shards, sharded gradients and the
   optimizer live in host memory; each all-gather copies the shards to the device first.
+- a ``MixedPrecisionPolicy`` (``StrategyConfig.mixed_precision``, the same on every ``fully_shard``
+  call, as torchtitan's ``apply_fsdp`` passes it): a parameter's ``param_dtype`` is dropped when it
+  is its own dtype or not floating, ``reduce_dtype`` when it equals ``param_dtype``
+  (``_fsdp_param.py:586-600``). The all-gather input is one flat copy of the group's shards cast
+  to ``param_dtype`` (``_fsdp_collectives.py:381-426``; with offload each device copy is cast,
+  ``_fsdp_param.py:896-901``), freed once the all-gather is issued; the all-gather output and the
+  unsharded parameters are ``param_dtype`` (``_fsdp_param.py:636-665``), so the forward and
+  backward compute, and autograd's gradients, are in it. The reduce-scatter input and output are
+  ``reduce_dtype`` (else the gradients' dtype), the output cast to the shards' dtype when it differs,
+  the ``reduce_dtype`` one freed then (``_fsdp_collectives.py:559-614``, ``696``). Each module's
+  floating inputs are cast to ``param_dtype`` (``cast_forward_inputs``) and its outputs to
+  ``output_dtype`` (``_fsdp_state.py:290-362``, ``_fsdp_common.py:181-188``).
 """
 
 from __future__ import annotations
@@ -34,20 +46,23 @@ import torch
 
 from memcheck.enums import Category, Offload
 from memcheck.training.checkpointing import repeated_blocks
-from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, after_input_gradients, train_sharded
-from memcheck.training.strategies.base import Run
+from memcheck.training.strategies._sharding import (_empty, _Emulation, _tensors, after_input_gradients, cast_floating,
+                                                    train_sharded)
+from memcheck.training.strategies.base import MixedPrecision, Run
 
 
 def train(run: Run) -> list[int]:
     """Rank 0 of ``fsdp``: the model is built on meta, only the shards are materialised."""
     offload = run.config.offload is Offload.PARAMS
-    return train_sharded(run, lambda: _MetaFSDP(run.tracer, run.model, run.config.gpus, offload), built_on_meta=True)
+    return train_sharded(run, lambda: _MetaFSDP(run.tracer, run.model, run.config.gpus, offload,
+                                                run.config.mixed_precision), built_on_meta=True)
 
 
 class _FsdpGroup:
     """One ``fully_shard`` call's parameters (an FSDPParamGroup)."""
 
-    def __init__(self, name: str, module: torch.nn.Module, params: list, world: int):
+    def __init__(self, name: str, module: torch.nn.Module, params: list, world: int,
+                 policy: MixedPrecision = MixedPrecision()):
         self.name, self.module, self.params, self.world = name, module, params, world
         self.rows = []  # per parameter: (padded shard elements, local unpadded shape of rank 0)
         for p in params:
@@ -55,25 +70,47 @@ class _FsdpGroup:
             rest = math.prod(shape[1:])
             chunk = -(-shape[0] // world)  # torch.chunk's size: rank 0's chunk is the padded size
             self.rows.append((chunk * rest, (min(chunk, shape[0]), *shape[1:])))
+        # FSDPParam.init_dtype_attrs (_fsdp_param.py:586-600): reduce_dtype is dropped when it equals the
+        # policy's param_dtype, param_dtype when it equals the parameter's own dtype or that is not floating
+        param_dtype = policy.param_dtype.torch_dtype if policy.param_dtype is not None else None
+        reduce_dtype = policy.reduce_dtype.torch_dtype if policy.reduce_dtype is not None else None
+        if reduce_dtype == param_dtype:
+            reduce_dtype = None
+        self.orig_dtypes = [p.dtype for p in params]
+        self.param_dtypes = [None if param_dtype == p.dtype or not p.dtype.is_floating_point else param_dtype
+                             for p in params]
+        self.reduce_dtype = reduce_dtype
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.unsharded: list[torch.Tensor] | None = None
         self.prefetched: torch.Tensor | None = None  # an all-gather output issued ahead (backward prefetch)
         self.in_backward = False
         self.post_backward_done = False  # TrainingState.POST_BACKWARD, reset at the end of backward
 
+    def gathered_dtype(self, i: int) -> torch.dtype:
+        """The dtype parameter ``i`` is all-gathered and unsharded in: param_dtype, else its own."""
+        return self.param_dtypes[i] or self.orig_dtypes[i]
+
     def gathered_bytes(self) -> int:
-        return sum(n * self.world * p.element_size() for (n, _), p in zip(self.rows, self.params))
+        return sum(n * self.world * _itemsize(self.gathered_dtype(i)) for i, (n, _) in enumerate(self.rows))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 class _MetaFSDP(_Emulation):
     """FSDP2 on one rank: shards, all-gather and reduce-scatter buffers, per group."""
 
-    def __init__(self, tracer, model: torch.nn.Module, world: int, offload: bool):
+    def __init__(self, tracer, model: torch.nn.Module, world: int, offload: bool,
+                 policy: MixedPrecision = MixedPrecision()):
         super().__init__(tracer, model, world)
-        self.offload = offload
+        self.offload, self.policy = offload, policy
         self._group_parameters()
         self._assume()
         self._allocate_shards()
+        # the modules point at the unsharded parameters, the all-gather outputs in param_dtype
+        # (_fsdp_param.py:636-665): the compute and autograd's gradients are in it
+        self.compute_in({id(p): g.gathered_dtype(i) for g in self.blocks + [self.root] for i, p in enumerate(g.params)})
         self.host_grads: dict[int, torch.Tensor] = {}
         self.kept_all_gather: torch.Tensor | None = None  # forward: freed by the next group's unshard
         self.kept_reduce_scatter: torch.Tensor | None = None  # freed by the next group's post-backward
@@ -98,20 +135,22 @@ class _MetaFSDP(_Emulation):
             for name, module in experts_modules(self.model):
                 params = [p for p in module.parameters() if id(p) not in seen]
                 seen.update(id(p) for p in params)
-                self.blocks.append(_FsdpGroup(name, module, params, max(1, self.world // ep)))
+                self.blocks.append(_FsdpGroup(name, module, params, max(1, self.world // ep), self.policy))
         for name in repeated_blocks(self.model):
             params = [p for p in modules[name].parameters() if id(p) not in seen]
             seen.update(id(p) for p in params)
-            self.blocks.append(_FsdpGroup(name, modules[name], params, self.world))
-        self.root = _FsdpGroup("(root)", self.model, [p for p in self.full if id(p) not in seen], self.world)
+            self.blocks.append(_FsdpGroup(name, modules[name], params, self.world, self.policy))
+        self.root = _FsdpGroup("(root)", self.model, [p for p in self.full if id(p) not in seen], self.world,
+                               self.policy)
         self.group_of = {id(p): g for g in self.blocks + [self.root] for p in g.params}
 
     def _assume(self) -> None:
         """State the wrapping, the defaults and the offload in the report."""
         tracer = self.tracer
         experts = sum(1 for g in self.blocks if g.world != self.world)
+        policy = "no mixed-precision policy; " if self.policy.is_default else ""
         tracer.assume(f"fsdp: fully_shard on each of the {len(self.blocks) - experts} repeated blocks, then on the "
-                      "root; FSDP2 defaults (no mixed-precision policy; blocks resharded after forward, the root not)")
+                      f"root; FSDP2 defaults ({policy}blocks resharded after forward, the root not)")
         if experts:
             tracer.assume(f"fsdp with ep: each block's experts sharded apart over {self.blocks[0].world} rank(s), "
                           "dp*cp / ep, as torchtitan's apply_fsdp does")
@@ -121,6 +160,10 @@ class _MetaFSDP(_Emulation):
         if self.offload:
             tracer.assume("fsdp offload: shards, sharded gradients and the optimizer step are host memory; "
                           "the optimizer's temporaries are not on the GPU")
+        if not self.policy.is_default:
+            tracer.assume(f"fsdp: MixedPrecisionPolicy({self.policy.label}) on every fully_shard call: parameters "
+                          "all-gathered and computed in param_dtype, gradients reduce-scattered in reduce_dtype, "
+                          "shards and optimizer state in the weights' own dtype")
 
     def _allocate_shards(self) -> None:
         """Each parameter's padded shard (device or host), and the optimizer's stand-in on its local rows."""
@@ -141,6 +184,7 @@ class _MetaFSDP(_Emulation):
             self.handles.append(g.module.register_forward_pre_hook(
                 lambda m, a, k, g=g: self._pre_forward(g, a, k), with_kwargs=True))
             self.handles.append(g.module.register_forward_hook(lambda m, a, o, g=g: self._post_forward(g, o)))
+        # (the casts of inputs and outputs are the hooks' own: _fsdp_state.py:346-362)
         self.hook_gradients(lambda p: self.queue_end_of_backward())
 
     def make_optimizer(self, make_optimizer):
@@ -149,18 +193,35 @@ class _MetaFSDP(_Emulation):
 
     # all-gather
     def _all_gather(self, g: _FsdpGroup) -> torch.Tensor:
-        copies = ([_empty(self.tracer, n, p.dtype, Category.COMMUNICATION, "(FSDP host-to-device)")
-                   for (n, _), p in zip(g.rows, g.params)] if self.offload else [])
+        """``foreach_all_gather`` (``_fsdp_collectives.py:324-378``): the all-gather inputs, then the output.
+
+        Without offload a parameter's input is its shard itself, or, with a param_dtype, its slice of one
+        flat cast copy of the group's shards (``_get_param_all_gather_inputs``, 381-426); with offload each
+        shard is copied to the device (``all_gather_inputs``, ``_fsdp_param.py:896-901``) and then cast
+        (the device copy freed once cast). The inputs are freed when ``foreach_all_gather`` returns."""
+        inputs = []
+        if self.offload:
+            for i, (n, _) in enumerate(g.rows):
+                copy = _empty(self.tracer, n, g.orig_dtypes[i], Category.COMMUNICATION, "(FSDP host-to-device)")
+                if g.param_dtypes[i] is not None:
+                    copy = _empty(self.tracer, n, g.param_dtypes[i], Category.COMMUNICATION, "(FSDP cast input)")
+                inputs.append(copy)
+                del copy
+        else:
+            cast = [(n, g.param_dtypes[i]) for i, (n, _) in enumerate(g.rows) if g.param_dtypes[i] is not None]
+            if cast:  # one flat buffer in the first cast parameter's param_dtype (all the same: one policy)
+                inputs.append(_empty(self.tracer, sum(n for n, _ in cast), cast[0][1], Category.COMMUNICATION,
+                                     "(FSDP cast input)"))
         out = _empty(self.tracer, g.gathered_bytes(), torch.uint8, Category.COMMUNICATION,
                      "(FSDP all-gather)")
-        del copies  # the all-gather inputs, freed after the copy-in
+        del inputs  # the all-gather inputs, freed after the copy-in
         return out
 
     def _unshard(self, g: _FsdpGroup, forward: bool) -> None:
         gathered = g.prefetched if g.prefetched is not None else self._all_gather(g)
         g.prefetched = None
-        g.unsharded = [_empty(self.tracer, n * g.world, p.dtype, Category.PARAMETER, "(FSDP unsharded params)")
-                       for (n, _), p in zip(g.rows, g.params)]
+        g.unsharded = [_empty(self.tracer, n * g.world, g.gathered_dtype(i), Category.PARAMETER,
+                              "(FSDP unsharded params)") for i, (n, _) in enumerate(g.rows)]
         if forward:
             # kept in all_gather_state until the next group's unshard; the previous group's output goes only
             # after this copy-out: wait_for_unshard clears all_gather_state before it, but its walrus local
@@ -168,7 +229,16 @@ class _MetaFSDP(_Emulation):
             self.kept_all_gather = gathered
         del gathered  # backward: freed right after the copy-out
 
+    def _cast_inputs(self, args, kwargs):
+        """``FSDPState._cast_forward_inputs`` (``_fsdp_state.py:346-353``): to param_dtype, when it is set."""
+        if self.policy.cast_forward_inputs is False or self.policy.param_dtype is None:  # None: FSDP2's True
+            return args, kwargs
+        return cast_floating(self.policy.param_dtype.torch_dtype, (args, kwargs))
+
     def _pre_forward(self, g: _FsdpGroup, args, kwargs):
+        # FSDPState._pre_forward casts the inputs before the group's pre_forward hooks them (_fsdp_state.py:290-320),
+        # in a checkpointed block's recomputation too
+        args, kwargs = self._cast_inputs(args, kwargs)
         if g.in_backward:
             return args, kwargs  # a checkpointed block recomputed inside its backward: already unsharded
         if g.params and g.unsharded is None:  # a root without parameters has no group to gather
@@ -178,9 +248,15 @@ class _MetaFSDP(_Emulation):
         # FSDPParamGroup.pre_forward -> _register_post_backward_hook (_fsdp_param_group.py:541-555, 891-904)
         return after_input_gradients(args, kwargs, lambda g=g: self._post_backward(g))
 
-    def _post_forward(self, g: _FsdpGroup, output) -> None:
-        if g.in_backward:
-            return  # a checkpointed block recomputed inside its backward: stays unsharded
+    def _post_forward(self, g: _FsdpGroup, output):
+        """The group's post-forward, then ``output_dtype``'s cast of the output (``_fsdp_state.py:322-344``)."""
+        if not g.in_backward:  # a checkpointed block recomputed inside its backward: stays unsharded
+            self._reshard_after_forward(g, output)
+        if self.policy.output_dtype is None:
+            return None
+        return cast_floating(self.policy.output_dtype.torch_dtype, output)
+
+    def _reshard_after_forward(self, g: _FsdpGroup, output) -> None:
         if g is self.root:
             self.kept_all_gather = None  # the root's _post_forward flushes the last all-gather
         else:
@@ -210,7 +286,10 @@ class _MetaFSDP(_Emulation):
         """``FSDPParamGroup.post_backward`` (``_fsdp_param_group.py:588-720``), trainable and frozen groups alike."""
         g.post_backward_done = True
         present = [i for i in g.trainable if g.params[i].grad is not None]
-        dtype = g.params[present[0]].grad.dtype if present else None
+        # foreach_reduce (_fsdp_collectives.py:521-700): the reduce-scatter in reduce_dtype, else the gradients'
+        # own (param_dtype's); its output cast to the parameters' own dtype when that differs (696)
+        dtype = (g.reduce_dtype or g.params[present[0]].grad.dtype) if present else None
+        orig = g.orig_dtypes[present[0]] if present else None
         grads = [g.params[i].grad for i in present]
         for i in present:
             g.params[i].grad = None
@@ -224,7 +303,12 @@ class _MetaFSDP(_Emulation):
         padded = sum(g.rows[i][0] for i in present)
         rs_in = _empty(self.tracer, padded * g.world, dtype, Category.COMMUNICATION, "(FSDP reduce-scatter)")
         del grads  # chunk_cat copied them; autograd's unsharded gradients are freed
-        rs_out = _empty(self.tracer, padded, dtype, Category.GRADIENT, "(FSDP sharded grads)")
+        if dtype == orig:
+            rs_out = _empty(self.tracer, padded, dtype, Category.GRADIENT, "(FSDP sharded grads)")
+        else:
+            reduced = _empty(self.tracer, padded, dtype, Category.COMMUNICATION, "(FSDP reduce-scatter output)")
+            rs_out = _empty(self.tracer, padded, orig, Category.GRADIENT, "(FSDP sharded grads)")
+            del reduced  # rebound to the cast copy, the reduce_dtype output freed
         offset = 0
         for i in present:
             n, local = g.rows[i]
@@ -232,7 +316,7 @@ class _MetaFSDP(_Emulation):
             if self.offload:
                 if stand_in.grad is None:  # copied to host memory; the device output is dropped
                     if id(stand_in) not in self.host_grads:
-                        self.host_grads[id(stand_in)] = self.host(local, dtype)
+                        self.host_grads[id(stand_in)] = self.host(local, orig)
                     stand_in.grad = self.host_grads[id(stand_in)]
             elif stand_in.grad is None:
                 stand_in.grad = rs_out[offset: offset + math.prod(local)].view(local)

@@ -61,8 +61,8 @@ import torch
 from memcheck import compat
 from memcheck.enums import Category, FsdpSharding, Offload
 from memcheck.training.checkpointing import repeated_blocks
-from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, train_sharded
-from memcheck.training.strategies.base import Run
+from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, cast_floating, train_sharded
+from memcheck.training.strategies.base import MixedPrecision, Run
 
 
 def train(run: Run) -> list[int]:
@@ -71,8 +71,8 @@ def train(run: Run) -> list[int]:
     sharding = config.fsdp_sharding or FsdpSharding.FULL_SHARD
     group = config.gpus_per_node if sharding is FsdpSharding.HYBRID_SHARD and config.gpus_per_node else config.gpus
     offload = config.offload is Offload.PARAMS
-    return train_sharded(run, lambda: _MetaFSDP1(run.tracer, run.model, group, sharding, offload),
-                         built_on_meta=True)
+    return train_sharded(run, lambda: _MetaFSDP1(run.tracer, run.model, group, sharding, offload,
+                                                 config.mixed_precision), built_on_meta=True)
 
 
 def shard_numel(numel: int, world: int) -> int:
@@ -84,12 +84,23 @@ def shard_numel(numel: int, world: int) -> int:
 class _Unit:
     """One FSDP unit's FlatParameter (a FlatParamHandle)."""
 
-    def __init__(self, name: str, module: torch.nn.Module, params: list, world: int, sharded: bool):
+    def __init__(self, name: str, module: torch.nn.Module, params: list, world: int, sharded: bool,
+                 policy: MixedPrecision = MixedPrecision()):
         self.name, self.module, self.params = name, module, params
         self.numel = sum(p.numel() for p in params)
         self.shard = shard_numel(self.numel, world) if sharded else self.numel
         self.padded = self.shard * world if sharded else self.numel  # the padded unsharded flat parameter
         self.dtype = params[0].dtype if params else torch.float32
+        # FlatParamHandle._init_param_reduce_dtypes (_flat_param.py:904-939): a param_dtype without a reduce_dtype
+        # reduces in param_dtype; otherwise each is the policy's or the flat parameter's own
+        param_dtype = policy.param_dtype.torch_dtype if policy.param_dtype is not None else None
+        reduce_dtype = policy.reduce_dtype.torch_dtype if policy.reduce_dtype is not None else None
+        if not self.dtype.is_floating_point:
+            param_dtype = reduce_dtype = None
+        if param_dtype is not None and reduce_dtype is None:
+            self.compute_dtype = self.reduce_dtype = param_dtype
+        else:
+            self.compute_dtype, self.reduce_dtype = param_dtype or self.dtype, reduce_dtype or self.dtype
         self.trainable = [p for p in params if p.requires_grad]
         # what the optimizer steps on this rank: the whole flat shard, or for a unit mixing frozen and
         # trainable parameters (use_orig_params=True, as under LoRA) the trainable elements' even share
@@ -107,14 +118,17 @@ class _Unit:
 class _MetaFSDP1(_Emulation):
     """FSDP1 on one rank: flat parameter shards, unsharded flat parameters and gradient buffers, per unit."""
 
-    def __init__(self, tracer, model: torch.nn.Module, world: int, sharding: FsdpSharding, offload: bool):
+    def __init__(self, tracer, model: torch.nn.Module, world: int, sharding: FsdpSharding, offload: bool,
+                 policy: MixedPrecision = MixedPrecision()):
         super().__init__(tracer, model, world)
-        self.sharding, self.offload = sharding, offload
+        self.sharding, self.offload, self.policy = sharding, offload, policy
         self.sharded = sharding is not FsdpSharding.NO_SHARD
         self.reshard_after_forward = sharding in (FsdpSharding.FULL_SHARD, FsdpSharding.HYBRID_SHARD)
         self._units()
         self._assume()
         self._allocate_flat_params()
+        # the unsharded flat parameter is in param_dtype (_flat_param.py:1277-1292) and the parameters are its views
+        self.compute_in({id(p): u.compute_dtype for u in self.units for p in u.params})
         self.order: list[_Unit] = []  # post-forward order, for backward prefetch
         for u in self.units:
             self.handles.append(u.module.register_forward_pre_hook(
@@ -130,8 +144,9 @@ class _MetaFSDP1(_Emulation):
         for name in repeated_blocks(self.model):
             params = [p for p in modules[name].parameters() if id(p) not in seen]
             seen.update(id(p) for p in params)
-            units.append(_Unit(name, modules[name], params, self.world, self.sharded))
-        self.root = _Unit("(root)", self.model, [p for p in self.full if id(p) not in seen], self.world, self.sharded)
+            units.append(_Unit(name, modules[name], params, self.world, self.sharded, self.policy))
+        self.root = _Unit("(root)", self.model, [p for p in self.full if id(p) not in seen], self.world, self.sharded,
+                          self.policy)
         self.units = [u for u in units if u.params] + [self.root]
         self.unit_of = {id(p): u for u in self.units for p in u.params}
 
@@ -139,7 +154,13 @@ class _MetaFSDP1(_Emulation):
         tracer, n = self.tracer, len(self.units) - 1
         tracer.assume(f"fsdp1 {self.sharding.value}: FullyShardedDataParallel units on each of the {n} repeated "
                       "blocks, then the root; torch's defaults (use_orig_params=False: one FlatParameter per unit, "
-                      "BACKWARD_PRE prefetch, no forward prefetch, no MixedPrecision policy)")
+                      "BACKWARD_PRE prefetch, no forward prefetch"
+                      + (", no MixedPrecision policy)" if self.policy.is_default else ")"))
+        if not self.policy.is_default:
+            tracer.assume(f"fsdp1: MixedPrecision({self.policy.label}) on every unit: flat parameters all-gathered "
+                          "from a param_dtype copy of the shard and computed in param_dtype, gradients cast to "
+                          "reduce_dtype (param_dtype's when not given) for the reduce-scatter, sharded gradients "
+                          "cast back; buffers not cast (no buffer_dtype)")
         if self.sharding is FsdpSharding.HYBRID_SHARD:
             tracer.assume(f"fsdp1 hybrid_shard: each rank shards over the {self.world} GPUs of its node and "
                           "replicates across nodes")
@@ -178,25 +199,41 @@ class _MetaFSDP1(_Emulation):
         """``_unshard`` (``_runtime_utils.py:277-307``): the padded unsharded flat parameter, all-gathered into."""
         if not self.sharded or u.unsharded is not None or not u.params:
             return
-        # offload: pre_unshard copies the host shard to the device; it is the all-gather's input, dropped after
+        # param_dtype: pre_unshard's _use_low_precision_shard allocates _mp_shard and copies the shard into it
+        # (through a device copy under offload, freed after the copy), the all-gather's input; unshard frees it
+        # once gathered (_flat_param.py:1316-1358, 1522-1547). Offload without it: the device copy is the input.
+        low = (_empty(self.tracer, u.shard, u.compute_dtype, Category.COMMUNICATION, "(FSDP1 low-precision shard)")
+               if u.compute_dtype != u.dtype else None)
         copy = (_empty(self.tracer, u.shard, u.dtype, Category.COMMUNICATION, "(FSDP1 host-to-device)")
                 if self.offload else None)
-        u.unsharded = _empty(self.tracer, u.padded, u.dtype, Category.PARAMETER, "(FSDP1 unsharded flat params)")
-        del copy
+        if low is not None:
+            copy = None  # cast into the low-precision shard, then freed
+        u.unsharded = _empty(self.tracer, u.padded, u.compute_dtype, Category.PARAMETER,
+                             "(FSDP1 unsharded flat params)")
+        del copy, low
 
     def _reshard(self, u: _Unit) -> None:
         if self.sharded:
             u.unsharded = None
 
-    def _pre_forward(self, u: _Unit, args, kwargs) -> None:
+    def _pre_forward(self, u: _Unit, args, kwargs):
+        """``_root_pre_forward`` (``_runtime_utils.py:504-626``: the root's inputs cast to param_dtype,
+        ``cast_root_forward_inputs``) and ``_pre_forward`` (``348-406``: unshard, then a unit's inputs cast when
+        ``cast_forward_inputs``, FSDP1's default False, then the reshard-only hook on them)."""
+        dtype = self.policy.param_dtype.torch_dtype if self.policy.param_dtype is not None else None
+        if u is self.root:
+            args, kwargs = cast_floating(dtype, (args, kwargs))
         if u.in_backward:
-            return  # a checkpointed block recomputed inside its backward: stays unsharded
+            return args, kwargs  # a checkpointed block recomputed inside its backward: stays unsharded
         self._unshard(u)
+        if self.policy.cast_forward_inputs:
+            args, kwargs = cast_floating(dtype, (args, kwargs))
         if u.params and not u.trainable and torch.is_grad_enabled():  # _register_post_backward_reshard_only_hook
             inputs = [t for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
             if inputs:
                 self.handles.append(torch.autograd.graph.register_multi_grad_hook(
                     inputs, lambda grads, u=u: self._post_backward_reshard_only(u)))
+        return args, kwargs
 
     def _post_backward_reshard_only(self, u: _Unit) -> None:
         """``_post_backward_reshard_only_hook`` (``_runtime_utils.py:777-790``): a frozen unit's reshard."""
@@ -251,6 +288,11 @@ class _MetaFSDP1(_Emulation):
         for p in present:
             p.grad = None
         self._reshard(u)  # _post_backward_reshard, before the reduction
+        # cast to reduce_dtype (_runtime_utils.py:756-764); autograd's gradient stays referenced by the hook's local
+        # autograd_computed_grad until the hook returns, after the reduction (766-774)
+        autograd = flat_grad
+        if flat_grad.dtype != u.reduce_dtype:
+            flat_grad = _empty(self.tracer, u.numel, u.reduce_dtype, Category.GRADIENT, "(FSDP1 flat grads)")
         stand_in = self.stand_ins[id(u)]
         if not self.sharded:  # _reduce_grad_no_shard: all-reduced in place, kept as .grad
             if stand_in.grad is None:
@@ -262,18 +304,21 @@ class _MetaFSDP1(_Emulation):
         padded = (_empty(self.tracer, u.padded, flat_grad.dtype, Category.COMMUNICATION, "(FSDP1 reduce-scatter)")
                   if u.padded != u.numel else flat_grad)
         sharded = _empty(self.tracer, u.shard, flat_grad.dtype, Category.GRADIENT, "(FSDP1 sharded grads)")
+        if sharded.dtype != u.dtype:  # _cast_grad_to_param_dtype (1030-1054): the reduce_dtype one freed once cast
+            low, sharded = sharded, _empty(self.tracer, u.shard, u.dtype, Category.GRADIENT, "(FSDP1 sharded grads)")
+            del low
         if self.offload:  # _offload_grad: copied to _cpu_grad; the device one stays as _saved_grad_shard
             if u.device_grad is None:
                 u.device_grad = sharded
             else:
                 u.device_grad.add_(sharded)
             if stand_in.grad is None:
-                stand_in.grad = self.host(u.stepped, flat_grad.dtype)
+                stand_in.grad = self.host(u.stepped, u.dtype)
         elif stand_in.grad is None:
             stand_in.grad = sharded[: u.stepped]
         else:
             stand_in.grad.add_(sharded[: u.stepped])  # _accumulate_sharded_grad
-        del sharded, padded, flat_grad  # the hook's locals: the unsharded gradient and its padded copy go
+        del sharded, padded, flat_grad, autograd  # the hook's locals: the unsharded gradients and the padded copy go
 
     def end_of_backward(self) -> None:
         """``_post_backward_final_callback`` (``_runtime_utils.py:1084-1127``): units whose hook did not run,

@@ -4,9 +4,18 @@ PYTHON ?= python3
 
 .PHONY: install test test-fast test-isa test-bench example speed
 
-install:
+# The install runs once per environment and clone: a stamp named after the interpreter's prefix
+# (in .install-stamps/, git-ignored) records it, and a change to pyproject.toml or this file runs it
+# again. pip's resolution of the test extras alone takes about 30 s on 2 cores, which every
+# make test-fast would otherwise pay.
+STAMP := .install-stamps/$(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:16])")
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m pip install -q torch==2.13.0 transformers==5.23.0
 	$(PYTHON) -m pip install -q -e '.[test]'
+	mkdir -p .install-stamps && touch $@
 
 # Two workers (pytest-xdist): CI's machine has 2 cores; each test still runs its real run and its
 # estimate in one process, so the comparisons are unchanged.
@@ -26,7 +35,7 @@ test-isa: install
 	eval "$$($(PYTHON) benchmarks/cpu_rules.py --lower-cap-env)" && HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 \
 		tests/test_cpu_kernels.py tests/test_conv_models.py
 
-# The edit-test loop: everything but the tests marked slow (over about 3 s) or bench (CI runs
+# The edit-test loop: everything but the tests marked slow (over about 1 s) or bench (CI runs
 # `make test` and `make test-isa`).
 test-fast: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 -m "not slow and not bench"

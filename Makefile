@@ -35,7 +35,7 @@ test-isa: install
 	eval "$$($(PYTHON) benchmarks/cpu_rules.py --lower-cap-env)" && HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 \
 		tests/test_cpu_kernels.py tests/test_conv_models.py
 
-# The edit-test loop: everything but the tests marked slow (over about 1 s) or bench (CI runs
+# The edit-test loop: everything but the tests marked slow (over about 0.5 s) or bench (CI runs
 # `make test` and `make test-isa`).
 test-fast: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 -m "not slow and not bench"

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     parser.add_argument("durations", type=argparse.FileType(), nargs="+")
     parser.add_argument("--sweep", type=float, default=4.0)
     parser.add_argument("--single", type=float, default=8.0)
-    parser.add_argument("--slow", type=float, default=1.0)
+    parser.add_argument("--slow", type=float, default=0.5)
     args = parser.parse_args(argv)
     seconds = {}
     for file in args.durations:

@@ -2,6 +2,7 @@
 PEFT does (memcheck.training.adapters), checked against real CPU runs of the same PEFT models
 (``measure_cpu``: the allocator's events under the profiler) and against hand arithmetic."""
 
+import importlib.util
 import json
 import os
 
@@ -9,8 +10,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-peft = pytest.importorskip("peft")
-bnb = pytest.importorskip("bitsandbytes")
+# peft and bitsandbytes load in about 6 s on 2 cores: imported by the tests that use them, not at
+# collection, which every pytest-xdist worker pays (issue 32's time budget)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None
+                                or importlib.util.find_spec("bitsandbytes") is None,
+                                reason="needs peft and bitsandbytes (pip install 'memcheck[peft]')")
 
 import memcheck  # noqa: E402
 from memcheck.cli import main  # noqa: E402
@@ -49,6 +53,9 @@ def _real(lora: Lora, qlora: bool = False):
     from transformers import LlamaForCausalLM
 
     def build():
+        import bitsandbytes as bnb
+        import peft
+
         torch.manual_seed(0)
         model = LlamaForCausalLM(_config())
         if qlora:  # each linear layer but the head as NF4 Linear4bit, quantized by .to("cpu")
@@ -155,6 +162,8 @@ def test_bad_lora_settings_are_one_line_naming_them(bad, words):
 
 
 def test_a_model_that_is_already_a_peft_model_is_traced_as_it_is():
+    import peft
+
     model = peft.get_peft_model(_meta_model(), Lora(r=4).config("CAUSAL_LM"))
     est = memcheck.estimate(model, _batch("meta"), memcheck.Job(gpu="A100-80GB"))
     assert est.breakdown_at_peak.grads <= est.breakdown_at_peak.params

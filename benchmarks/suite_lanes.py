@@ -31,21 +31,20 @@ import re
 import sys
 
 OWN_LANES = ("tests/test_coverage.py", "tests/test_fuzz.py")
-# Cases kept in `make test` whatever the rule says, and why.
-KEEP = {
+# Cases the rule places wrongly, and the lane they belong in ("test": make test), with why.
+_ZOO = "tests/test_accuracy_cpu.py::test_cpu_estimate_matches_measured_peak_within_2_percent[{}]"
+_AMP = "tests/test_accuracy_cpu.py::test_amp_bf16_estimate_matches_a_real_cpu_autocast_run[{}-narrow]"
+_FSDP = "tests/test_sharded.py::test_fsdp_estimate_matches_what_fsdp2_itself_allocates_on_a_cpu_rank[{}]"
+OVERRIDES = {
     # the zoo's real-run comparison is the suite's core: its cases under about 10 s stay (an MLP, a
     # CNN with batch norm, two branches, an LSTM, GPT-2, DINOv2, CLIP)
-    **{f"tests/test_accuracy_cpu.py::test_cpu_estimate_matches_measured_peak_within_2_percent[{name}]": "zoo"
-       for name in ("mlp", "cnn_bn", "two_branch", "lstm", "gpt2", "dinov2", "clip")},
+    **{_ZOO.format(name): "test" for name in ("mlp", "cnn_bn", "two_branch", "lstm", "gpt2", "dinov2", "clip")},
     # autocast on a transformer at a width an AVX2 host runs in seconds (tests/zoo.py NARROW)
-    **{f"tests/test_accuracy_cpu.py::test_amp_bf16_estimate_matches_a_real_cpu_autocast_run[{name}-narrow]": "amp"
-       for name in ("gpt2", "bert", "vit")},
+    **{_AMP.format(name): "test" for name in ("gpt2", "bert", "vit")},
     # the two cases share one module fixture whose cost lands on whichever runs first; the MLP is
     # the cheaper rank job on a quiet machine (21 s against 36 s)
-    "tests/test_sharded.py::test_fsdp_estimate_matches_what_fsdp2_itself_allocates_on_a_cpu_rank[mlp]": "fixture",
-}
-CHEAPEST_INSTEAD = {
-    "tests/test_sharded.py::test_fsdp_estimate_matches_what_fsdp2_itself_allocates_on_a_cpu_rank[gpt2]",
+    _FSDP.format("mlp"): "test",
+    _FSDP.format("gpt2"): "bench",
 }
 LINE = re.compile(r"([\d.]+)s (?:call|setup|teardown)\s+(tests/\S.*?)\s*$")  # a case id may hold spaces
 
@@ -64,21 +63,18 @@ def lanes(seconds: dict[str, float], sweep: float, single: float, slow: float) -
     by_function: dict[str, list[tuple[float, str]]] = collections.defaultdict(list)
     for node, t in seconds.items():
         by_function[node.split("[")[0]].append((t, node))
-    bench, rest = [], []
+    lane: dict[str, str] = {}
     for cases in by_function.values():
         cases.sort()
         total = sum(t for t, _ in cases)
-        if len(cases) > 1 and total > sweep:
-            bench += [node for _, node in cases[1:]]
-            rest.append(cases[0])
-        elif len(cases) == 1 and total > single:
-            bench.append(cases[0][1])
-        else:
-            rest += cases
-    bench = [node for node in bench if node not in KEEP] + [node for node in CHEAPEST_INSTEAD if node in seconds]
-    rest = [(t, node) for t, node in rest if node not in CHEAPEST_INSTEAD]
-    rest += [(seconds[node], node) for node in KEEP if node in seconds and (seconds[node], node) not in rest]
-    return {"bench": sorted(set(bench)), "slow": sorted(node for t, node in rest if t > slow)}
+        for i, (_, node) in enumerate(cases):
+            if len(cases) > 1:
+                lane[node] = "bench" if total > sweep and i > 0 else "test"
+            else:
+                lane[node] = "bench" if total > single else "test"
+    lane.update({node: chosen for node, chosen in OVERRIDES.items() if node in lane})
+    return {"bench": sorted(node for node, chosen in lane.items() if chosen == "bench"),
+            "slow": sorted(node for node, chosen in lane.items() if chosen == "test" and seconds[node] > slow)}
 
 
 def main(argv=None) -> int:

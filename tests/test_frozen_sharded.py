@@ -134,8 +134,13 @@ def _max_live(strategy, gpus, build, label, step=1, phase=Phase.BACKWARD, **sett
     _, make_optimizer = resolve_optimizer("adamw", Device.CPU)
     with tracer:
         train(StrategyConfig.parse(strategy, gpus, **settings), tracer, model, batch, default_loss, make_optimizer, 2)
+    return max_live(tracer.log.events, label, step, phase)
+
+
+def max_live(events, label: str, step=1, phase=Phase.BACKWARD) -> int:
+    """The most bytes of ``events`` allocated under ``label`` live at once during ``phase`` of ``step``."""
     live, most = {}, 0
-    for kind, sid, nbytes, _, module, ev_phase, ev_step, _ in tracer.log.events:
+    for kind, sid, nbytes, _, module, ev_phase, ev_step, _ in events:
         if kind == ALLOC and module == label:
             live[sid] = nbytes
         elif kind == FREE:

@@ -36,40 +36,29 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
-from torch import nn
 
 import memcheck
 from memcheck.cli import main
-from memcheck.enums import Device, Dtype, Phase
+from memcheck.enums import Device, Dtype
 from memcheck.errors import UsageError
 from memcheck.job import Job
-from memcheck.trace.tracer import ALLOC, FREE, MemoryTracer
+from memcheck.trace.tracer import ALLOC, MemoryTracer
 from memcheck.training.loop import default_loss
 from memcheck.training.optimizers import resolve_optimizer
 from memcheck.training.strategies import StrategyConfig, train
 from memcheck.training.strategies.base import MixedPrecision
+from test_frozen_sharded import max_live  # the live-bytes scan of the frozen-parameter tests
+from test_sharded import Net  # the 3-block MLP of the FSDP2 and ZeRO tests
 
 TOLERANCE = 0.02
 BF16, FP32 = Dtype.BF16, Dtype.FP32
-
-
-class Net(nn.Module):
-    def __init__(self, d: int = 64, layers: int = 3, out: int = 10):
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.ReLU()) for _ in range(layers)])
-        self.head = nn.Linear(d, out)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 # The spawned ranks unpickle these by reference.
 
 def build():
     torch.manual_seed(0)
-    return Net(), torch.randn(4, 64)
+    return Net(d=64, out=10), torch.randn(4, 64)
 
 
 def blocks(model):
@@ -101,18 +90,6 @@ def _sizes(events) -> dict[str, set[int]]:
     return out
 
 
-def _max_live(events, label: str, step=1, phase=Phase.BACKWARD) -> int:
-    live, most = {}, 0
-    for kind, sid, nbytes, _, module, ev_phase, ev_step, _ in events:
-        if kind == ALLOC and module == label:
-            live[sid] = nbytes
-        elif kind == FREE:
-            live.pop(sid, None)
-        if (ev_step, ev_phase) == (step, phase):
-            most = max(most, sum(live.values()))
-    return most
-
-
 # ---- by hand: the buffers in each dtype --------------------------------------------------------
 
 def test_torchtitans_policy_gathers_in_bf16_and_reduces_in_fp32():
@@ -133,7 +110,7 @@ def test_torchtitans_policy_gathers_in_bf16_and_reduces_in_fp32():
     assert "(FSDP reduce-scatter output)" not in sizes
     # in backward: the root (kept to the end of backward) and one block unsharded: (650 + 4160) * 2 = 9620 B
     # (fp32: 19,240 B)
-    assert _max_live(events, "(FSDP unsharded params)") == 9620
+    assert max_live(events, "(FSDP unsharded params)") == 9620
     # the user's model is handed back in its own dtype
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
@@ -200,7 +177,7 @@ def test_fsdp1_gathers_a_bf16_copy_of_the_shard_and_reduces_an_fp32_cast_of_the_
     # in a block's post-backward autograd's bf16 gradient (8320 B) is still referenced beside its fp32 cast
     # (16,640 B); the root's flat gradient is made only at the end of backward, after the blocks' reductions:
     # 8320 + 16,640 = 24,960 B at most
-    assert _max_live(events, "(FSDP1 flat grads)") == 8320 + 16640
+    assert max_live(events, "(FSDP1 flat grads)") == 8320 + 16640
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 

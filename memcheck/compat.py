@@ -27,6 +27,7 @@ states what differs between minors:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
 import sys
@@ -43,6 +44,7 @@ __all__ = [  # the names present on every supported torch; the optional ones are
     "ExtraFieldsAllocation", "AccumulateGrad", "IndexBackward0", "DisableTorchFunction", "fused_sdp_choice",
     "amp_foreach_non_finite_check_and_unscale_", "amp_update_scale_", "queue_engine_callback",
     "cudnn_version_int", "default_device_type", "import_dynamo", "aten_op", "GROUPED_MM", "FUSED_RMS_NORM_CUDA",
+    "compiled_parts", "eager_module", "eager_function", "uncompile_copy", "eager_stance",
 ]
 
 _parts = re.match(r"(\d+)\.(\d+)", torch.__version__)
@@ -178,6 +180,79 @@ def import_dynamo() -> None:
     finally:
         for mode in reversed(modes):
             torch._C._push_on_torch_function_stack(mode)
+
+
+def _optimized_module_class():
+    """``torch._dynamo.eval_frame.OptimizedModule`` (what ``torch.compile(module)`` returns; 2.6+), or None
+    while torch._dynamo is not imported: nothing can have been compiled then, and importing it
+    costs a second."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def compiled_parts(model=None, **functions) -> list[str]:
+    """What of a training step ``torch.compile`` compiled, as the report names it: the model
+    (``torch.compile(model)``, an ``OptimizedModule`` with the module in ``_orig_mod``; or
+    ``module.compile()`` in place, which sets ``_compiled_call_impl`` on that module: 2.6+), and
+    each of ``functions`` (name -> function) that ``torch.compile(fn)`` wrapped (the wrapper keeps
+    the function in ``_torchdynamo_orig_callable``: 2.6+)."""
+    parts = []
+    optimized = _optimized_module_class()
+    if model is not None:
+        if optimized is not None and isinstance(model, optimized):
+            parts.append("the model (torch.compile(model))")
+        elif isinstance(model, torch.nn.Module):
+            for how, test in (("module.compile()", lambda m: getattr(m, "_compiled_call_impl", None) is not None),
+                              ("compiled methods", _compiled_methods)):
+                inner = [n or type(model).__name__ for n, m in model.named_modules() if test(m)]
+                if inner:
+                    parts.append(f"{inner[0]} ({how})" if len(inner) == 1 else f"{len(inner)} modules ({how})")
+    parts += [f"{name} (torch.compile)" for name, fn in functions.items()
+              if getattr(fn, "_torchdynamo_orig_callable", None) is not None]
+    return parts
+
+
+def _compiled_methods(module) -> list[str]:
+    """The instance methods that torch.compile wrapped: Lightning's ``from_compiled``
+    (lightning/pytorch/utilities/compile.py:24-62) sets ``forward``, ``training_step``,
+    ``validation_step``, ``test_step`` and ``predict_step`` to ``dynamo_ctx(<the bound method>)``
+    when a compiled LightningModule is given to ``Trainer.fit``."""
+    return [name for name, value in vars(module).items()
+            if callable(value) and getattr(value, "_torchdynamo_orig_callable", None) is not None]
+
+
+def eager_module(model):
+    """The module a ``torch.compile``'d model runs (``OptimizedModule._orig_mod``), else ``model``."""
+    optimized = _optimized_module_class()
+    while optimized is not None and isinstance(model, optimized):
+        model = model._orig_mod
+    return model
+
+
+def eager_function(fn):
+    """The function ``torch.compile(fn)`` wrapped, else ``fn``."""
+    return getattr(fn, "_torchdynamo_orig_callable", None) or fn
+
+
+def uncompile_copy(module: torch.nn.Module) -> None:
+    """Drop compiled calls from every module of a *copy* (a meta twin): ``module.compile()``'s
+    ``_compiled_call_impl`` and a compiled instance ``forward`` are bound to the original module,
+    so calling them from the copy would run the user's own module and weights."""
+    for m in module.modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
+        for name in _compiled_methods(m):
+            del m.__dict__[name]  # the class's method, on the copy's own parameters
+
+
+def eager_stance():
+    """A context in which compiled code runs eagerly: ``torch.compiler.set_stance("force_eager")``
+    (2.6+; compiled functions and modules call the code they wrap, nothing is compiled), so a
+    trace never compiles (a compiled helper inside a loss function). Nothing to do while
+    torch._dynamo is not imported: nothing has been compiled."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
 
 
 # --- Optional features, imported on first use --------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from memcheck import compat
 from memcheck.compat import tree_flatten, tree_map_only
 from memcheck.choices import ANSWERS, NO_PADDING, PADDING, Choices, point_of
 from memcheck.cuda.allocator import AllocatorConfig, growing_run, simulate
@@ -71,7 +72,9 @@ def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
             else empty
         )
     extensions.twin_memo(model, memo)  # quantized weights keep their classes (bitsandbytes)
-    return copy.deepcopy(model, memo)
+    twin = copy.deepcopy(model, memo)
+    compat.uncompile_copy(twin)  # module.compile()'s call is bound to the original module
+    return twin
 
 
 def meta_batch(batch: Any) -> Any:
@@ -263,22 +266,37 @@ def estimate(
         hide the ops inside them from the autocast emulation (see memcheck.rules.autocast).
     """
     job = as_job(job, settings, caller="estimate()")
+    notes = compiled_note(compat.compiled_parts(model, loss_fn=loss_fn, train_step=train_step))
+    model, loss_fn, train_step = compat.eager_module(model), compat.eager_function(loss_fn), \
+        compat.eager_function(train_step)
     target = _validate(model, batch, job, eval_batch, top_modules)
     _check_train_step(train_step, job)
     name = model_name or type(model).__name__
-    if job.layout is None:
-        return _estimate_rank(model, batch, job, target, name, None, loss_fn=loss_fn, eval_batch=eval_batch,
-                              top_modules=top_modules, progress=progress, timeline=timeline, train_step=train_step)
-    _check_layout(job, train_step, eval_batch)
-    traced = roles(job.layout, job.tp_plan)
-    ranks = [_estimate_rank(model, batch, job, target, name, role, loss_fn=loss_fn, eval_batch=eval_batch,
-                            top_modules=top_modules, progress=progress, timeline=timeline, train_step=train_step)
-             for role in traced]
-    return _merge_roles(ranks, traced)
+    kwargs = dict(loss_fn=loss_fn, eval_batch=eval_batch, top_modules=top_modules, progress=progress,
+                  timeline=timeline, train_step=train_step, notes=notes)
+    with compat.eager_stance():
+        if job.layout is None:
+            return _estimate_rank(model, batch, job, target, name, None, **kwargs)
+        _check_layout(job, train_step, eval_batch)
+        traced = roles(job.layout, job.tp_plan)
+        return _merge_roles([_estimate_rank(model, batch, job, target, name, role, **kwargs) for role in traced],
+                            traced)
+
+
+def compiled_note(parts: list[str]) -> tuple[str, ...]:
+    """The report's line for a ``torch.compile``'d step (``compat.compiled_parts``): traced eagerly."""
+    if not parts:
+        return ()
+    return (f"torch.compile: {', '.join(parts)} compiled; traced eagerly, the ops the compiled step "
+            f"replaces ({COMPILED_EVIDENCE})",)
+
+
+# What benchmarks/compiled.py measured: compiled (TorchInductor) against eager real CPU runs.
+COMPILED_EVIDENCE = "benchmarks/compiled.py: not yet measured"
 
 
 def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, role: Role | None, *,
-                   loss_fn, eval_batch, top_modules, progress, timeline, train_step) -> Estimate:
+                   loss_fn, eval_batch, top_modules, progress, timeline, train_step, notes=()) -> Estimate:
     """``estimate()`` of one rank: every GPU of a strategy, or one pipeline rank of a layout."""
     if role is not None:
         train_step = role.train_step(job)
@@ -290,6 +308,8 @@ def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, ro
         if train_step is not None and role is None:
             run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
                               "(model, batch, optimizer), traced as it is")
+        for note in notes:
+            run.tracer.assume(note)
         run.tracer.stop_at_backward = forward_only
         run.tracer.record_stacks = timeline  # the snapshot's frames
         try:

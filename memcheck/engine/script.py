@@ -57,6 +57,7 @@ from memcheck.engine.estimate import (
     _Run,
     _summarise,
     _translate,
+    compiled_note,
     describe_batch,
     model_dtype,
     target_gpu,
@@ -95,6 +96,7 @@ class _Session:
     twins: dict = field(default_factory=dict)  # id(real tensor) -> (real, meta twin)
     autocast: UserAutocast | None = None  # the script's own torch.autocast regions, emulated
     entered: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # extensions, at the 1st forward
+    compiled: list = field(default_factory=list)  # what the script handed to torch.compile, by name
 
     def __post_init__(self):
         self.autocast = UserAutocast(self.tracer, self.job.device)
@@ -259,6 +261,16 @@ def _patched(session: _Session):
                 for opt in session.optimizers:
                     prefill_fused_state(opt)
 
+    def compile_eagerly(model=None, **options):
+        """torch.compile as the script calls it (``torch.compile(m)``, ``@torch.compile``,
+        ``@torch.compile(mode=...)``, ``module.compile()``, the HF Trainer's and Lightning's):
+        the object itself, recorded; memcheck traces what it runs eagerly (compiled_note)."""
+        if model is None:
+            return lambda m: compile_eagerly(m, **options)
+        name = getattr(model, "__qualname__", None) or type(model).__name__
+        session.compiled.append("the model's call (module.compile())" if name == "Module._call_impl" else name)
+        return model
+
     def zero_grad(original):
         def marked(self, *args, **kwargs):
             if session.root is not None and session.depth == 0:
@@ -272,6 +284,7 @@ def _patched(session: _Session):
     ]
     module_cls.__call__ = call
     tensor_cls.backward = backward
+    originals["compile"], torch.compile = torch.compile, compile_eagerly
     optim_cls.zero_grad = zero_grad(originals["opt_zero"])
     module_cls.zero_grad = zero_grad(originals["mod_zero"])
     try:
@@ -282,6 +295,7 @@ def _patched(session: _Session):
         session.entered.close()
         module_cls.__call__ = originals["call"]
         tensor_cls.backward = originals["backward"]
+        torch.compile = originals["compile"]
         optim_cls.zero_grad = originals["opt_zero"]
         module_cls.zero_grad = originals["mod_zero"]
         for handle in handles:
@@ -428,6 +442,8 @@ def _explain(session: _Session, path: Path, stopped: bool) -> None:
         assume("batches traced as the script's data loader made them (give max_len to pad to the worst case)")
     if session.autocast.regions:
         assume("the script's torch.autocast regions emulated on the target's autocast lists; a GradScaler is not")
+    for note in compiled_note(sorted(set(session.compiled))):
+        assume(note)
 
 
 def _precision(dtype: torch.dtype, session: _Session) -> Precision:

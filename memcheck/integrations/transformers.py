@@ -161,7 +161,10 @@ class MemcheckCallback(TrainerCallback):
                 eval_batch = resizer(batch)(eval_rows)
                 job = job.replace(eval_accumulate_predictions=keep)
         with _state_kept(trainer):  # the trainer's own compute_loss runs on the twin: its counters are put back
-            verdict = check(twin, batch, job, eval_batch=eval_batch, fix=self.settings.fix,
+            # torch_compile: the Trainer's accelerator compiles the model it trains (accelerate/accelerator.py:1710,
+            # torch.compile(model, **dynamo_plugin.to_kwargs())); estimate traces it eagerly and says so
+            traced = torch.compile(twin) if getattr(args, "torch_compile", False) else twin
+            verdict = check(traced, batch, job, eval_batch=eval_batch, fix=self.settings.fix,
                             loss_fn=_trainer_loss(trainer), model_name=type(model).__name__)
         self.verdict = verdict  # kept for a caller that catches WillNotFit too
         # transformers logs at WARNING by default (its "passive" log level): a fitting job says so there

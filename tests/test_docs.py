@@ -53,10 +53,26 @@ def test_the_readme_is_a_front_page_of_at_most_300_lines():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
 
 
-def test_the_readmes_links_lead_to_files_that_exist():
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings (and mkdocs.yml's pymdownx slugify, the same):
+    lower case, punctuation dropped, each space a hyphen."""
+    anchors, inside = set(), False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif not inside and re.match(r"#{1,6} ", line):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_the_readmes_links_lead_to_files_and_headings_that_exist():
     readme = (ROOT / "README.md").read_text()
-    targets = re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", readme)
-    local = [t for t in targets if "://" not in t]
-    assert local, "the README links to the documentation pages"
-    for target in local:
-        assert (ROOT / target).exists(), target
+    links = re.findall(r"\]\(([^)\s#]*)(?:#([^)]*))?\)", readme)
+    local = [(path, anchor) for path, anchor in links if "://" not in path]
+    assert any(path.startswith("docs/") for path, _ in local), "the README links to the documentation pages"
+    for path, anchor in local:
+        target = ROOT / path if path else ROOT / "README.md"
+        assert target.exists(), path
+        if anchor:
+            assert anchor in _anchors(target.read_text()), f"{path}#{anchor}"

@@ -15,6 +15,15 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m pip install -q torch==2.13.0 transformers==5.23.0
 	$(PYTHON) -m pip install -q -e '.[test]'
+	mkdir -p .install-stamps && touch $@ $(CORE_STAMP)
+
+# make example needs memcheck alone, not the test extras (lightning, PEFT, TRL, ...): its own stamp,
+# which the full install above also marks done.
+CORE_STAMP := .install-stamps/core-$(notdir $(STAMP))
+
+$(CORE_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m pip install -q torch==2.13.0 transformers==5.23.0
+	$(PYTHON) -m pip install -q -e .
 	mkdir -p .install-stamps && touch $@
 
 # Two workers (pytest-xdist): CI's machine has 2 cores; each test still runs its real run and its
@@ -41,7 +50,7 @@ test-fast: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 -m "not slow and not bench"
 
 # The README's first example: GPT-2 small at 8 x 1024 tokens in amp-bf16 on an RTX 4090, with its verdict.
-example: install
+example: $(CORE_STAMP)
 	HF_HUB_OFFLINE=1 $(PYTHON) -m memcheck examples/gpt2_small.py --max-len 1024 -b 8 --precision amp-bf16 \
 		--gpu RTX-4090 --top 3
 

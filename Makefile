@@ -2,7 +2,7 @@
 # transformers pin is the version the tests' expectations were recorded with (tests/test_coverage.py).
 PYTHON ?= python3
 
-.PHONY: install test test-fast test-isa test-bench example speed
+.PHONY: install test test-fast test-isa test-bench example speed docs
 
 # The install runs once per environment and clone: a stamp named after the interpreter's prefix
 # (in .install-stamps/, git-ignored) records it, and a change to pyproject.toml or this file runs it
@@ -15,6 +15,15 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m pip install -q torch==2.13.0 transformers==5.23.0
 	$(PYTHON) -m pip install -q -e '.[test]'
+	mkdir -p .install-stamps && touch $@ $(CORE_STAMP)
+
+# make example needs memcheck alone, not the test extras (lightning, PEFT, TRL, ...): its own stamp,
+# which the full install above also marks done.
+CORE_STAMP := .install-stamps/core-$(notdir $(STAMP))
+
+$(CORE_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m pip install -q torch==2.13.0 transformers==5.23.0
+	$(PYTHON) -m pip install -q -e .
 	mkdir -p .install-stamps && touch $@
 
 # Two workers (pytest-xdist): CI's machine has 2 cores; each test still runs its real run and its
@@ -40,8 +49,26 @@ test-isa: install
 test-fast: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 -m "not slow and not bench"
 
-example: install
-	HF_HUB_OFFLINE=1 $(PYTHON) -m memcheck examples/gpt2_small.py --max-len 1024
+# The README's first example: GPT-2 small at 8 x 1024 tokens in amp-bf16 on an RTX 4090, with its verdict.
+example: $(CORE_STAMP)
+	HF_HUB_OFFLINE=1 $(PYTHON) -m memcheck examples/gpt2_small.py --max-len 1024 -b 8 --precision amp-bf16 \
+		--gpu RTX-4090 --top 3
 
 speed: install
 	HF_HUB_OFFLINE=1 $(PYTHON) benchmarks/speed.py
+
+# The documentation site (mkdocs.yml, docs/): MkDocs with the Material theme, built with --strict
+# so that a broken link or anchor fails; CI runs it after make test. Only the docs extra's own
+# requirements are installed (read from pyproject.toml; tomli on Python 3.10 comes with make
+# install), not memcheck again: the site imports nothing of memcheck (docs/reference.md is
+# committed, tests/test_docs.py checks it). Its own stamp, as make install's.
+DOCS_STAMP := .install-stamps/docs-$(notdir $(STAMP))
+DOCS_REQUIREMENTS = $(PYTHON) -c "import sys; toml = __import__('tomllib' if sys.version_info >= (3, 11) else 'tomli'); \
+	print(' '.join(toml.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))"
+
+$(DOCS_STAMP): $(STAMP)
+	$(PYTHON) -m pip install -q $$($(DOCS_REQUIREMENTS))
+	touch $@
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --quiet

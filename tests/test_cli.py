@@ -32,10 +32,10 @@ def test_json_has_the_documented_keys():
                 "peak_bytes", "reserved_bytes", "fragmentation_bytes", "context_bytes", "device_total_bytes",
                 "cuda_module_loading", "cuda_context_source", "reserved_peak", "allocator_steady_step", "released_cached", "breakdown_at_peak", "peak_phase", "peak_in", "train_peak_bytes", "eval_peak_bytes", "peak_module",
                 "peak_step", "batch", "strategy_label", "busiest_gpu", "per_device", "checkpointed_modules", "work",
-                "modules", "assumptions"):  # the README's table, row by row
+                "modules", "assumptions"):  # docs/estimate.md's JSON table, row by row
         assert key in data
     assert data["schema_version"] == 2
-    assert set(data["job"]) == {s.json for s in SPELLINGS}  # one key per setting, as the README's table
+    assert set(data["job"]) == {s.json for s in SPELLINGS}  # one key per setting, as docs/reference.md's table
     assert (data["job"]["device"], data["job"]["micro_batch_size"], data["job"]["optimizer"]) == ("cpu", 8, "make_optimizer")  # the file's own factory
     assert set(data["breakdown_at_peak"]) >= {"params", "buffers", "grads", "optimizer", "activations",
                                                "temporaries", "other"}

@@ -1,6 +1,7 @@
-"""The README's ``repo: local`` pre-commit hook: ``memcheck check`` from the environment memcheck is in.
+"""The documented ``repo: local`` pre-commit hook: ``memcheck check`` from the environment memcheck is in.
 
-The hook is read from the README (its ```yaml block holding ``repo: local``), so the snippet
+The hook is read from docs/check.md (its ```yaml block holding ``repo: local``; the README's
+section before issue 37 moved it there), so the snippet
 users copy is the one tested. The fast tests check that pre-commit accepts it, that it selects
 the files the shipped hook (.pre-commit-hooks.yaml) selects, and run its entry in-process on
 the files pre-commit would pass (a config that fits: exit 0, which pre-commit reports as
@@ -46,8 +47,9 @@ GIT = ["git", "-c", "user.name=memcheck tests", "-c", "user.email=tests@memcheck
 
 
 def _readme_config() -> str:
-    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S) if "repo: local" in b]
-    assert len(blocks) == 1, "the README has one ```yaml block with the repo: local hook"
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "check.md").read_text(), re.S)
+              if "repo: local" in b]
+    assert len(blocks) == 1, "docs/check.md has one ```yaml block with the repo: local hook"
     return blocks[0]
 
 

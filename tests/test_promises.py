@@ -1,6 +1,7 @@
-"""Issue 24: the four promises of the README's Safety section, each tried as an unlucky user or
-an attacker would: no CUDA initialised, no network without --allow-download, no code from
-outside the repository (nor custom hf: code without --trust-remote-code), nothing written.
+"""Issue 24: the four promises of the Safety page (docs/safety.md; the README's section until
+issue 37), each tried as an unlucky user or an attacker would: no CUDA initialised, no network
+without --allow-download, no code from outside the repository (nor custom hf: code without
+--trust-remote-code), nothing written.
 
 Every test here is in-process (CliRunner) on a model of a few hundred parameters."""
 

@@ -25,7 +25,16 @@ import pytest
 import torch
 from torch import nn
 
-bnb = pytest.importorskip("bitsandbytes")
+class _Bitsandbytes:
+    """bitsandbytes, imported at the first test that uses it, not at collection: its import runs
+    torch.compile decorators (bitsandbytes/backends/default/ops.py), which import torch._dynamo,
+    seconds that every pytest-xdist worker would pay while collecting."""
+
+    def __getattr__(self, name):
+        return getattr(pytest.importorskip("bitsandbytes"), name)
+
+
+bnb = _Bitsandbytes()
 
 import memcheck  # noqa: E402
 from memcheck.enums import Device  # noqa: E402

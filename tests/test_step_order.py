@@ -95,13 +95,19 @@ def _mark(step: int) -> None:
 def _measured(run) -> int:
     """The steady-state peak (from optimizer step 2 on) of ``run()``, which builds the model, the
     optimizer and the trainer itself, inside the profiled region, and calls ``_mark`` as each
-    optimizer step begins. The previous runs' objects are collected first: a trainer holds reference
-    cycles, and their frees inside the profiled region would count against this run's live bytes."""
-    gc.collect()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with profile(use_cpu=True, profile_memory=True) as prof:
-            run()
+    optimizer step begins. Every object older than the run is frozen out of the garbage collector
+    meanwhile: earlier runs leave reference cycles (a trainer and its callbacks) whose tensors, freed
+    by a collection inside the region (the HF Trainer's ``accelerator.free_memory`` calls
+    ``gc.collect()``), would count against this run's live bytes; and a collection over the whole
+    test process takes seconds."""
+    gc.freeze()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with profile(use_cpu=True, profile_memory=True) as prof:
+                run()
+    finally:
+        gc.unfreeze()
     return _peaks(prof.kineto_results.events()).steady_peak_bytes
 
 

@@ -288,6 +288,20 @@ def test_a_bad_step_order_is_one_line_naming_it_exit_2(tmp_path):
     assert len(lines) == 1 and "step_order" in lines[0] and "'lightnin'" in lines[0] and "lightning" in lines[0]
 
 
+def test_a_bad_step_order_in_a_config_is_one_line_naming_it_exit_2(tmp_path):
+    from click.testing import CliRunner
+
+    from memcheck.cli import main
+
+    (tmp_path / "model.py").write_text("import torch\nmodel = torch.nn.Linear(4, 4)\n")
+    config = tmp_path / "job.toml"
+    config.write_text('model = "model.py"\ndevice = "cpu"\ngpu_memory = "1GiB"\nstep_order = "lightnin"\n')
+    result = CliRunner().invoke(main, ["check", str(config)])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "step_order 'lightnin'" in lines[0] and "lightning" in lines[0]
+
+
 def test_the_step_order_is_a_config_key_and_a_json_key():
     job = memcheck.Job.from_settings({"step_order": "lightning"}, vocabulary="config")
     assert job.step_order.value == "lightning" and job.to_dict()["step_order"] == "lightning"

@@ -370,6 +370,11 @@ _JOB_OPTIONS = [
     click.option("--max-grad-norm", type=float, default=None, metavar="NORM",
                  help="Clip gradients before each step (clip_grad_norm_); 0: no clipping. Default: the HF Trainer's "
                       "1.0 for hf: models, none for model files."),
+    click.option("--step-order", "step_order", default="hf", show_default=True, metavar="hf|accelerate|plain|lightning",
+                 help="Where each step zeroes the gradients, after the loop that runs it: hf and accelerate after "
+                      "the optimizer step (memcheck's own loop), plain before the forward, lightning between the "
+                      "forward and the backward (automatic optimization: the last step's gradients are alive "
+                      "through the forward)."),
     click.option("--padding", default="max_length", show_default=True, metavar="max_length|longest",
                  help="longest: batches padded to their longest sample (padding=True), so lengths vary up to "
                       "--max-len; on cuda the caching allocator replays a run of growing lengths."),
@@ -400,14 +405,14 @@ _JOB_OPTIONS = [
 def _job_option_settings(*, weights_dtype, lora, dora, qlora, max_grad_norm, padding, eval_batch_size,
                          eval_accumulate_predictions, reduce_bucket_size, prefetch_bucket_size,
                          max_live_parameters, param_dtype=None, reduce_dtype=None, output_dtype=None,
-                         cast_forward_inputs=None) -> dict:
+                         cast_forward_inputs=None, step_order="hf") -> dict:
     """``_JOB_OPTIONS``' values as ``Job`` keywords (--dora folded into --lora's settings)."""
     return dict(weights_dtype=weights_dtype, lora=_lora(lora, dora), qlora=qlora, max_grad_norm=max_grad_norm,
                 padding=padding, eval_batch_size=eval_batch_size,
                 eval_accumulate_predictions=eval_accumulate_predictions, reduce_bucket_size=reduce_bucket_size,
                 prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype,
-                cast_forward_inputs=cast_forward_inputs)
+                cast_forward_inputs=cast_forward_inputs, step_order=step_order)
 
 
 def _workload_options(command):
@@ -441,7 +446,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
              offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
              snapshot_path, plot_path, timeout, trust_remote_code=False, reduce_bucket_size=None,
              prefetch_bucket_size=None, max_live_parameters=None, layout=None, fsdp_sharding=None, gpus_per_node=None,
-             tp_plan=None, param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=None):
+             tp_plan=None, param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=None,
+             step_order="hf"):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
 
     \b
@@ -480,7 +486,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
             padding=padding, eval_batch_size=eval_batch_size, eval_accumulate_predictions=eval_accumulate_predictions,
             reduce_bucket_size=reduce_bucket_size, prefetch_bucket_size=prefetch_bucket_size,
             max_live_parameters=max_live_parameters, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            output_dtype=output_dtype, cast_forward_inputs=cast_forward_inputs)
+            output_dtype=output_dtype, cast_forward_inputs=cast_forward_inputs, step_order=step_order)
         job = Job(device=device, gpu=gpu, budget_bytes=budget, batch_size=batch_size, max_len=max_len,
                    target_len=target_len, precision=precision, optimizer=optimizer or "adamw", steps=steps,
                    accumulate=accumulate, checkpointing=checkpointing, use_reentrant=reentrant,
@@ -792,7 +798,7 @@ def _measure_plan(spec, result, work, steps, allow_download):
     _, make_optimizer = resolve_optimizer(job.optimizer, job.device)
     return verify(build, make_optimizer, device=job.device.value, predicted_bytes=rec.predicted_device_total_bytes,
                   loss_fn=work.loss_fn or default_loss, precision=job.precision.value, accumulate=job.accumulate,
-                  steps=steps)
+                  steps=steps, order=job.step_order)
 
 
 @main.command("check")

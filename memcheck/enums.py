@@ -195,6 +195,36 @@ class Offload(_Choice):
     PARAMS = "params"
 
 
+class StepOrder(_Choice):
+    """The order of one training step's zero_grad, forward, backward, clipping and optimizer step
+    (``--step-order``), named after the loop that runs it. Every one frees the gradients with
+    ``zero_grad(set_to_none=True)``; what differs is whether they are alive through the forward.
+
+    - ``hf``: forward, backward, clip, step, zero_grad. The HF Trainer (transformers 5.23,
+      trainer.py: ``model.zero_grad()`` at :1651 before the first step and at :1946 after
+      ``optimizer.step()`` at :1935; the clipping at :1928-1931; ``training_step`` runs forward at
+      :2081 and backward at :2118), and memcheck's own loop: the default.
+    - ``accelerate``: the same sequence, as Accelerate's ``accumulate`` loop runs it (accelerate
+      1.15: accelerator.py:1256 ``accumulate`` and its docstring's loop; ``AcceleratedOptimizer.step``
+      and ``zero_grad`` do nothing until the window's last micro-batch, optimizer.py:113 and :169;
+      ``zero_grad`` passes ``set_to_none=True``, optimizer.py:116-118).
+    - ``plain``: zero_grad, forward, backward, clip, step: the textbook PyTorch loop. The gradients
+      are freed at the same point as in ``hf`` (between the step and the next forward), so the
+      peak is the same; traced in its own order all the same.
+    - ``lightning``: forward, zero_grad, backward, clip, step: Lightning's automatic optimization
+      (lightning 2.6.6, loops/optimization/automatic.py: ``Closure.closure`` runs ``training_step``
+      at :131, then ``zero_grad`` at :137, then backward at :140; the closure runs inside
+      ``optimizer.step(closure=...)``, plugins/precision/precision.py:123, which clips after it,
+      :109 and :89; ``zero_grad`` only on a window's first micro-batch, automatic.py:220-222).
+      The previous step's gradients are alive through the next forward.
+    """
+
+    HF = "hf"
+    ACCELERATE = "accelerate"
+    PLAIN = "plain"
+    LIGHTNING = "lightning"
+
+
 class Padding(_Choice):
     """How the job's batches are padded: every one to ``max_len``, or each to its longest
     sample (a tokenizer's or collator's ``padding=True``/``"longest"``), so lengths vary."""

@@ -24,7 +24,8 @@ from typing import Any, Mapping
 
 from memcheck.choices import parse_assume
 from memcheck.cuda.gpus import GpuSpec, resolve_gpu
-from memcheck.enums import Attention, Device, Dtype, FsdpSharding, Offload, Padding, Precision, Strategy, Task, WeightsDtype
+from memcheck.enums import (Attention, Device, Dtype, FsdpSharding, Offload, Padding, Precision, StepOrder, Strategy, Task,
+                            WeightsDtype)
 from memcheck.errors import UsageError, closest
 from memcheck.training.adapters import Lora
 from memcheck.training.checkpointing import parse_checkpointing
@@ -112,6 +113,7 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling("qlora", "--qlora", "qlora", "qlora"),
     Spelling("max_grad_norm", "--max-grad-norm", "max_grad_norm", "max_grad_norm",
              aliases=("gradient_clip_val",)),  # HF TrainingArguments' own name; Lightning's Trainer
+    Spelling("step_order", "--step-order", "step_order", "step_order"),  # no trainer names it: the callbacks set it
     Spelling("strategy", "--strategy", "strategy", "strategy"),
     Spelling("gpus", "--gpus", "gpus", "gpus"),
     Spelling("bucket_view", "--bucket-view", "bucket_view", "bucket_view",
@@ -289,6 +291,12 @@ class Job:
     max_grad_norm: float | None = None
     """Gradient clipping before each optimizer step (``clip_grad_norm_``); None or 0: none. For
     ``hf:`` models the installed Trainer's default (1.0)."""
+    step_order: StepOrder = StepOrder.HF
+    """Where a step zeroes the gradients, named after the loop that does it (``StepOrder``): ``hf``
+    (the default, memcheck's own loop: forward, backward, clip, step, zero_grad), ``accelerate``
+    (the same), ``plain`` (zero_grad first) or ``lightning`` (zero_grad between the forward and the
+    backward, so the previous step's gradients are alive through the forward; the Lightning callback
+    sets it). A ``train_step`` runs in its own order."""
     strategy: Strategy = Strategy.SINGLE
     """``single``, ``dp``, ``dp-balanced``, ``ddp``, ``fsdp`` (FSDP2), ``fsdp1``, ``zero1``, ``zero2``, ``zero3``."""
     gpus: int | None = None
@@ -368,6 +376,10 @@ class Job:
         _check_packing(self.packing, self.padding, self.task, self.strategy)
         config = self.strategy_config  # strategy, gpus, buckets and offload, checked together
         _check_adapters(self.lora, self.qlora, config.strategy)
+        if self.layout is not None and self.layout.pp > 1 and self.step_order in (StepOrder.PLAIN, StepOrder.LIGHTNING):
+            raise SettingError("step_order", f"{{name}} {self.step_order.value} with a pipeline (pp="
+                                             f"{self.layout.pp}) is not modelled: the pipeline's step runs its "
+                                             "schedule, then step, then zero_grad; drop {name}")
         replicas = self.replicas
         if self.global_batch is not None and self.global_batch % replicas:
             gpus, g = replicas, self.global_batch
@@ -752,6 +764,7 @@ _CHECKS = {
     "lora": _lora,
     "qlora": lambda v: _flag("qlora", v),
     "max_grad_norm": _max_grad_norm,
+    "step_order": lambda v: _choice("step_order", StepOrder, v),
     "strategy": lambda v: _choice("strategy", Strategy, v),
     "gpus": lambda v: _int("gpus", v, maximum=MAX_GPUS, why=" (2**16, above the largest training clusters' "
                                                          "data-parallel groups)"),

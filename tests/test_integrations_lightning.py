@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import memcheck
+from memcheck.enums import StepOrder
 from memcheck.errors import UsageError
 from memcheck.engine.estimate import meta_twin
 from memcheck.integrations.lightning import LIGHTNING_PRECISION, MemcheckCallback, _precision
@@ -79,9 +80,12 @@ def _trainer(callback, max_steps: int = 2) -> "pl.Trainer":
 
 
 def _measured(batch_size: int, accumulate: int = 1) -> int:
-    """The real steady-state peak of 2 AdamW steps of the same module on the CPU (weights and batch included)."""
+    """The real steady-state peak of 2 AdamW steps of the same module on the CPU (weights and batch included),
+    in Lightning's order (zero_grad between the forward and the backward; tests/test_step_order.py runs the
+    Trainer itself)."""
     return measure_cpu(lambda: (_MLP(), _rows(batch_size)), lambda p: torch.optim.AdamW(p, lr=1e-3), steps=2,
-                       loss_fn=lambda module, batch: module.loss(batch), accumulate=accumulate).steady_peak_bytes
+                       loss_fn=lambda module, batch: module.loss(batch), accumulate=accumulate,
+                       order=StepOrder.LIGHTNING).steady_peak_bytes
 
 
 def _weights(module) -> dict:
@@ -135,7 +139,8 @@ def test_a_training_step_that_makes_tensors_on_self_device_is_traced():
     # Such tensors used to be real CPU tensors mixed with the trace's meta ones (a failed
     # trace); the trace now moves them to meta, as the target device would hold them.
     measured = measure_cpu(lambda: (_MLPWithDeviceTensors(), _rows(32)), lambda p: torch.optim.AdamW(p, lr=1e-3),
-                           steps=2, loss_fn=lambda module, batch: module.loss(batch)).steady_peak_bytes
+                           steps=2, loss_fn=lambda module, batch: module.loss(batch),
+                           order=StepOrder.LIGHTNING).steady_peak_bytes
     callback = MemcheckCallback(_make_batch, batch_size=32, budget_bytes=2 * measured)
     trainer = _trainer(callback)
     trainer.fit(_MLPWithDeviceTensors(), _loader(32))
@@ -278,6 +283,14 @@ def test_the_strategy_maps_to_memchecks(trainer, expected):
     from memcheck.integrations.lightning import _strategy
 
     assert _strategy(trainer) == expected
+
+
+@pytest.mark.parametrize("name, order", [("SingleDeviceStrategy", "lightning"), ("DDPStrategy", "lightning"),
+                                         ("FSDPStrategy", "lightning"), ("DeepSpeedStrategy", "hf")])
+def test_the_step_order_is_lightnings_outside_deepspeed(name, order):
+    from memcheck.integrations.lightning import _step_order
+
+    assert _step_order(_strategy_named(name, 2)) == order
 
 
 def test_a_strategy_memcheck_does_not_emulate_is_named():

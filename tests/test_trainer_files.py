@@ -27,6 +27,10 @@ def _write(tmp_path, name, text):
                        "  devices: 4\ndata:\n  init_args:\n    batch_size: 16\n",
      # under DeepSpeed bf16-mixed turns on DeepSpeed's bf16 mode (Lightning's _format_precision_config): pure bf16
      "LightningCLI", {"precision": "bf16", "accumulation": 2, "strategy": "zero3", "gpus": 4, "micro_batch": 16}),
+    # outside DeepSpeed, Lightning's automatic optimization zeroes the gradients between the forward and the
+    # backward (loops/optimization/automatic.py:131-140): its step order
+    ("lightning1.yaml", "trainer:\n  accumulate_grad_batches: 4\n  strategy: ddp\n  devices: 2\n",
+     "LightningCLI", {"accumulation": 4, "strategy": "ddp", "gpus": 2, "step_order": "lightning"}),
     ("accelerate.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: bf16\n"
                         "num_processes: 8\nfsdp_config:\n  fsdp_offload_params: true\n",
      # accelerate's fsdp_version defaults to 1: FSDP1, FULL_SHARD; mixed_precision bf16 also gives FSDP a

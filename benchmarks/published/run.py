@@ -187,6 +187,8 @@ def predict(case: dict):
                     accumulate=case.get("accumulate", 1))
     if case.get("max_grad_norm"):
         settings["max_grad_norm"] = case["max_grad_norm"]
+    if case.get("step_order"):  # the trainer's own order (memcheck.enums.StepOrder): "lightning" for its Trainer
+        settings["step_order"] = case["step_order"]
     if case["model"].get("loss"):
         loss = LOSSES[case["model"]["loss"]]
         settings["loss_fn"] = loss() if isinstance(loss, type) else loss

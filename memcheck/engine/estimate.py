@@ -19,7 +19,7 @@ from memcheck.choices import ANSWERS, NO_PADDING, PADDING, Choices, point_of
 from memcheck.cuda.allocator import AllocatorConfig, growing_run, simulate
 from memcheck.cuda.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.cuda.overhead import context_bytes, context_source, module_loading, workspace_allocations
-from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Padding, Phase, Precision
+from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Padding, Phase, Precision, StepOrder
 from memcheck.errors import (
     MemcheckError,
     TraceError,
@@ -659,6 +659,9 @@ def _check_train_step(train_step, job: Job) -> None:
                                         "emulates it) and give fp32 or pure bf16/fp16")
     if job.accumulate != 1:
         raise SettingError("accumulate", "{name} must be 1 with a train_step: the step accumulates as it is written")
+    if job.step_order is not StepOrder.HF:
+        raise SettingError("step_order", f"{{name}} {job.step_order.value} is the order of memcheck's own loop; a "
+                                         "train_step runs in the order it is written: drop {name}")
 
 
 def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: str,
@@ -682,7 +685,7 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
             return train(job.strategy_config, tracer, run.twin, run.batch, loss_fn, run.make_optimizer, steps,
                          autocast=run.autocast, scaler=run.scaler, accumulate=min(job.accumulate, 2),
                          evaluate=evaluate if run.eval_batch is not None else None, train_step=train_step,
-                         max_grad_norm=job.max_grad_norm)
+                         max_grad_norm=job.max_grad_norm, order=job.step_order)
     except MemcheckError:
         raise
     except Exception as exc:  # the model's own code failed under the trace

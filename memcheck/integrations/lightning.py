@@ -84,7 +84,8 @@ class MemcheckCallback(pl.Callback):
         fix: look for a fix when the job will not fit (a few more traces).
 
     What it reads:
-        ``trainer.precision`` (``LIGHTNING_PRECISION``), ``accumulate_grad_batches``, the
+        ``trainer.precision`` (``LIGHTNING_PRECISION``), ``accumulate_grad_batches``, its step order
+        (``step_order="lightning"``: ``zero_grad`` between the forward and the backward), the
         strategy (single device, DDP, FSDP, DeepSpeed with its ZeRO stage and offload)
         over ``trainer.world_size`` processes, the device, the optimizer the Trainer built
         from ``configure_optimizers`` (its class and settings; if none is built yet,
@@ -129,7 +130,7 @@ class MemcheckCallback(pl.Callback):
             strategy=strategy, gpus=gpus, optimizer=_optimizer(trainer, pl_module), margin=self.settings.margin,
             max_grad_norm=float(trainer.gradient_clip_val or 0)
             if trainer.gradient_clip_algorithm in (None, "norm") else 0.0,  # "value" clipping allocates nothing
-            **target(trainer.strategy.root_device, self.settings), **extra,
+            step_order=_step_order(trainer), **target(trainer.strategy.root_device, self.settings), **extra,
         )
         eval_batch = None
         if self.settings.check_eval and _validates(trainer, pl_module):
@@ -193,6 +194,18 @@ def _overrides(module, name: str) -> bool:
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     return is_overridden(name, module)
+
+
+def _step_order(trainer) -> str:
+    """Lightning's own order of automatic optimization (``memcheck.enums.StepOrder.LIGHTNING``):
+    ``training_step``, then ``zero_grad`` on a window's first micro-batch, then backward, all in the
+    closure that ``optimizer.step`` runs (lightning 2.6.6, loops/optimization/automatic.py:131, :137,
+    :140, :220; plugins/precision/precision.py:123), so the last step's gradients are alive through the
+    forward. Under DeepSpeed the engine's own step handles the gradients, and memcheck's ZeRO emulation
+    keeps memcheck's order (not measured)."""
+    if "DeepSpeedStrategy" in {c.__name__ for c in type(trainer.strategy).__mro__}:
+        return "hf"
+    return "lightning"
 
 
 def _precision(trainer, strategy: str = "single") -> str:

@@ -127,7 +127,8 @@ class MemcheckCallback(TrainerCallback):
             checkpointing=checkpointing, use_reentrant=use_reentrant, strategy=strategy, gpus=gpus,
             optimizer=_optimizer(args, optimizer), margin=self.settings.margin,
             max_grad_norm=float(args.max_grad_norm or 0),  # the Trainer clips when it is above 0
-            packing=_packing(args), **target(args.device, self.settings), **extra,
+            packing=_packing(args), step_order="hf",  # model.zero_grad() after optimizer.step(): trainer.py:1946
+            **target(args.device, self.settings), **extra,
         )
         config = getattr(model, "config", None)
         task = _task(config, model)

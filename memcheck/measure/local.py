@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.autograd.profiler import profile, record_function
 
-from memcheck.enums import Precision
+from memcheck.enums import Precision, StepOrder
 from memcheck.errors import UsageError
 from memcheck.report.results import Verification
 from memcheck.rules.probe import cpu_memory_events
@@ -50,6 +50,7 @@ def measure_cpu(
     accumulate: int = 1,
     train_step: Callable | None = None,
     max_grad_norm: float | None = None,
+    order: StepOrder = StepOrder.HF,
 ) -> Measured:
     """Build a model and batch on CPU, train ``steps`` steps, and measure the allocator.
 
@@ -57,7 +58,8 @@ def measure_cpu(
     that the baseline (weights, batch) is measured too. ``autocast_dtype`` runs the
     forward and loss under ``torch.autocast("cpu", autocast_dtype)``; ``accumulate``
     runs that many real micro-steps per step; ``train_step(model, batch, optimizer)`` runs the
-    user's own step instead of memcheck's loop (``run_train_steps``).
+    user's own step instead of memcheck's loop (``run_train_steps``); ``order`` is memcheck's
+    loop's step order (``memcheck.enums.StepOrder``).
     """
     autocast = None
     if autocast_dtype is not None:
@@ -69,7 +71,7 @@ def measure_cpu(
             run_train_steps(model, batch, train_step, optimizer, steps, mark_step)
         else:
             run_steps(model, batch, loss_fn, optimizer, steps, mark_step, autocast=autocast, accumulate=accumulate,
-                      max_grad_norm=max_grad_norm)
+                      max_grad_norm=max_grad_norm, order=order)
         del model, batch, optimizer
 
     return _peaks(prof.kineto_results.events())
@@ -110,6 +112,7 @@ def measure_cuda(
     baseline_used_bytes: int = 0,
     accumulate: int = 1,
     on_phase: Callable | None = None,
+    order: StepOrder = StepOrder.HF,
 ) -> MeasuredCuda:
     """Train ``steps`` real steps on the current CUDA device and read its memory.
 
@@ -140,7 +143,7 @@ def measure_cuda(
             torch.cuda.reset_peak_memory_stats()
 
     run_steps(model, batch, loss_fn, optimizer, steps, mark, autocast=autocast, scaler=scaler,
-              accumulate=accumulate)
+              accumulate=accumulate, order=order)
     torch.cuda.synchronize()
     steady = torch.cuda.max_memory_allocated()
     reserved = max(first.get("reserved", 0), torch.cuda.max_memory_reserved())
@@ -165,6 +168,7 @@ def verify(
     precision: str = "fp32",
     accumulate: int = 1,
     steps: int = 20,
+    order: StepOrder = StepOrder.HF,
 ) -> Verification:
     """Run a configuration for real for ``steps`` optimizer steps and compare with the prediction.
 
@@ -185,7 +189,7 @@ def verify(
                 return model.to(dtype), to_precision(batch, dtype)
 
         measured = measure_cpu(build, make_optimizer, loss_fn=loss_fn, steps=steps,
-                               autocast_dtype=precision.autocast_dtype, accumulate=accumulate)
+                               autocast_dtype=precision.autocast_dtype, accumulate=accumulate, order=order)
         return Verification("cpu", steps, predicted_bytes, measured.steady_peak_bytes, None, None, False)
     if not torch.cuda.is_available():
         raise UsageError("--measure on the cuda target needs a CUDA GPU, and torch sees none here")
@@ -200,7 +204,7 @@ def verify(
 
     try:
         real = measure_cuda(build, make_optimizer, loss_fn=loss_fn, steps=steps, precision=precision.value,
-                            baseline_used_bytes=baseline, accumulate=accumulate, on_phase=count)
+                            baseline_used_bytes=baseline, accumulate=accumulate, on_phase=count, order=order)
     except torch.cuda.OutOfMemoryError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "CUDA out of memory"
         return Verification("cuda", done["steps"], predicted_bytes, None, torch.cuda.max_memory_allocated(),

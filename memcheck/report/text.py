@@ -541,7 +541,7 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
 # back traces the plan's own job.
 KEPT_SETTINGS = ("weights_dtype", "lora", "qlora", "max_grad_norm", "padding", "eval_batch_size",
                  "eval_accumulate_predictions", "reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters",
-                 "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+                 "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs", "step_order")
 
 
 def _kept_settings(plan: Plan) -> list[tuple[Spelling, Any]]:

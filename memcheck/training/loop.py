@@ -12,7 +12,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from memcheck.enums import Phase
+from memcheck.enums import Phase, StepOrder
 from memcheck.errors import TraceError
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -66,8 +66,18 @@ def run_steps(
     accumulate: int = 1,
     max_grad_norm: float | None = None,
     clip: Callable[[list, float], Any] = torch.nn.utils.clip_grad_norm_,
+    order: StepOrder = StepOrder.HF,
 ) -> None:
-    """Run ``steps`` full training steps: forward and loss, backward, step, zero_grad.
+    """Run ``steps`` full training steps in ``order`` (``StepOrder``): by default forward and
+    loss, backward, clipping, step, zero_grad.
+
+    ``order`` moves the ``zero_grad(set_to_none=True)``: ``plain`` calls it as a step begins,
+    before the forward; ``lightning`` after the first micro-step's forward and loss, before its
+    backward, as Lightning's ``Closure`` does (so the previous step's gradients are alive through
+    that forward), and the last step's gradients stay alive after the run; ``hf`` and
+    ``accelerate`` after the optimizer step. The phase of a step's first event is always
+    ``FORWARD`` (the tracer starts a step there); a ``zero_grad`` before the forward is announced
+    as ``FORWARD``, then ``ZERO_GRAD``, then ``FORWARD`` again.
 
     With ``accumulate`` N > 1 each step runs N micro-steps of forward and backward
     (the loss divided by N, as the HF Trainer and Lightning do), so gradients stay
@@ -80,11 +90,16 @@ def run_steps(
     scaled before backward, and ``scaler.step``/``scaler.update`` replace
     ``optimizer.step``.
     """
+    order = StepOrder.parse(order, what="step order")
     region = autocast or contextlib.nullcontext
     model.train()
     for step in range(steps):
         for micro in range(accumulate):
             on_phase(step, Phase.FORWARD)
+            if order is StepOrder.PLAIN and micro == 0:
+                on_phase(step, Phase.ZERO_GRAD)
+                optimizer.zero_grad(set_to_none=True)
+                on_phase(step, Phase.FORWARD)
             with region():
                 loss = loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -94,6 +109,9 @@ def run_steps(
                 )
             if accumulate > 1:
                 loss = loss / accumulate
+            if order is StepOrder.LIGHTNING and micro == 0:
+                on_phase(step, Phase.ZERO_GRAD)
+                optimizer.zero_grad(set_to_none=True)
             on_phase(step, Phase.BACKWARD)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             del loss
@@ -106,8 +124,9 @@ def run_steps(
             scaler.update()
         else:
             optimizer.step()
-        on_phase(step, Phase.ZERO_GRAD)
-        optimizer.zero_grad(set_to_none=True)
+        if order in (StepOrder.HF, StepOrder.ACCELERATE):
+            on_phase(step, Phase.ZERO_GRAD)
+            optimizer.zero_grad(set_to_none=True)
 
 
 TrainStep = Callable[[torch.nn.Module, Any, torch.optim.Optimizer], Any]

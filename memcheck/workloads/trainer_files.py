@@ -321,6 +321,8 @@ def _lightning(data: dict, path: Path) -> dict[str, Any]:
         out.update(fsdp_mixed_precision(out.get("precision"), name, out.get("fsdp_sharding")))
         if isinstance(trainer.get("devices"), int) and trainer["devices"] > 1:
             out["gpus"] = trainer["devices"]
+    if not (isinstance(strategy, str) and strategy.startswith("deepspeed")):  # integrations/lightning.py, _step_order
+        out["step_order"] = "lightning"  # automatic optimization: zero_grad between the forward and the backward
     data_section = data.get("data") or {}
     if isinstance(data_section, dict):
         args = data_section.get("init_args", data_section)

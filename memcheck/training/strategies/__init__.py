@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from memcheck.enums import Strategy
+from memcheck.enums import StepOrder, Strategy
 from memcheck.training.loop import LossFn
 from memcheck.training.strategies.base import SHARDED, Run, StrategyConfig, applicable
 
@@ -50,6 +50,7 @@ def train(
     evaluate: Callable[[torch.nn.Module], None] | None = None,
     train_step: Callable | None = None,
     max_grad_norm: float | None = None,
+    order: StepOrder = StepOrder.HF,
 ) -> list[int]:
     """Trace ``steps`` training steps under ``config``; return, for each real GPU, the traced GPU it matches.
 
@@ -57,7 +58,7 @@ def train(
     would evaluate: the DataParallel wrapper under ``dp``, the model otherwise.
     """
     run = Run(config, tracer, model, batch, loss_fn, make_optimizer, steps, autocast, scaler, accumulate, evaluate,
-              train_step, max_grad_norm)
+              train_step, max_grad_norm, order)
     strategy = config.strategy
     if strategy in (Strategy.DP, Strategy.DP_BALANCED):
         from memcheck.training.strategies import data_parallel as family

@@ -60,7 +60,9 @@ _STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIM
 
 
 def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose parameters and buffers are meta tensors; no weights are copied."""
+    """A copy of ``model`` whose parameters and buffers are meta tensors; no weights are copied.
+    A ``torch.compile``'d model's copy is the copy of the module it compiled, uncompiled."""
+    model = compat.eager_module(model)
     memo: dict[int, Any] = {}
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) in memo:

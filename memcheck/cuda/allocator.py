@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 from memcheck.enums import ALLOC, FREE
 from memcheck.errors import UsageError, closest
@@ -460,9 +461,15 @@ class CachingAllocator:
         capacity: device bytes; when a new segment or page would exceed it, cached
             memory is released first (``release_available_cached_blocks``, then
             ``release_cached_blocks``), and ``malloc`` reports an OOM if that is not enough.
+        on_reserve: an observer called as ``on_reserve(address, nbytes, small, expandable)``
+            each time device memory is reserved: a new segment (``cudaMalloc``), or pages
+            mapped into an expandable segment (``cuMemMap``). The timeline records reserved
+            memory through it (memcheck.report.timeline).
     """
 
-    def __init__(self, config: AllocatorConfig | None = None, *, capacity: int | None = None):
+    def __init__(self, config: AllocatorConfig | None = None, *, capacity: int | None = None,
+                 on_reserve: Callable[[int, int, bool, bool], None] | None = None):
+        self.on_reserve = on_reserve
         self.config = config or _DEFAULT
         if self.config.backend != "native":
             raise UsageError(f"backend:{self.config.backend} is not simulated, only the native caching allocator")
@@ -580,6 +587,8 @@ class CachingAllocator:
         b = _Block(self._take_addresses(seg_size), seg_size, pool.small, stream=pool.stream)
         self.segments += 1
         self._grow(seg_size)
+        if self.on_reserve is not None:
+            self.on_reserve(b.addr, seg_size, pool.small, False)
         return b
 
     def _take_addresses(self, n: int) -> int:
@@ -624,7 +633,7 @@ class CachingAllocator:
 
     def _map_block(self, pool: _Pool, b: _Block, size: int) -> bool:
         """Map whole pages over the start of unmapped ``b``; they merge with free neighbours."""
-        page = b.es.page
+        page, address = b.es.page, b.addr
         mapped = round_up(size, page)  # b starts on a page boundary
         if self.capacity is not None and self.reserved + mapped > self.capacity:
             return False
@@ -642,6 +651,8 @@ class CachingAllocator:
         self._try_merge(b, b.next, pool)
         pool.insert(b)
         self._grow(mapped)
+        if self.on_reserve is not None:
+            self.on_reserve(address, mapped, b.small, True)
         return True
 
     def _unmap_block(self, pool: _Pool, b: _Block):

@@ -127,27 +127,6 @@ class Timeline:
         return spans[0].start, spans[-1].end
 
 
-class _RecordingAllocator(CachingAllocator):
-    """The simulated caching allocator, noting each piece of memory it reserves."""
-
-    def __init__(self, config: AllocatorConfig):
-        super().__init__(config)
-        self.reserved_now: list[tuple[int, int, bool, bool]] = []  # (address, size, small, expandable)
-
-    def _alloc_block(self, pool, size):
-        block = super()._alloc_block(pool, size)
-        if block is not None and not self.config.expandable_segments:  # a new cudaMalloc'd segment
-            self.reserved_now.append((block.addr, block.size, pool.small, False))
-        return block
-
-    def _map_block(self, pool, block, size):
-        address, before = block.addr, self.reserved
-        mapped = super()._map_block(pool, block, size)
-        if mapped:
-            self.reserved_now.append((address, self.reserved - before, pool.small, True))
-        return mapped
-
-
 def build_timeline(
     events: list[tuple],
     steady_start: int,
@@ -170,7 +149,9 @@ def build_timeline(
         stacks: ``TraceLog.stacks``: the Python stack of each ALLOC event, by the event's ``id``.
     """
     cuda = device is Device.CUDA
-    allocator = _RecordingAllocator(config or AllocatorConfig.from_env()) if cuda else None
+    reserved_now: list[tuple[int, int, bool, bool]] = []  # (address, size, small, expandable), as reserved
+    allocator = CachingAllocator(config or AllocatorConfig.from_env(),
+                                 on_reserve=lambda *piece: reserved_now.append(piece)) if cuda else None
     next_cpu_address = 0
     by_cat = [0] * len(CATEGORIES)
     index = {c: i for i, c in enumerate(CATEGORIES)}
@@ -187,8 +168,8 @@ def build_timeline(
                 size = allocator.malloc(sid, nbytes)
                 address = ADDRESS_BASE + allocator.live[sid].addr
                 segments.extend(SegmentEvent(i, ADDRESS_BASE + a, n, small, expandable)
-                                for a, n, small, expandable in allocator.reserved_now)
-                allocator.reserved_now.clear()
+                                for a, n, small, expandable in reserved_now)
+                reserved_now.clear()
             else:
                 size, address = nbytes, ADDRESS_BASE + next_cpu_address
                 next_cpu_address += (nbytes + CPU_ALIGNMENT - 1) // CPU_ALIGNMENT * CPU_ALIGNMENT

@@ -182,8 +182,15 @@ def _peft():
 
 
 def _task_type(model: torch.nn.Module) -> str | None:
-    """PEFT's task type for a transformers model (CAUSAL_LM, SEQ_2_SEQ_LM, ...), None otherwise."""
+    """PEFT's task type for a transformers model (CAUSAL_LM, SEQ_2_SEQ_LM, ...), None otherwise.
+
+    None for a model whose main input is not token ids (Whisper's ``input_features``): PEFT's
+    ``PeftModelForSeq2SeqLM.forward`` hands the base model ``input_ids=`` and its own keywords, which
+    such a model passes on to its decoder beside the decoder's ids ("got multiple values for keyword
+    argument 'input_ids'"); PEFT's Whisper recipes leave the task type unset."""
     name = type(model).__name__
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        return None
     for suffix, task in (("ForCausalLM", "CAUSAL_LM"), ("ForConditionalGeneration", "SEQ_2_SEQ_LM"),
                          ("ForSequenceClassification", "SEQ_CLS"), ("ForTokenClassification", "TOKEN_CLS"),
                          ("ForQuestionAnswering", "QUESTION_ANS")):
@@ -235,6 +242,10 @@ def apply_adapters(model: torch.nn.Module, lora: Lora | None, qlora: bool) -> tu
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                          if isinstance(m, torch.nn.Linear) and name})
         first = str(exc).strip().splitlines()[0]
+        if lora.dora and "use_dora" in first:  # "lora.ParamWrapper does not work with use_dora=True": MoE experts
+            raise UsageError(f"lora dora=true: PEFT says {first} (DoRA applies to linear layers only, not to a "
+                             f"parameter such as {type(model).__name__}'s fused experts); drop dora=true or give "
+                             "targets= linear layers only") from None
         raise UsageError(f"lora targets: PEFT says {first}; give targets= module names of {type(model).__name__} "
                          f"(its linear layers: {', '.join(linear[:8]) or 'none'}) or all-linear") from None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

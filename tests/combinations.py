@@ -92,6 +92,13 @@ def _float_inputs_qlora_pure_bf16(cell: dict) -> bool:
 
 # The families whose batch is floating point (pixels, audio samples), which pure bf16 casts to bf16.
 FLOAT_INPUTS = ("vision", "conv", "audio")
+# Pairs whose job fails for real, so no cell holds them: pair -> reason.
+INVALID_PAIRS = {
+    (("family", "state-space"), ("adapter", "qlora")): (
+        "transformers' Mamba multiplies dt_proj.weight itself (modeling_mamba.py, slow_forward: "
+        "self.dt_proj.weight @ time_step), which a 4-bit Linear4bit holds packed: a real run stops at that bmm "
+        "('Expected size for first two dimensions of batch2 tensor'), the trace at its meta kernel"),
+}
 # Jobs that fail for real, the same way as in the trace, so no cell holds them: (predicate, reason).
 INVALID = (
     (_float_inputs_qlora_pure_bf16, "QLoRA's prepare_model_for_kbit_training casts the weights it does not quantize "
@@ -116,7 +123,7 @@ def refused(cell: dict) -> str | None:
 
 
 def _unmeasurable(cell: dict) -> bool:
-    return any(rule(cell) for rule, _ in (*UNMEASURABLE, *INVALID))
+    return any(rule(cell) for rule, _ in (*UNMEASURABLE, *INVALID)) or bool(pairs_of(cell) & set(INVALID_PAIRS))
 
 
 def allowed_pairs() -> set[tuple[tuple[str, object], tuple[str, object]]]:
@@ -126,7 +133,7 @@ def allowed_pairs() -> set[tuple[tuple[str, object], tuple[str, object]]]:
         for v1 in FACTORS[f1]:
             for v2 in FACTORS[f2]:
                 pair = ((f1, v1), (f2, v2))
-                if pair not in REFUSED:
+                if pair not in REFUSED and pair not in INVALID_PAIRS:
                     out.add(pair)
     return out
 
@@ -278,15 +285,16 @@ def build_meta(cell: Cell):
 
 def quantize_4bit_real(model: torch.nn.Module) -> torch.nn.Module:
     """``model``'s linear layers as bitsandbytes NF4 ``Linear4bit`` with double quantization and bf16
-    compute, quantized for real on the CPU (``.to("cpu")``): the real side of memcheck's
-    ``quantize_4bit``, which leaves out the same modules (the output embeddings, else ``lm_head``:
-    transformers' ``should_convert_module``) and converts GPT-2's ``Conv1D`` as transformers does."""
+    compute, quantized for real on the CPU (``.to("cpu")``), as ``from_pretrained`` with a 4-bit
+    ``BitsAndBytesConfig`` leaves them: the modules ``get_keys_to_not_convert`` and ``_keep_in_fp32_modules``
+    name stay in full precision (transformers' ``should_convert_module`` matches them), GPT-2's ``Conv1D``
+    is converted too."""
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import get_keys_to_not_convert
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    keep = [name for name, module in model.named_modules() if head is not None and module is head] or ["lm_head"]
+    keep = [*get_keys_to_not_convert(model), *(model._keep_in_fp32_modules or [])]
     for name, module in list(model.named_modules()):
         if not should_convert_module(name, keep) or not (isinstance(module, Conv1D) or type(module) is torch.nn.Linear):
             continue

@@ -3,6 +3,7 @@ tests/combinations.py traces, or refuses on purpose in one line naming the setti
 matches a real CPU run within 2% (the allocator's events under the profiler, from step 2 on, as
 tests/test_accuracy_cpu.py; real gloo ranks for the sharded strategies, as tests/test_sharded.py).
 
+``make test`` runs the refusal cells and the array's first cells (``FAST``); ``make test-bench`` runs them all.
 A cell that cannot pass is in ``KNOWN_OFF`` with its measured numbers and the suspected cause
 (strict: a fix shows up as an unexpected pass).
 """
@@ -19,13 +20,25 @@ TOLERANCE = 0.02  # as tests/test_accuracy_cpu.py
 
 # cell name -> reason (observed on torch 2.13.0+cpu, transformers 5.23.0)
 KNOWN_OFF: dict[str, str] = {
-    "c09-bart-was": (
+    "c03-wav2vec2": (
+        "+4.46%: estimated 2,333,532 B, measured 2,233,848 B (ddp over 2 gloo ranks, smallest rank peak), "
+        "Wav2Vec2 with DoRA, every:2, fp32. Not found; Wav2Vec2 with DoRA or LoRA under pure bf16 on the cpu target "
+        "was off too in an earlier array (full reentrant -4.29%, half reentrant +5.02%, no checkpointing +16%, LoRA "
+        "-4.9%): suspected a CPU kernel of its convolutional feature encoder or group norm that the CPU rules do "
+        "not size for these dtypes and shapes"),
+    "c17-vit": (
         "could not trace: torch.utils.checkpoint's selective-op recomputation finds an aten._to_copy it did not "
-        "store ('invocation index 90 encountered during backward but not found in storage'), on the cuda target "
-        "under amp-bf16 with DoRA (T5 too; the cpu target, LoRA, or fp32 trace). Suspected: the recomputation runs "
-        "each op in its own emulated autocast region (memcheck/trace/tracer.py, the graph-task branch), whose "
-        "weight-cast cache is cleared after every op, so a weight DoRA casts twice in a block (its weight norm and "
-        "its lora_B(lora_A(x))) is cast twice in the recomputation and once in the forward"),
+        "store ('invocation index 54 encountered during backward but not found in storage'), cuda target, amp-bf16, "
+        "DoRA (BART, T5 and Mamba fail the same way with selective-op + amp-bf16 + DoRA on cuda; the cpu target, "
+        "LoRA or fp32 trace). Suspected: the recomputation runs each op in its own emulated autocast region "
+        "(memcheck/trace/tracer.py, the graph-task branch), whose weight-cast cache is cleared after every op, so a "
+        "weight DoRA casts twice in a block (its weight norm and lora_B(lora_A(x))) is cast twice in the "
+        "recomputation and once in the forward"),
+    "c19-qwen2": (
+        "+3.11%: estimated 1,764,108 B, measured 1,710,900 B (measure_cpu), Qwen2 with DoRA, half reentrant "
+        "checkpointing, pure bf16. Not found; suspected DoRA's detached weight-norm graph (lora_B(lora_A(eye))) "
+        "kept longer in the trace under reentrant checkpointing, as it was by a gradient hook before "
+        "(tests/test_adapters.py)"),
 }
 
 
@@ -48,11 +61,28 @@ def test_every_refused_pair_and_every_architecture_has_a_cell_and_the_array_is_f
     assert [c.name for c in matrix()] == [c.name for c in cells]  # the same cells on every call
 
 
+# make test's share (issue 38: the matrix may cost about 60 CPU-seconds of the suite): the refusal cells and the
+# first FAST cells of the array but its real gloo runs (20 to 40 CPU-seconds each: two spawned ranks importing torch,
+# transformers, PEFT and bitsandbytes): 9 cells that meet 47% of the allowed pairs (the greedy array meets the most
+# pairs first). Measured 2026-12-02 on the 2-core AVX2 host (load average about 6), torch 2.13.0+cpu: the whole
+# matrix 271 CPU-s in one process (its 3 gloo cells 108 CPU-s); with pytest -n 2, FAST = 16 (13 cells, 59% of the
+# pairs) cost 79 CPU-s over the 25 CPU-s of starting and collecting, FAST = 12 53 CPU-s (128 s wall for the file
+# alone, both workers included). The rest is the benchmark lane's (make test-bench), where every cell runs.
+FAST = 12
+
+
+def _lane(index: int, cell) -> list:
+    gloo = cell.target == "cpu" and cell.strategy in ("ddp", "fsdp", "fsdp1")
+    if cell.refusal or (index < FAST and not gloo):
+        return []
+    return [pytest.mark.bench]
+
+
 def _params():
     out = []
-    for cell in matrix():
+    for index, cell in enumerate(matrix()):
         marks = [pytest.mark.xfail(reason=KNOWN_OFF[cell.name], strict=True)] if cell.name in KNOWN_OFF else []
-        out.append(pytest.param(cell, id=cell.name, marks=marks))
+        out.append(pytest.param(cell, id=cell.name, marks=[*marks, *_lane(index, cell)]))
     return out
 
 

@@ -199,11 +199,30 @@ def _task_type(model: torch.nn.Module) -> str | None:
     return None
 
 
+def modules_kept_unquantized(model: torch.nn.Module) -> list[str]:
+    """The modules ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` leaves
+    in full precision: transformers' ``get_keys_to_not_convert`` (tied weights, the last module, the output
+    embeddings) and the model's ``_keep_in_fp32_modules`` (T5's ``wo``, whose forward casts its input to the
+    weight's dtype: a 4-bit ``wo`` would turn the hidden states into uint8) (transformers 5.23
+    quantizers/quantizer_bnb_4bit.py, ``_process_model_before_weight_loading``); for a model that is not a
+    transformers one, its output embeddings, else ``lm_head``."""
+    keep: list[str] = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    try:
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        keep += get_keys_to_not_convert(model)
+    except (ImportError, AttributeError):  # not a PreTrainedModel (no all_tied_weights_keys)
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        keep += [name for name, module in model.named_modules() if head is not None and module is head] or ["lm_head"]
+    return sorted(set(keep))
+
+
 def quantize_4bit(model: torch.nn.Module) -> torch.nn.Module:
     """Every linear layer but the output head as bitsandbytes' NF4 ``Linear4bit`` with double
     quantization and bf16 compute (the QLoRA recipe's ``BitsAndBytesConfig``), as transformers'
     ``replace_with_bnb_linear`` puts them (on meta: no weight is quantized for real; the twin
-    sizes the 4-bit weight and its statistics, ``memcheck.rules.extensions.bitsandbytes``)."""
+    sizes the 4-bit weight and its statistics, ``memcheck.rules.extensions.bitsandbytes``), leaving out
+    ``modules_kept_unquantized``."""
     try:
         with quiet_third_party():
             from transformers import BitsAndBytesConfig
@@ -212,8 +231,7 @@ def quantize_4bit(model: torch.nn.Module) -> torch.nn.Module:
         raise UsageError("QLoRA needs transformers and bitsandbytes: pip install transformers bitsandbytes") from None
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                 bnb_4bit_compute_dtype=torch.bfloat16)
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    keep = [name for name, module in model.named_modules() if head is not None and module is head] or ["lm_head"]
+    keep = modules_kept_unquantized(model)
     with torch.device("meta"):
         return replace_with_bnb_linear(model, modules_to_not_convert=keep, quantization_config=config)
 

@@ -73,8 +73,10 @@ FAST = 12
 
 def _lane(index: int, cell) -> list:
     gloo = cell.target == "cpu" and cell.strategy in ("ddp", "fsdp", "fsdp1")
-    if cell.refusal or (index < FAST and not gloo):
+    if cell.refusal:
         return []
+    if index < FAST and not gloo:
+        return [pytest.mark.slow]  # a trace (and a real run) of 1 to 12 s: out of make test-fast
     return [pytest.mark.bench]
 
 

@@ -171,6 +171,7 @@ def _fold_model():
     return torch.nn.Sequential(_FoldBlock(), _FoldBlock()), torch.randn(8, 64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_an_autocast_region_on_the_meta_device_is_the_targets_and_pauses_the_emulation(checkpointing):
     # issue 38's matrix: Mixtral with LoRA on its fused experts failed "unsupported autocast device_type

@@ -210,3 +210,18 @@ def test_the_same_refusals_hold_in_the_python_api():
     with pytest.raises(memcheck.UsageError, match="qlora with strategy fsdp1"):
         memcheck.Job(qlora=True, strategy="fsdp1", gpus=2)
     memcheck.Job(qlora=True, strategy="fsdp", gpus=2)  # FSDP2 shards per parameter: modelled
+
+
+def test_a_model_fed_features_gets_no_seq2seq_task_type():
+    # issue 38's matrix: Whisper with --lora failed "WhisperDecoder(...) got multiple values for keyword argument
+    # 'input_ids'": PEFT's seq2seq wrapper hands the model input_ids=, which Whisper passes on to its decoder
+    from transformers import T5Config, T5ForConditionalGeneration, WhisperConfig, WhisperForConditionalGeneration
+
+    from memcheck.training.adapters import _task_type
+
+    with torch.device("meta"):
+        whisper = WhisperForConditionalGeneration(WhisperConfig(d_model=64, encoder_layers=1, decoder_layers=1,
+                                                                encoder_attention_heads=2, decoder_attention_heads=2))
+        t5 = T5ForConditionalGeneration(T5Config(d_model=64, num_layers=1, num_heads=2, vocab_size=100))
+    assert _task_type(whisper) is None
+    assert _task_type(t5) == "SEQ_2_SEQ_LM"

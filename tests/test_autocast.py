@@ -147,3 +147,47 @@ def test_autocast_queries_about_the_meta_device_answer_for_the_emulated_region()
         tracer.autocast = None
         assert torch.get_autocast_dtype("meta") == torch.float16  # torch's CUDA default
     assert (torch.is_autocast_enabled, torch.get_autocast_dtype) == before
+
+
+class _FoldBlock(torch.nn.Module):
+    """Opens ``torch.autocast(device_type=<its tensor's device>, enabled=False)`` around an fp32 matmul, as
+    PEFT's LoRA on a parameter does around its fold (peft/tuners/lora/layer.py, ``_LoraFactorsProxy``):
+    "meta" in a trace, which torch refuses as an autocast device."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.lin(x)
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            out = h.float() @ self.lin.weight.t()
+        assert out.dtype == torch.float32, out.dtype  # the region really is off, the recomputation included
+        return out.relu()
+
+
+def _fold_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_FoldBlock(), _FoldBlock()), torch.randn(8, 64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_an_autocast_region_on_the_meta_device_is_the_targets_and_pauses_the_emulation(checkpointing):
+    # issue 38's matrix: Mixtral with LoRA on its fused experts failed "unsupported autocast device_type
+    # 'meta'", then, checkpointed under amp-bf16, cast the fold's matmul in the recomputation anyway
+    from memcheck.measure.local import measure_cpu
+    from memcheck.training.checkpointing import apply_checkpointing
+
+    def real():
+        model, x = _fold_model()
+        apply_checkpointing(model, checkpointing)
+        return model, x
+
+    with torch.device("meta"):
+        model, x = _fold_model()
+    est = memcheck.estimate(model, x, device="cpu", precision="amp-bf16", checkpointing=checkpointing,
+                            optimizer="adamw", loss_fn=lambda m, b: m(b).sum())
+    measured = measure_cpu(real, lambda p: torch.optim.AdamW(p), loss_fn=lambda m, b: m(b).sum(),
+                           autocast_dtype=torch.bfloat16).steady_peak_bytes
+    assert abs(est.peak_bytes - measured) <= 0.02 * measured, (est.peak_bytes, measured)

@@ -373,3 +373,27 @@ def test_fsdp_estimate_is_within_2_percent_of_every_measured_fsdp2_rank(fsdp_mea
     for rank, peak in enumerate(runs[0]):
         error = (estimated - peak) / peak
         assert abs(error) <= TOLERANCE, f"rank {rank}: estimated {estimated} B, measured {peak} B ({error:+.2%})"
+
+
+class _MasksItsInput(nn.Module):
+    """Writes into its input in place, as Wav2Vec2's ``_mask_hidden_states`` does."""
+
+    def __init__(self, d: int = 10):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        x[:, 0] = 0.0
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("strategy", ["zero3"])
+def test_zero3_lets_a_module_write_into_its_input_in_place(strategy):
+    # issue 38's matrix: Wav2Vec2 with QLoRA (its inputs then need gradients) under zero3 failed "Output 0 of
+    # _AfterInputGradients is a view and is being modified inplace": DeepSpeed's PostBackwardFunctionModule
+    # returns output.detach(), which the module may write into; the emulation returned the input itself
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(10, 10), _MasksItsInput(), _MasksItsInput())
+    x = torch.empty(2, 10, device="meta")
+    est = memcheck.estimate(model, x, device="cpu", strategy=strategy, gpus=2)
+    assert est.peak_bytes > 0

@@ -141,6 +141,9 @@ class MetaAutocast:
         self.dtype = dtype
         self.policies = POLICIES[self.device]
         self.active = False
+        # regions with enabled=False open inside this one (torch.autocast(..., enabled=False)): while any is,
+        # nothing is cast, a checkpointed block's recomputation included (the tracer's function mode)
+        self.paused = 0
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._depth = 0
 
@@ -278,15 +281,43 @@ _DEFAULT_DTYPE = {"cuda": torch.float16, "cpu": torch.bfloat16}  # torch.get_aut
 @contextlib.contextmanager
 def meta_autocast_queries(tracer, device: Device):
     """``torch.is_autocast_enabled("meta")`` and ``torch.get_autocast_dtype("meta")`` answered
-    as the target ``device`` would be in the tracer's emulated region (restored on exit).
+    as the target ``device`` would be in the tracer's emulated region, and ``torch.autocast("meta",
+    ...)`` regions emulated as the target's (restored on exit).
 
     Code that asks autocast about its tensors' own device gets ``"meta"`` in a trace, which
     torch's functions reject ("unknown device type for autocast"): TRL's fused LM head picks
     its tile dtype that way (trl 1.16, trl/kernels/chunked_logprob.py:329-331, the loss of
-    every ``SFTTrainer`` step). Other device types are torch's own answer.
+    every ``SFTTrainer`` step), and PEFT's LoRA on a parameter (``ParamWrapper``: the fused experts
+    of Mixtral-style MoE layers) opens ``torch.autocast(device_type=W.device.type, enabled=False)``
+    around its fold (peft 0.21, peft/tuners/lora/layer.py ``_LoraParameterProxy.forward``), which
+    torch refuses for "meta" ("unsupported autocast device_type"). Other device types are torch's own.
     """
     enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
-    default = _DEFAULT_DTYPE[Device.parse(device).value]
+    target = Device.parse(device)
+    default = _DEFAULT_DTYPE[target.value]
+    regions = UserAutocast(tracer, target)  # a "meta" region is the target's: enabled=False pauses the emulation
+    cls = torch.amp.autocast_mode.autocast
+    init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
+
+    def initialised(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type != "meta":
+            return init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        init(self, "cpu", enabled=False)  # a region that does nothing for real; emulated on enter
+        self._memcheck_meta = (dtype or default, enabled)
+        self._memcheck_asked = ("meta", None, False)  # what a train_step's emulation (UserAutocast) reads: none
+
+    def entered(self):
+        out = enter(self)
+        if getattr(self, "_memcheck_meta", None) is not None:
+            self._memcheck_meta_undo = regions._enter(target.value, *self._memcheck_meta)
+        return out
+
+    def exited(self, *exc):
+        undo = getattr(self, "_memcheck_meta_undo", None)
+        if undo is not None:
+            self._memcheck_meta_undo = None
+            undo(*exc)
+        return exit_(self, *exc)
 
     def is_autocast_enabled(*args, **kwargs):
         if (args[0] if args else kwargs.get("device_type")) == "meta":
@@ -299,10 +330,12 @@ def meta_autocast_queries(tracer, device: Device):
         return get_dtype(*args, **kwargs)
 
     torch.is_autocast_enabled, torch.get_autocast_dtype = is_autocast_enabled, get_autocast_dtype
+    cls.__init__, cls.__enter__, cls.__exit__ = initialised, entered, exited
     try:
         yield
     finally:
         torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, get_dtype
+        cls.__init__, cls.__enter__, cls.__exit__ = init, enter, exit_
 
 
 class UserAutocast:
@@ -383,12 +416,14 @@ class UserAutocast:
         if device_type not in ("cuda", "cpu"):
             return None
         if not enabled:
-            if outer is None or not outer.active:
+            if outer is None:
                 return None
-            outer.active = False
+            was, outer.active = outer.active, False
+            outer.paused += 1
 
             def reenable(*exc):
-                outer.active = True
+                outer.paused -= 1
+                outer.active = was
             return reenable
         region = outer if outer is not None and outer.dtype == dtype else MetaAutocast(self.device, dtype)
         tracer.autocast = region

@@ -316,7 +316,7 @@ class _KernelChoiceMode(TorchFunctionMode):
         if autocast is not None:
             if autocast.active:
                 return autocast.run(func, args, kwargs, self.call)
-            if compat.current_graph_task_id() != -1 and torch.is_grad_enabled():
+            if compat.current_graph_task_id() != -1 and torch.is_grad_enabled() and not autocast.paused:
                 # Gradient checkpointing recomputes the forward inside backward, in the
                 # autocast state the forward had (torch.utils.checkpoint restores it).
                 with autocast:

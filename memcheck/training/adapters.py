@@ -182,8 +182,15 @@ def _peft():
 
 
 def _task_type(model: torch.nn.Module) -> str | None:
-    """PEFT's task type for a transformers model (CAUSAL_LM, SEQ_2_SEQ_LM, ...), None otherwise."""
+    """PEFT's task type for a transformers model (CAUSAL_LM, SEQ_2_SEQ_LM, ...), None otherwise.
+
+    None for a model whose main input is not token ids (Whisper's ``input_features``): PEFT's
+    ``PeftModelForSeq2SeqLM.forward`` hands the base model ``input_ids=`` and its own keywords, which
+    such a model passes on to its decoder beside the decoder's ids ("got multiple values for keyword
+    argument 'input_ids'"); PEFT's Whisper recipes leave the task type unset."""
     name = type(model).__name__
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        return None
     for suffix, task in (("ForCausalLM", "CAUSAL_LM"), ("ForConditionalGeneration", "SEQ_2_SEQ_LM"),
                          ("ForSequenceClassification", "SEQ_CLS"), ("ForTokenClassification", "TOKEN_CLS"),
                          ("ForQuestionAnswering", "QUESTION_ANS")):
@@ -192,11 +199,30 @@ def _task_type(model: torch.nn.Module) -> str | None:
     return None
 
 
+def modules_kept_unquantized(model: torch.nn.Module) -> list[str]:
+    """The modules ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` leaves
+    in full precision: transformers' ``get_keys_to_not_convert`` (tied weights, the last module, the output
+    embeddings) and the model's ``_keep_in_fp32_modules`` (T5's ``wo``, whose forward casts its input to the
+    weight's dtype: a 4-bit ``wo`` would turn the hidden states into uint8) (transformers 5.23
+    quantizers/quantizer_bnb_4bit.py, ``_process_model_before_weight_loading``); for a model that is not a
+    transformers one, its output embeddings, else ``lm_head``."""
+    keep: list[str] = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    try:
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        keep += get_keys_to_not_convert(model)
+    except (ImportError, AttributeError):  # not a PreTrainedModel (no all_tied_weights_keys)
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        keep += [name for name, module in model.named_modules() if head is not None and module is head] or ["lm_head"]
+    return sorted(set(keep))
+
+
 def quantize_4bit(model: torch.nn.Module) -> torch.nn.Module:
     """Every linear layer but the output head as bitsandbytes' NF4 ``Linear4bit`` with double
     quantization and bf16 compute (the QLoRA recipe's ``BitsAndBytesConfig``), as transformers'
     ``replace_with_bnb_linear`` puts them (on meta: no weight is quantized for real; the twin
-    sizes the 4-bit weight and its statistics, ``memcheck.rules.extensions.bitsandbytes``)."""
+    sizes the 4-bit weight and its statistics, ``memcheck.rules.extensions.bitsandbytes``), leaving out
+    ``modules_kept_unquantized``."""
     try:
         with quiet_third_party():
             from transformers import BitsAndBytesConfig
@@ -205,8 +231,7 @@ def quantize_4bit(model: torch.nn.Module) -> torch.nn.Module:
         raise UsageError("QLoRA needs transformers and bitsandbytes: pip install transformers bitsandbytes") from None
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                 bnb_4bit_compute_dtype=torch.bfloat16)
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    keep = [name for name, module in model.named_modules() if head is not None and module is head] or ["lm_head"]
+    keep = modules_kept_unquantized(model)
     with torch.device("meta"):
         return replace_with_bnb_linear(model, modules_to_not_convert=keep, quantization_config=config)
 
@@ -235,6 +260,10 @@ def apply_adapters(model: torch.nn.Module, lora: Lora | None, qlora: bool) -> tu
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                          if isinstance(m, torch.nn.Linear) and name})
         first = str(exc).strip().splitlines()[0]
+        if lora.dora and "use_dora" in first:  # "lora.ParamWrapper does not work with use_dora=True": MoE experts
+            raise UsageError(f"lora dora=true: PEFT says {first} (DoRA applies to linear layers only, not to a "
+                             f"parameter such as {type(model).__name__}'s fused experts); drop dora=true or give "
+                             "targets= linear layers only") from None
         raise UsageError(f"lora targets: PEFT says {first}; give targets= module names of {type(model).__name__} "
                          f"(its linear layers: {', '.join(linear[:8]) or 'none'}) or all-linear") from None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -97,6 +97,18 @@ class _AfterInputGradients(torch.autograd.Function):
         return (None, *grads)
 
 
+class _AfterInputGradientDetached(_AfterInputGradients):
+    """DeepSpeed's ``PostBackwardFunctionModule``, which returns ``output.detach()`` (DeepSpeed 0.19.8
+    ``deepspeed/runtime/zero/parameter_offload.py``, ``forward``: "output = output.detach()"): no copy,
+    and not a view of the input in autograd's sense, so the module may write into it in place (Wav2Vec2's
+    ``_mask_hidden_states``), which autograd forbids on an input a custom Function returns as it is."""
+
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return tuple(t.detach() for t in inputs)
+
+
 def after_input_gradients(args, kwargs, callback, *, each: bool = False):
     """``(args, kwargs)`` with their grad-requiring tensors passed through ``_AfterInputGradients``.
 
@@ -117,7 +129,7 @@ def after_input_gradients(args, kwargs, callback, *, each: bool = False):
                 callback()
 
         for i in wanted:
-            (leaves[i],) = _AfterInputGradients.apply(one_done, leaves[i])
+            (leaves[i],) = _AfterInputGradientDetached.apply(one_done, leaves[i])
     else:
         outs = _AfterInputGradients.apply(callback, *(leaves[i] for i in wanted))
         for i, t in zip(wanted, outs):

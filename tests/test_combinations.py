@@ -1,0 +1,112 @@
+"""The combination matrix (issue 38, item 3): every cell of the pairwise covering array of
+tests/combinations.py traces, or refuses on purpose in one line naming the setting; every CPU cell
+matches a real CPU run within 2% (the allocator's events under the profiler, from step 2 on, as
+tests/test_accuracy_cpu.py; real gloo ranks for the sharded strategies, as tests/test_sharded.py).
+
+``make test`` runs the refusal cells and the array's first cells (``FAST``); ``make test-bench`` runs them all.
+A cell that cannot pass is in ``KNOWN_OFF`` with its measured numbers and the suspected cause
+(strict: a fix shows up as an unexpected pass).
+"""
+
+import warnings
+
+import pytest
+
+import memcheck
+from combinations import (EXTRA_REFUSALS, FACTORS, REFUSED, allowed_pairs, covering_array, matrix, pairs_of,
+                          run_real, build_meta)
+
+TOLERANCE = 0.02  # as tests/test_accuracy_cpu.py
+
+# cell name -> reason (observed on torch 2.13.0+cpu, transformers 5.23.0)
+KNOWN_OFF: dict[str, str] = {
+    "c03-wav2vec2": (
+        "+4.46%: estimated 2,333,532 B, measured 2,233,848 B (ddp over 2 gloo ranks, smallest rank peak), "
+        "Wav2Vec2 with DoRA, every:2, fp32. Not found; Wav2Vec2 with DoRA or LoRA under pure bf16 on the cpu target "
+        "was off too in an earlier array (full reentrant -4.29%, half reentrant +5.02%, no checkpointing +16%, LoRA "
+        "-4.9%): suspected a CPU kernel of its convolutional feature encoder or group norm that the CPU rules do "
+        "not size for these dtypes and shapes"),
+    "c17-vit": (
+        "could not trace: torch.utils.checkpoint's selective-op recomputation finds an aten._to_copy it did not "
+        "store ('invocation index 54 encountered during backward but not found in storage'), cuda target, amp-bf16, "
+        "DoRA (BART, T5 and Mamba fail the same way with selective-op + amp-bf16 + DoRA on cuda; the cpu target, "
+        "LoRA or fp32 trace). Suspected: the recomputation runs each op in its own emulated autocast region "
+        "(memcheck/trace/tracer.py, the graph-task branch), whose weight-cast cache is cleared after every op, so a "
+        "weight DoRA casts twice in a block (its weight norm and lora_B(lora_A(x))) is cast twice in the "
+        "recomputation and once in the forward"),
+    "c19-qwen2": (
+        "+3.11%: estimated 1,764,108 B, measured 1,710,900 B (measure_cpu), Qwen2 with DoRA, half reentrant "
+        "checkpointing, pure bf16. Not found; suspected DoRA's detached weight-norm graph (lora_B(lora_A(eye))) "
+        "kept longer in the trace under reentrant checkpointing, as it was by a gradient hook before "
+        "(tests/test_adapters.py)"),
+}
+
+
+def test_the_array_meets_every_allowed_pair_in_a_valid_cell():
+    cells = covering_array()
+    met = set().union(*(pairs_of(c) for c in cells))
+    assert allowed_pairs() - met == set()
+    # no valid cell holds a refused pair, and every cell has a value for every factor, from its values
+    assert not any(pair in REFUSED for c in cells for pair in pairs_of(c))
+    assert all(set(c) == set(FACTORS) and all(c[f] in FACTORS[f] for f in FACTORS) for c in cells)
+
+
+def test_every_refused_pair_and_every_architecture_has_a_cell_and_the_array_is_fixed():
+    cells = matrix()
+    refusals = [c for c in cells if c.refusal]
+    assert len(refusals) == len(REFUSED) + len(EXTRA_REFUSALS)
+    from combinations import ARCHITECTURES
+
+    assert {c.architecture for c in cells} == set(ARCHITECTURES) and len(ARCHITECTURES) >= 16
+    assert [c.name for c in matrix()] == [c.name for c in cells]  # the same cells on every call
+
+
+# make test's share (issue 38: the matrix may cost about 60 CPU-seconds of the suite): the refusal cells and the
+# first FAST cells of the array but its real gloo runs (20 to 40 CPU-seconds each: two spawned ranks importing torch,
+# transformers, PEFT and bitsandbytes): 9 cells that meet 47% of the allowed pairs (the greedy array meets the most
+# pairs first). Measured 2026-12-02 on the 2-core AVX2 host (load average about 6), torch 2.13.0+cpu: the whole
+# matrix 271 CPU-s in one process (its 3 gloo cells 108 CPU-s); with pytest -n 2, FAST = 16 (13 cells, 59% of the
+# pairs) cost 79 CPU-s over the 25 CPU-s of starting and collecting, FAST = 12 53 CPU-s (128 s wall for the file
+# alone, both workers included). The rest is the benchmark lane's (make test-bench), where every cell runs.
+FAST = 12
+
+
+def _lane(index: int, cell) -> list:
+    gloo = cell.target == "cpu" and cell.strategy in ("ddp", "fsdp", "fsdp1")
+    if cell.refusal:
+        return []
+    if index < FAST and not gloo:
+        return [pytest.mark.slow]  # a trace (and a real run) of 1 to 12 s: out of make test-fast
+    return [pytest.mark.bench]
+
+
+def _params():
+    out = []
+    for index, cell in enumerate(matrix()):
+        marks = [pytest.mark.xfail(reason=KNOWN_OFF[cell.name], strict=True)] if cell.name in KNOWN_OFF else []
+        out.append(pytest.param(cell, id=cell.name, marks=[*marks, *_lane(index, cell)]))
+    return out
+
+
+@pytest.mark.parametrize("cell", _params())
+def test_cell(cell):
+    settings = cell.job_settings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, batch = build_meta(cell)
+        if cell.refusal:
+            with pytest.raises(memcheck.UsageError) as refused:
+                memcheck.estimate(model, batch, **settings)
+            line = str(refused.value)
+            assert refused.value.exit_code == 2 and "\n" not in line and cell.refusal in line, line
+            return
+        est = memcheck.estimate(model, batch, **settings)
+        if cell.target != "cpu":
+            assert est.peak_bytes > 0
+            return
+        measured, how = run_real(cell)
+    if measured is None:
+        pytest.skip(f"{cell.label()}: traced; no real run: {how}")
+    error = (est.peak_bytes - measured) / measured
+    assert abs(error) <= TOLERANCE, (f"{cell.label()}: estimated {est.peak_bytes:,} B, measured {measured:,} B "
+                                     f"({how}), {error:+.2%}")

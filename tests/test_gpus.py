@@ -24,6 +24,7 @@ GiB = 2**30
 REQUIRED = [
     "V100-16GB", "V100-32GB", "T4", "A10G", "RTX-3090", "RTX-4090",
     "L4", "L40S", "A100-40GB", "A100-80GB", "H100-80GB", "H200",
+    "RTX-5090", "RTX-A6000", "H100-NVL", "B200",  # issue 37: GPUs people have in 2026
 ]
 
 
@@ -69,7 +70,7 @@ def test_only_gpus_with_a_published_or_measured_context_are_marked_so():
 
 
 def test_gpus_outside_the_table_say_their_context_is_the_generic_estimate():
-    for gpu in (resolve_gpu("24GiB"), gpu_from_smi("NVIDIA H100 NVL, 95830, 9.0")):
+    for gpu in (resolve_gpu("24GiB"), gpu_from_smi("NVIDIA RTX PRO 6000 Blackwell Server Edition, 97887, 12.0")):
         assert gpu.context_bytes == 512 * MiB
         assert gpu.context_source.startswith("estimated: 512 MiB")
 
@@ -128,13 +129,62 @@ def test_a_zero_size_is_refused():
         resolve_gpu("0GiB")
 
 
-def test_an_unknown_name_suggests_the_closest_and_lists_the_allowed():
+def test_an_unknown_name_suggests_the_closest_typo():
     with pytest.raises(UsageError) as info:
         resolve_gpu("H100-8GB")
     message = str(info.value)
-    assert "'H100-8GB'" in message
-    assert "did you mean 'H100-80GB'?" in message
-    assert "allowed: V100-16GB" in message and "H200" in message and "24GiB" in message
+    assert message == "unknown GPU 'H100-8GB'; did you mean 'H100-80GB'?"
+
+
+def test_the_rtx_5090_is_in_the_table_with_its_cuda_capacity():
+    # deviceQuery on an RTX 5090 (NVIDIA/nccl#1637): 33,680,457,728 B = 32120 MiB + 1,245,184 B (32,120 *
+    # 1,048,576 = 33,554,432,000 + 125,829,120 = 33,680,261,120), kept as 32120 MiB = 31.37 GiB; the
+    # datasheet's 32 GB of GDDR7 is 32 * 2**30 = 34,359,738,368 B physical, of which CUDA reports 98%.
+    gpu = resolve_gpu("RTX-5090")
+    assert gpu.capacity_bytes == 33_680_261_120
+    assert gpu.arch == (12, 0)
+    # bare 133 MiB + 170 SMs * 1536 threads * 1 KiB (255 MiB) + 187 MiB step kernels = 575 MiB
+    assert gpu.context_bytes == 575 * MiB
+    assert resolve_gpu("5090") is gpu and resolve_gpu("NVIDIA GeForce RTX 5090") is gpu
+
+
+def test_the_h100_nvl_and_rtx_a6000_keep_nvidia_smis_figure_and_say_so():
+    from memcheck.cuda.gpus import SMI_CAPACITY
+
+    # nvidia-smi memory.total: H100 NVL 95830 MiB (NVIDIA/gpu-admin-tools#4), RTX A6000 49140 MiB.
+    assert GPUS["H100-NVL"].capacity_bytes == 95830 * MiB  # 100,484,382,720 B
+    assert GPUS["RTX-A6000"].capacity_bytes == 49140 * MiB
+    assert {"H100-NVL", "RTX-A6000"} <= set(SMI_CAPACITY)
+
+
+@pytest.mark.parametrize("text", ["RTX-5080", "B300", "RTX-3080", "A800", "lots"])
+def test_another_model_number_is_not_offered_a_table_card_as_its_match(text):
+    # RTX-5090 used to be offered the RTX-4090 (8 GB smaller); a changed digit is another card.
+    with pytest.raises(UsageError) as info:
+        resolve_gpu(text)
+    message = str(info.value)
+    assert "did you mean" not in message
+    assert message.startswith(f"unknown GPU {text!r}; see memcheck gpus")
+
+
+@pytest.mark.parametrize("text, listed", [
+    ("H100-94GB", "at least 94 GB: H100-NVL, H200"),  # by datasheet: 94 GB, then 141 GB
+    ("GH200-96GB", "at least 96 GB: H200, B200"),  # the H100 NVL's 94 GB is less: not listed
+    ("A40-48GB", "at least 48 GB: L40S, RTX-A6000"),
+    ("B300-288GB", "none has 288 GB: --gpu 288GB"),
+])
+def test_a_name_with_its_memory_lists_only_cards_at_least_that_large(text, listed):
+    with pytest.raises(UsageError) as info:
+        resolve_gpu(text)
+    assert str(info.value) == f"unknown GPU {text!r}; {listed}"
+
+
+@pytest.mark.parametrize("text", ["RTX-5080", "H100-80GX", "RTX4900", "H100-94GB", "B300-288GB", "A40-48GB",
+                                  "GH200-96GB", "lots"])
+def test_the_unknown_gpu_line_fits_80_columns_as_the_cli_prints_it(text):
+    with pytest.raises(UsageError) as info:
+        resolve_gpu(text)
+    assert len(f"memcheck: error: --gpu: {info.value}") <= 80
 
 
 def test_a_number_with_letters_that_are_not_a_unit_is_an_unknown_name():
@@ -175,6 +225,9 @@ def test_usable_bytes_is_capacity_less_context():
         ("NVIDIA L4, 23034, 8.9", "L4"),
         ("NVIDIA H200, 143771, 9.0", "H200"),
         ("NVIDIA B200, 183359, 10.0", "B200"),
+        ("NVIDIA H100 NVL, 95830, 9.0", "H100-NVL"),  # not the H100-80GB: memory.total picks the row
+        ("NVIDIA GeForce RTX 5090, 32607, 12.0", "RTX-5090"),
+        ("NVIDIA RTX A6000, 49140, 8.6", "RTX-A6000"),
         ("NVIDIA A10G, 23028", "A10G"),  # an old driver without compute_cap
     ],
 )
@@ -183,12 +236,9 @@ def test_nvidia_smi_names_map_to_the_table(line, name):
 
 
 def test_an_unlisted_card_keeps_nvidia_smis_figures():
-    # H100 NVL: 95830 MiB is not within 3% of the 80 GB row, so it is not called an H100-80GB.
-    gpu = gpu_from_smi("NVIDIA H100 NVL, 95830, 9.0")
-    assert gpu.name == "NVIDIA H100 NVL" and not gpu.named
-    assert gpu.capacity_bytes == 95830 * MiB
-    assert gpu.arch == (9, 0)
+    # RTX PRO 6000 Blackwell: not in the table, so its nvidia-smi figures and arch are kept.
     blackwell = gpu_from_smi("NVIDIA RTX PRO 6000 Blackwell Server Edition, 97887, 12.0")
+    assert blackwell.name == "NVIDIA RTX PRO 6000 Blackwell Server Edition" and not blackwell.named
     assert blackwell.arch == (12, 0) and blackwell.capacity_bytes == 97887 * MiB
     assert blackwell.context_bytes == GENERIC_CONTEXT_BYTES
 

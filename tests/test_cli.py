@@ -121,7 +121,8 @@ def test_gpus_command_lists_the_table():
     result = run("gpus")
     assert result.exit_code == 0, result.output
     for name in ("V100-16GB", "T4", "A10G", "RTX-3090", "RTX-4090", "L4", "L40S", "A100-40GB", "A100-80GB",
-                 "H100-80GB", "H200", "RTX-5090", "RTX-A6000", "H100-NVL", "B200"):
+                 "H100-80GB", "H200", "RTX-5090", "RTX-A6000", "H100-NVL", "B200", "RTX-4080", "L40", "A40",
+                 "H100-PCIe", "GH200"):
         assert name in result.output
     assert max(len(line) for line in result.output.splitlines()) <= 80  # issue 37: was 175 columns
     line = next(ln for ln in result.output.splitlines() if ln.startswith("RTX-3090"))
@@ -130,7 +131,7 @@ def test_gpus_command_lists_the_table():
     assert line.split() == ["RTX-3090", "23.69", "GiB", "sm86", "443.0", "MiB", "published", "71", "936"]
     line = next(ln for ln in result.output.splitlines() if ln.startswith("T4"))
     assert "360.0 MiB" in line and "estimated" in line
-    assert "memcheck gpus --wide or --json" in result.output
+    assert "Sources: memcheck gpus --wide or --json." in " ".join(result.output.split())
 
 
 def test_gpus_wide_adds_the_sources_within_80_columns():

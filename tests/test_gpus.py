@@ -25,6 +25,7 @@ REQUIRED = [
     "V100-16GB", "V100-32GB", "T4", "A10G", "RTX-3090", "RTX-4090",
     "L4", "L40S", "A100-40GB", "A100-80GB", "H100-80GB", "H200",
     "RTX-5090", "RTX-A6000", "H100-NVL", "B200",  # issue 37: GPUs people have in 2026
+    "RTX-4080", "L40", "A40", "H100-PCIe", "GH200",
 ]
 
 
@@ -168,9 +169,9 @@ def test_another_model_number_is_not_offered_a_table_card_as_its_match(text):
 
 
 @pytest.mark.parametrize("text, listed", [
-    ("H100-94GB", "at least 94 GB: H100-NVL, H200"),  # by datasheet: 94 GB, then 141 GB
-    ("GH200-96GB", "at least 96 GB: H200, B200"),  # the H100 NVL's 94 GB is less: not listed
-    ("A40-48GB", "at least 48 GB: L40S, RTX-A6000"),
+    ("H100-94GB", "at least 94 GB: H100-NVL, GH200"),  # by datasheet: 94 GB, then 96 GB
+    ("H100-96GB", "at least 96 GB: GH200, H200"),  # the H100 NVL's 94 GB is less: not listed
+    ("Quadro-48GB", "at least 48 GB: L40S, L40"),  # 48 GB each; a third would pass 80 columns
     ("B300-288GB", "none has 288 GB: --gpu 288GB"),
 ])
 def test_a_name_with_its_memory_lists_only_cards_at_least_that_large(text, listed):
@@ -179,8 +180,8 @@ def test_a_name_with_its_memory_lists_only_cards_at_least_that_large(text, liste
     assert str(info.value) == f"unknown GPU {text!r}; {listed}"
 
 
-@pytest.mark.parametrize("text", ["RTX-5080", "H100-80GX", "RTX4900", "H100-94GB", "B300-288GB", "A40-48GB",
-                                  "GH200-96GB", "lots"])
+@pytest.mark.parametrize("text", ["RTX-5080", "H100-80GX", "RTX4900", "H100-94GB", "B300-288GB",
+                                  "Quadro-48GB", "H100-96GB", "lots"])
 def test_the_unknown_gpu_line_fits_80_columns_as_the_cli_prints_it(text):
     with pytest.raises(UsageError) as info:
         resolve_gpu(text)
@@ -228,6 +229,12 @@ def test_usable_bytes_is_capacity_less_context():
         ("NVIDIA H100 NVL, 95830, 9.0", "H100-NVL"),  # not the H100-80GB: memory.total picks the row
         ("NVIDIA GeForce RTX 5090, 32607, 12.0", "RTX-5090"),
         ("NVIDIA RTX A6000, 49140, 8.6", "RTX-A6000"),
+        ("NVIDIA H100 PCIe, 81559, 9.0", "H100-PCIe"),  # same memory.total as the SXM: the name decides
+        ("NVIDIA GH200 480GB, 97871, 9.0", "GH200"),  # "gh200" holds "h200": memory.total decides
+        ("NVIDIA L40, 46068, 8.9", "L40"),
+        ("NVIDIA L40S, 46068, 8.9", "L40S"),
+        ("NVIDIA A40, 46068, 8.6", "A40"),
+        ("NVIDIA GeForce RTX 4080, 16376, 8.9", "RTX-4080"),
         ("NVIDIA A10G, 23028", "A10G"),  # an old driver without compute_cap
     ],
 )
@@ -329,3 +336,5 @@ def test_the_h200_context_is_the_one_measured_on_an_h200():
     assert GPUS["H200"].context_bytes == 767 * 2**20
     assert GPUS["H200"].context_source.startswith("measured: 767 MiB")
     assert GPUS["H100-80GB"].context_source.startswith("estimated: 767 MiB measured on an H200")
+    # The H100 PCIe has 114 of the 132 SMs: 767 - 18 SMs x 2048 threads x 1 KiB (36 MiB) = 731 MiB.
+    assert GPUS["H100-PCIe"].context_bytes == 731 * 2**20

@@ -149,6 +149,13 @@ def test_the_rtx_5090_is_in_the_table_with_its_cuda_capacity():
     assert resolve_gpu("5090") is gpu and resolve_gpu("NVIDIA GeForce RTX 5090") is gpu
 
 
+def test_the_l4_is_cudas_figure_now_not_nvidia_smis():
+    # deviceQuery on an L4 (bottlerocket-os/bottlerocket-kernel-kit#139): 23,583,784,960 B = 22491 MiB
+    # (22491 * 1,048,576 = 23,583,522,816) + 262,144 B; nvidia-smi says 23034 MiB, 543 MiB (2.4%) more.
+    assert GPUS["L4"].capacity_bytes == 23_583_522_816
+    assert gpu_from_smi("NVIDIA L4, 23034, 8.9") is GPUS["L4"]
+
+
 def test_the_h100_nvl_and_rtx_a6000_keep_nvidia_smis_figure_and_say_so():
     from memcheck.cuda.gpus import SMI_CAPACITY
 

@@ -197,8 +197,10 @@ _ROWS = (
     # figure found. 84 SMs: the RTX Blackwell whitepaper's table (RTX A6000 / RTX 6000 Ada / RTX PRO
     # 6000: 84 / 142 / 188 SMs, quoted in NVIDIA/cudnn-frontend#1164); GA102, capability 8.6.
     _Row("RTX-A6000", 49140, 49140, (8, 6), 84, 1536, r"rtx a6000"),
-    # smi only: 'NVIDIA L4' 23034MiB (no CUDA figure found; likely ~2% lower, nominal)
-    _Row("L4", 23034, 23034, (8, 9), 58, 1536, r"\bl4\b"),
+    # CUDA: deviceQuery on 'NVIDIA L4' (bottlerocket-os/bottlerocket-kernel-kit#139, driver CUDA 12.2,
+    # runtime 12.8): "22491 MBytes (23583784960 bytes)" = 22491.25 MiB, 58 multiprocessors, capability
+    # 8.9; smi 23034 (modal-labs/modal-client#2797).
+    _Row("L4", 22491, 23034, (8, 9), 58, 1536, r"\bl4\b"),
     # smi (text search): 'NVIDIA L40, 46068 MiB' (drivers 570.0, 610.57.04; PyTorch 2.10 NGC container);
     # no CUDA figure found. 142 SMs: the L40 datasheet's 18,176 CUDA cores / 128 per SM (AD102).
     _Row("L40", 46068, 46068, (8, 9), 142, 1536, r"\bl40\b"),
@@ -317,7 +319,7 @@ def _spec(row: _Row) -> GpuSpec:
 GPUS: dict[str, GpuSpec] = {r.name: _spec(r) for r in _ROWS}
 # Rows whose capacity is nvidia-smi's memory.total, no CUDA figure having been found (see the rows'
 # comments): CUDA's own may be ~2% lower.
-SMI_CAPACITY = ("V100-32GB", "RTX-4080", "RTX-A6000", "L4", "L40", "A40", "H100-PCIe", "H100-NVL", "GH200")
+SMI_CAPACITY = ("V100-32GB", "RTX-4080", "RTX-A6000", "L40", "A40", "H100-PCIe", "H100-NVL", "GH200")
 
 _PREFIXES = ("nvidia", "geforce", "tesla", "quadro")
 

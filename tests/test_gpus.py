@@ -345,3 +345,19 @@ def test_the_h200_context_is_the_one_measured_on_an_h200():
     assert GPUS["H100-80GB"].context_source.startswith("estimated: 767 MiB measured on an H200")
     # The H100 PCIe has 114 of the 132 SMs: 767 - 18 SMs x 2048 threads x 1 KiB (36 MiB) = 731 MiB.
     assert GPUS["H100-PCIe"].context_bytes == 731 * 2**20
+
+
+def test_every_table_gpu_has_its_datasheet_size_and_rates():
+    from memcheck.cuda.gpus import DATASHEET_GB, RATES
+
+    assert set(DATASHEET_GB) == set(GPUS) == set(RATES)  # no table card falls back to the A100's rates
+
+
+@pytest.mark.parametrize("size", [8, 16, 24, 32, 40, 48, 80, 94, 96, 141, 180])
+def test_no_card_with_less_memory_than_the_name_says_is_ever_offered(size):
+    from memcheck.cuda.gpus import DATASHEET_GB
+
+    with pytest.raises(UsageError) as info:
+        resolve_gpu(f"Mystery-{size}GB")
+    offered = str(info.value).split(f"at least {size} GB: ")[1].split(", ")
+    assert offered and all(DATASHEET_GB[name] >= size for name in offered), str(info.value)

@@ -421,9 +421,10 @@ _NAMED_SIZE = re.compile(r"(?<![0-9.])([0-9]+)\s*G(?:B|IB)?(?![A-Z])", re.IGNORE
 # CUDA's bytes are no measure of that (the T4's "16 GB" is 15.84e9 B to CUDA, the H100 NVL's
 # "94 GB" 100.5e9 B), and a card is never called at least as large as one it is not.
 DATASHEET_GB = {
-    "V100-16GB": 16, "V100-32GB": 32, "T4": 16, "A10G": 24, "RTX-3090": 24, "RTX-4090": 24,
-    "RTX-5090": 32, "RTX-A6000": 48, "L4": 24, "L40S": 48, "A100-40GB": 40, "A100-80GB": 80,
-    "H100-80GB": 80, "H100-NVL": 94, "L40": 48, "A40": 48, "H100-PCIe": 80, "GH200": 96, "RTX-4080": 16, "H200": 141, "B200": 180,  # B200: DGX B200's 1,440 GB / 8
+    "V100-16GB": 16, "V100-32GB": 32, "T4": 16, "A10G": 24, "RTX-3090": 24, "RTX-4080": 16,
+    "RTX-4090": 24, "RTX-5090": 32, "RTX-A6000": 48, "L4": 24, "L40": 48, "A40": 48, "L40S": 48,
+    "A100-40GB": 40, "A100-80GB": 80, "H100-80GB": 80, "H100-PCIe": 80, "H100-NVL": 94, "GH200": 96,
+    "H200": 141, "B200": 180,  # B200: the DGX B200 datasheet's 1,440 GB over 8 GPUs
 }
 # The message's room: 80 columns less the CLI's "memcheck: error: --gpu: " (24).
 _ROOM = 80 - len("memcheck: error: --gpu: ")

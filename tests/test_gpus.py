@@ -137,6 +137,13 @@ def test_an_unknown_name_suggests_the_closest_typo():
     assert message == "unknown GPU 'H100-8GB'; did you mean 'H100-80GB'?"
 
 
+@pytest.mark.parametrize("text, name", [("H10O", "H100-80GB"), ("RTX4900", "RTX-4090"), ("A10", "A10G"),
+                                        ("Tesla V100-SXM2-16GB", "V100-16GB")])
+def test_a_likely_typo_is_offered_its_card(text, name):
+    with pytest.raises(UsageError, match=f"did you mean '{name}'"):
+        resolve_gpu(text)
+
+
 def test_the_rtx_5090_is_in_the_table_with_its_cuda_capacity():
     # deviceQuery on an RTX 5090 (NVIDIA/nccl#1637): 33,680,457,728 B = 32120 MiB + 1,245,184 B (32,120 *
     # 1,048,576 = 33,554,432,000 + 125,829,120 = 33,680,261,120), kept as 32120 MiB = 31.37 GiB; the
@@ -165,9 +172,10 @@ def test_the_h100_nvl_and_rtx_a6000_keep_nvidia_smis_figure_and_say_so():
     assert {"H100-NVL", "RTX-A6000"} <= set(SMI_CAPACITY)
 
 
-@pytest.mark.parametrize("text", ["RTX-5080", "B300", "RTX-3080", "A800", "lots"])
+@pytest.mark.parametrize("text", ["RTX-5080", "B300", "RTX-3080", "A800", "lots", "GB200", "B100"])
 def test_another_model_number_is_not_offered_a_table_card_as_its_match(text):
-    # RTX-5090 used to be offered the RTX-4090 (8 GB smaller); a changed digit is another card.
+    # RTX-5090 used to be offered the RTX-4090 (8 GB smaller); a changed digit is another card, and a
+    # changed family letter too (a GB200's GPU is not a B200, a B100 not an H100).
     with pytest.raises(UsageError) as info:
         resolve_gpu(text)
     message = str(info.value)

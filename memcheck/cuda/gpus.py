@@ -435,9 +435,9 @@ def unknown_gpu_message(text: str) -> str:
     ``_ROOM`` columns (so the CLI's line fits 80 unless the name itself is long), else the
     shortest.
 
-    A spelling suggestion ("did you mean") is made only for a likely typo: the name's digits
-    are the suggestion's, reordered, or one is inside the other ("RTX4900", "H100-8GB"), never a
-    different model number ("RTX-5080" is not offered the RTX-5090, "B300" not the B200). Where
+    A spelling suggestion ("did you mean") is made only for a likely typo (:func:`_likely_typo`:
+    "RTX4900", "H100-8GB", "H10O"), never for a different model number or family ("RTX-5080" is
+    not offered the RTX-5090, "B300" or "GB200" not the B200, "B100" not the H100). Where
     the name carries its memory ("H100-94GB"), no card with less (by datasheet) is suggested, and
     the table's nearest cards with at least that much are listed, smallest first."""
     named = _NAMED_SIZE.search(text)
@@ -445,9 +445,14 @@ def unknown_gpu_message(text: str) -> str:
     big_enough = sorted((g for g in GPUS.values() if need is None or DATASHEET_GB[g.name] >= need),
                         key=lambda g: (DATASHEET_GB[g.name], g.capacity_bytes))
     head = f"unknown GPU {text!r}"
-    match = closest(text.upper(), [g.name for g in big_enough])
-    name = match[len(" (did you mean '"):-len("'?)")] if match else None
-    if name is not None and _likely_typo(text, name):
+    # Spelling is compared as resolve_gpu reads names (no case, dashes or vendor words), against the
+    # table's names and its unambiguous aliases ("H10O" is near the alias "h100", the H100-80GB).
+    keys = {_norm(g.name): g.name for g in big_enough}
+    keys.update({k: v for k, v in _ALIASES.items() if isinstance(v, str) and v in keys.values()})
+    match = closest(_norm(text), keys)
+    key = match[len(" (did you mean '"):-len("'?)")] if match else None
+    name = keys[key] if key is not None else None
+    if name is not None and _likely_typo(_norm(text), key):
         options = [f"{head}; did you mean {name!r}? (see memcheck gpus)", f"{head}; did you mean {name!r}?"]
     elif need is not None and not big_enough:
         options = [f"{head}; no GPU in the table has {need} GB: --gpu {need}GB",
@@ -461,10 +466,14 @@ def unknown_gpu_message(text: str) -> str:
     return next((line for line in options if len(line) <= _ROOM), options[-1])
 
 
-def _likely_typo(text: str, name: str) -> bool:
-    """True when ``text``'s digits are ``name``'s reordered, or one digit string lies inside the
-    other in order (a digit dropped or doubled); a changed digit is another model."""
-    a, b = re.sub(r"\D", "", text), re.sub(r"\D", "", name)
+def _likely_typo(text: str, key: str) -> bool:
+    """True when the normalised name ``text`` is a likely misspelling of the table key ``key``: the
+    same letters before the model number ("h", "rtx"; "GB200" is not a "B200", "B100" not an
+    "H100") and the same digits reordered, or one digit string inside the other in order (a digit
+    dropped or doubled); a changed digit is another model."""
+    if re.match(r"[a-z]*", text).group(0) != re.match(r"[a-z]*", key).group(0):
+        return False
+    a, b = re.sub(r"\D", "", text), re.sub(r"\D", "", key)
     if sorted(a) == sorted(b):
         return True
     short, long = sorted((a, b), key=len)

@@ -1010,13 +1010,14 @@ def _in_job(job, message: str) -> str:
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def gpus(as_json):
-    """List the GPUs --gpu knows: capacity, compute capability, CUDA context estimate."""
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (every figure and its source).")
+@click.option("--wide", is_flag=True, help="Add each GPU's sources under the table (wrapped to 80 columns).")
+def gpus(as_json, wide):
+    """List the GPUs --gpu knows: capacity, compute capability, CUDA context, datasheet rates."""
     from memcheck.cuda.gpus import GPUS
     from memcheck.report.text import render_gpus
 
-    _print(render_gpus(GPUS.values(), as_json=as_json))
+    _print(render_gpus(GPUS.values(), as_json=as_json, wide=wide))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -121,14 +121,27 @@ def test_gpus_command_lists_the_table():
     result = run("gpus")
     assert result.exit_code == 0, result.output
     for name in ("V100-16GB", "T4", "A10G", "RTX-3090", "RTX-4090", "L4", "L40S", "A100-40GB", "A100-80GB",
-                 "H100-80GB", "H200"):
+                 "H100-80GB", "H200", "RTX-5090", "RTX-A6000", "H100-NVL", "B200", "RTX-4080", "L40", "A40",
+                 "H100-PCIe", "GH200"):
         assert name in result.output
-    assert "context source" in result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80  # issue 37: was 175 columns
     line = next(ln for ln in result.output.splitlines() if ln.startswith("RTX-3090"))
-    # 256 MiB published bare context + 187 MiB estimated step kernels = 443 MiB
-    assert "443.0 MiB" in line and "published: 256 MiB bare (invoke-ai/InvokeAI#9413" in line
+    # 256 MiB published bare context + 187 MiB estimated step kernels = 443 MiB; GA102 whitepaper: 71
+    # TFLOP/s bf16 with fp32 accumulate, 936 GB/s
+    assert line.split() == ["RTX-3090", "23.69", "GiB", "sm86", "443.0", "MiB", "published", "71", "936"]
     line = next(ln for ln in result.output.splitlines() if ln.startswith("T4"))
-    assert "360.0 MiB" in line and "estimated: 133 MiB + 40 SMs x 1024 threads x 1 KiB" in line
+    assert "360.0 MiB" in line and "estimated" in line
+    assert "Sources: memcheck gpus --wide or --json." in " ".join(result.output.split())
+
+
+def test_gpus_wide_adds_the_sources_within_80_columns():
+    result = run("gpus", "--wide")
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    text = " ".join(result.output.split())
+    assert "RTX-3090: context published: 256 MiB bare (invoke-ai/InvokeAI#9413" in text
+    assert "T4: context estimated: 133 MiB + 40 SMs x 1024 threads x 1 KiB" in text
+    assert "rates: RTX Blackwell (GB202) whitepaper, fp32 accumulate" in text
 
 
 def test_gpus_json_carries_the_context_source():
@@ -138,6 +151,7 @@ def test_gpus_json_carries_the_context_source():
     assert rows["RTX-3090"]["context_bytes"] == 443 * 2**20  # 256 + 187 MiB
     assert rows["RTX-3090"]["context_source"].startswith("published: ")
     assert rows["B200"]["context_source"].startswith("estimated: ")
+    assert rows["RTX-5090"]["tensor_flops"] == 209.5e12 and rows["RTX-5090"]["bandwidth_bytes_per_s"] == 1792e9
 
 
 # ---- strategies (issue 4) ------------------------------------------------------------------------

@@ -24,6 +24,8 @@ GiB = 2**30
 REQUIRED = [
     "V100-16GB", "V100-32GB", "T4", "A10G", "RTX-3090", "RTX-4090",
     "L4", "L40S", "A100-40GB", "A100-80GB", "H100-80GB", "H200",
+    "RTX-5090", "RTX-A6000", "H100-NVL", "B200",  # issue 37: GPUs people have in 2026
+    "RTX-4080", "L40", "A40", "H100-PCIe", "GH200",
 ]
 
 
@@ -69,7 +71,7 @@ def test_only_gpus_with_a_published_or_measured_context_are_marked_so():
 
 
 def test_gpus_outside_the_table_say_their_context_is_the_generic_estimate():
-    for gpu in (resolve_gpu("24GiB"), gpu_from_smi("NVIDIA H100 NVL, 95830, 9.0")):
+    for gpu in (resolve_gpu("24GiB"), gpu_from_smi("NVIDIA RTX PRO 6000 Blackwell Server Edition, 97887, 12.0")):
         assert gpu.context_bytes == 512 * MiB
         assert gpu.context_source.startswith("estimated: 512 MiB")
 
@@ -128,13 +130,77 @@ def test_a_zero_size_is_refused():
         resolve_gpu("0GiB")
 
 
-def test_an_unknown_name_suggests_the_closest_and_lists_the_allowed():
+def test_an_unknown_name_suggests_the_closest_typo():
     with pytest.raises(UsageError) as info:
         resolve_gpu("H100-8GB")
     message = str(info.value)
-    assert "'H100-8GB'" in message
-    assert "did you mean 'H100-80GB'?" in message
-    assert "allowed: V100-16GB" in message and "H200" in message and "24GiB" in message
+    assert message == "unknown GPU 'H100-8GB'; did you mean 'H100-80GB'?"
+
+
+@pytest.mark.parametrize("text, name", [("H10O", "H100-80GB"), ("RTX4900", "RTX-4090"), ("A10", "A10G"),
+                                        ("Tesla V100-SXM2-16GB", "V100-16GB")])
+def test_a_likely_typo_is_offered_its_card(text, name):
+    with pytest.raises(UsageError, match=f"did you mean '{name}'"):
+        resolve_gpu(text)
+
+
+def test_the_rtx_5090_is_in_the_table_with_its_cuda_capacity():
+    # deviceQuery on an RTX 5090 (NVIDIA/nccl#1637): 33,680,457,728 B = 32120 MiB + 1,245,184 B (32,120 *
+    # 1,048,576 = 33,554,432,000 + 125,829,120 = 33,680,261,120), kept as 32120 MiB = 31.37 GiB; the
+    # datasheet's 32 GB of GDDR7 is 32 * 2**30 = 34,359,738,368 B physical, of which CUDA reports 98%.
+    gpu = resolve_gpu("RTX-5090")
+    assert gpu.capacity_bytes == 33_680_261_120
+    assert gpu.arch == (12, 0)
+    # bare 133 MiB + 170 SMs * 1536 threads * 1 KiB (255 MiB) + 187 MiB step kernels = 575 MiB
+    assert gpu.context_bytes == 575 * MiB
+    assert resolve_gpu("5090") is gpu and resolve_gpu("NVIDIA GeForce RTX 5090") is gpu
+
+
+def test_the_l4_is_cudas_figure_now_not_nvidia_smis():
+    # deviceQuery on an L4 (bottlerocket-os/bottlerocket-kernel-kit#139): 23,583,784,960 B = 22491 MiB
+    # (22491 * 1,048,576 = 23,583,522,816) + 262,144 B; nvidia-smi says 23034 MiB, 543 MiB (2.4%) more.
+    assert GPUS["L4"].capacity_bytes == 23_583_522_816
+    assert gpu_from_smi("NVIDIA L4, 23034, 8.9") is GPUS["L4"]
+
+
+def test_the_h100_nvl_and_rtx_a6000_keep_nvidia_smis_figure_and_say_so():
+    from memcheck.cuda.gpus import SMI_CAPACITY
+
+    # nvidia-smi memory.total: H100 NVL 95830 MiB (NVIDIA/gpu-admin-tools#4), RTX A6000 49140 MiB.
+    assert GPUS["H100-NVL"].capacity_bytes == 95830 * MiB  # 100,484,382,720 B
+    assert GPUS["RTX-A6000"].capacity_bytes == 49140 * MiB
+    assert {"H100-NVL", "RTX-A6000"} <= set(SMI_CAPACITY)
+
+
+@pytest.mark.parametrize("text", ["RTX-5080", "B300", "RTX-3080", "A800", "lots", "GB200", "B100"])
+def test_another_model_number_is_not_offered_a_table_card_as_its_match(text):
+    # RTX-5090 used to be offered the RTX-4090 (8 GB smaller); a changed digit is another card, and a
+    # changed family letter too (a GB200's GPU is not a B200, a B100 not an H100).
+    with pytest.raises(UsageError) as info:
+        resolve_gpu(text)
+    message = str(info.value)
+    assert "did you mean" not in message
+    assert message.startswith(f"unknown GPU {text!r}; see memcheck gpus")
+
+
+@pytest.mark.parametrize("text, listed", [
+    ("H100-94GB", "at least 94 GB: H100-NVL, GH200"),  # by datasheet: 94 GB, then 96 GB
+    ("H100-96GB", "at least 96 GB: GH200, H200"),  # the H100 NVL's 94 GB is less: not listed
+    ("Quadro-48GB", "at least 48 GB: L40S, L40"),  # 48 GB each; a third would pass 80 columns
+    ("B300-288GB", "none has 288 GB: --gpu 288GB"),
+])
+def test_a_name_with_its_memory_lists_only_cards_at_least_that_large(text, listed):
+    with pytest.raises(UsageError) as info:
+        resolve_gpu(text)
+    assert str(info.value) == f"unknown GPU {text!r}; {listed}"
+
+
+@pytest.mark.parametrize("text", ["RTX-5080", "H100-80GX", "RTX4900", "H100-94GB", "B300-288GB",
+                                  "Quadro-48GB", "H100-96GB", "lots"])
+def test_the_unknown_gpu_line_fits_80_columns_as_the_cli_prints_it(text):
+    with pytest.raises(UsageError) as info:
+        resolve_gpu(text)
+    assert len(f"memcheck: error: --gpu: {info.value}") <= 80
 
 
 def test_a_number_with_letters_that_are_not_a_unit_is_an_unknown_name():
@@ -175,6 +241,15 @@ def test_usable_bytes_is_capacity_less_context():
         ("NVIDIA L4, 23034, 8.9", "L4"),
         ("NVIDIA H200, 143771, 9.0", "H200"),
         ("NVIDIA B200, 183359, 10.0", "B200"),
+        ("NVIDIA H100 NVL, 95830, 9.0", "H100-NVL"),  # not the H100-80GB: memory.total picks the row
+        ("NVIDIA GeForce RTX 5090, 32607, 12.0", "RTX-5090"),
+        ("NVIDIA RTX A6000, 49140, 8.6", "RTX-A6000"),
+        ("NVIDIA H100 PCIe, 81559, 9.0", "H100-PCIe"),  # same memory.total as the SXM: the name decides
+        ("NVIDIA GH200 480GB, 97871, 9.0", "GH200"),  # "gh200" holds "h200": memory.total decides
+        ("NVIDIA L40, 46068, 8.9", "L40"),
+        ("NVIDIA L40S, 46068, 8.9", "L40S"),
+        ("NVIDIA A40, 46068, 8.6", "A40"),
+        ("NVIDIA GeForce RTX 4080, 16376, 8.9", "RTX-4080"),
         ("NVIDIA A10G, 23028", "A10G"),  # an old driver without compute_cap
     ],
 )
@@ -183,12 +258,9 @@ def test_nvidia_smi_names_map_to_the_table(line, name):
 
 
 def test_an_unlisted_card_keeps_nvidia_smis_figures():
-    # H100 NVL: 95830 MiB is not within 3% of the 80 GB row, so it is not called an H100-80GB.
-    gpu = gpu_from_smi("NVIDIA H100 NVL, 95830, 9.0")
-    assert gpu.name == "NVIDIA H100 NVL" and not gpu.named
-    assert gpu.capacity_bytes == 95830 * MiB
-    assert gpu.arch == (9, 0)
+    # RTX PRO 6000 Blackwell: not in the table, so its nvidia-smi figures and arch are kept.
     blackwell = gpu_from_smi("NVIDIA RTX PRO 6000 Blackwell Server Edition, 97887, 12.0")
+    assert blackwell.name == "NVIDIA RTX PRO 6000 Blackwell Server Edition" and not blackwell.named
     assert blackwell.arch == (12, 0) and blackwell.capacity_bytes == 97887 * MiB
     assert blackwell.context_bytes == GENERIC_CONTEXT_BYTES
 
@@ -279,3 +351,21 @@ def test_the_h200_context_is_the_one_measured_on_an_h200():
     assert GPUS["H200"].context_bytes == 767 * 2**20
     assert GPUS["H200"].context_source.startswith("measured: 767 MiB")
     assert GPUS["H100-80GB"].context_source.startswith("estimated: 767 MiB measured on an H200")
+    # The H100 PCIe has 114 of the 132 SMs: 767 - 18 SMs x 2048 threads x 1 KiB (36 MiB) = 731 MiB.
+    assert GPUS["H100-PCIe"].context_bytes == 731 * 2**20
+
+
+def test_every_table_gpu_has_its_datasheet_size_and_rates():
+    from memcheck.cuda.gpus import DATASHEET_GB, RATES
+
+    assert set(DATASHEET_GB) == set(GPUS) == set(RATES)  # no table card falls back to the A100's rates
+
+
+@pytest.mark.parametrize("size", [8, 16, 24, 32, 40, 48, 80, 94, 96, 141, 180])
+def test_no_card_with_less_memory_than_the_name_says_is_ever_offered(size):
+    from memcheck.cuda.gpus import DATASHEET_GB
+
+    with pytest.raises(UsageError) as info:
+        resolve_gpu(f"Mystery-{size}GB")
+    offered = str(info.value).split(f"at least {size} GB: ")[1].split(", ")
+    assert offered and all(DATASHEET_GB[name] >= size for name in offered), str(info.value)

@@ -164,6 +164,8 @@ def _context(row: _Row) -> tuple[int, str]:
 # (total_memory, in MiB); "smi" = nvidia-smi memory.total, used where no CUDA figure was
 # found (CUDA's total can be ~2% lower: A10G 22587 vs 23028, L40S 45589 vs 46068).
 # SM counts from NVIDIA's product briefs; a printout's multi_processor_count agrees where shown.
+# "smi (text search)": a published nvidia-smi printout found by exact-text search of public
+# repositories, whose repository was not recorded; several independent files agree on each figure.
 _ROWS = (
     # torch: 'Tesla V100-SXM2-16GB' total_memory=16160MB (ultralytics yolov5 logs); smi shows 16160 too
     _Row("V100-16GB", 16160, 16160, (7, 0), 80, 2048, r"v100"),
@@ -182,9 +184,29 @@ _ROWS = (
     _Row("RTX-3090", 24259, 24576, (8, 6), 82, 1536, r"3090(?!\s*ti)", bare_context_mib=256,
          bare_context_source="invoke-ai/InvokeAI#9413, torch 2.7.1+cu128, lazy"),
     # torch: 'NVIDIA GeForce RTX 4090' total_memory=24563MB; smi 24564
+    # smi (text search): 'NVIDIA GeForce RTX 4080, 16376 MiB' (e.g. Ultralytics log, torch 2.5.1+cu121;
+    # driver 596.49; 535.86.10). AD103, 76 SMs, capability 8.9 (Ada whitepaper, appendix).
+    _Row("RTX-4080", 16376, 16376, (8, 9), 76, 1536, r"4080"),
     _Row("RTX-4090", 24563, 24564, (8, 9), 128, 1536, r"4090"),
-    # smi only: 'NVIDIA L4' 23034MiB (no CUDA figure found; likely ~2% lower, nominal)
-    _Row("L4", 23034, 23034, (8, 9), 58, 1536, r"\bl4\b"),
+    # CUDA: deviceQuery on 'NVIDIA GeForce RTX 5090' (NVIDIA/nccl#1637, CUDA 12.8): "32120 MBytes
+    # (33680457728 bytes)" = 32120.19 MiB, 170 multiprocessors, 1536 threads per multiprocessor,
+    # capability 12.0 (another card: 33677180928 B, aikitoria/open-gpu-kernel-modules#1); smi 32607
+    # (noonghunna/club-3090#617, driver 595.71.05). The datasheet's 32 GB of GDDR7.
+    _Row("RTX-5090", 32120, 32607, (12, 0), 170, 1536, r"5090"),
+    # smi only: 'NVIDIA RTX A6000' 49140 MiB (noonghunna/club-3090#1047, driver 580.173.02); no CUDA
+    # figure found. 84 SMs: the RTX Blackwell whitepaper's table (RTX A6000 / RTX 6000 Ada / RTX PRO
+    # 6000: 84 / 142 / 188 SMs, quoted in NVIDIA/cudnn-frontend#1164); GA102, capability 8.6.
+    _Row("RTX-A6000", 49140, 49140, (8, 6), 84, 1536, r"rtx a6000"),
+    # CUDA: deviceQuery on 'NVIDIA L4' (bottlerocket-os/bottlerocket-kernel-kit#139, driver CUDA 12.2,
+    # runtime 12.8): "22491 MBytes (23583784960 bytes)" = 22491.25 MiB, 58 multiprocessors, capability
+    # 8.9; smi 23034 (modal-labs/modal-client#2797).
+    _Row("L4", 22491, 23034, (8, 9), 58, 1536, r"\bl4\b"),
+    # smi (text search): 'NVIDIA L40, 46068 MiB' (drivers 570.0, 610.57.04; PyTorch 2.10 NGC container);
+    # no CUDA figure found. 142 SMs: the L40 datasheet's 18,176 CUDA cores / 128 per SM (AD102).
+    _Row("L40", 46068, 46068, (8, 9), 142, 1536, r"\bl40\b"),
+    # smi (text search): 'NVIDIA A40, 46068 MiB' (drivers 550.90.07, 570.10). 84 SMs: the A40
+    # datasheet's 10,752 CUDA cores / 128 per SM (GA102), capability 8.6.
+    _Row("A40", 46068, 46068, (8, 6), 84, 1536, r"\ba40\b"),
     # torch: 'NVIDIA L40S' total_memory=45589MB; smi 46068
     _Row("L40S", 45589, 46068, (8, 9), 142, 1536, r"l40s"),
     # CUDA: 'A100-SXM4-40GB' total_memory=40536MB (cudaGetDeviceProperties via paddle docs); smi 40960
@@ -194,8 +216,21 @@ _ROWS = (
     # torch: 'NVIDIA H100 80GB HBM3' total_memory=81089MB (torch 2.7/cu12.8; 81082-81090); smi 81559.
     # Context: the H200's measured figure (below): the same GH100 chip, 132 SMs and driver; not
     # measured on an H100.
-    _Row("H100-80GB", 81089, 81559, (9, 0), 132, 2048, r"h100", context_mib=767,
+    _Row("H100-80GB", 81089, 81559, (9, 0), 132, 2048, r"h100(?!\s*(pcie|nvl))", context_mib=767,
          context_source="estimated: 767 MiB measured on an H200 (same GH100 chip, 132 SMs); not measured on an H100"),
+    # smi (text search): 'NVIDIA H100 PCIe, 81559 MiB' (drivers 535.216.03, 570.211.01; torch 2.5.1);
+    # no CUDA figure found. 114 SMs (NVIDIA's H100 SXM/PCIe table: 132 / 114 SMs, as quoted by
+    # archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html). Context: the H200's measured 767 MiB
+    # (same GH100 chip) less the stacks of its 18 fewer SMs (18 x 2048 threads x 1 KiB = 36 MiB).
+    _Row("H100-PCIe", 81559, 81559, (9, 0), 114, 2048, r"h100\s*pcie", context_mib=731,
+         context_source="estimated: 767 MiB measured on an H200 less 18 fewer SMs' stacks (36 MiB); "
+                        "not measured on an H100 PCIe"),
+    # smi only: 'NVIDIA H100 NVL' 95830 MiB (NVIDIA/gpu-admin-tools#4, driver 535.183.01); no CUDA
+    # figure found. 132 SMs: fastfetch-cli/fastfetch#1658 reports 16,896 cores per H100 NVL = 132 SMs x
+    # 128 FP32 cores (Hopper whitepaper: 128 per SM). Context borrowed from the H200 as the H100-80GB's.
+    _Row("H100-NVL", 95830, 95830, (9, 0), 132, 2048, r"h100\s*nvl", context_mib=767,
+         context_source="estimated: 767 MiB measured on an H200 (same GH100 chip, 132 SMs); not measured on an "
+                        "H100 NVL"),
     # torch: 'NVIDIA H200' total_memory=143156MB (cudaMemGetInfo gave 150109880320 B = 143155.9 MiB
     # here); smi 143771. Context measured by benchmarks/gpu_accuracy.py on 2026-11-26 (torch
     # 2.11.0+cu130, cuDNN 9.19, driver 580.159.04, lazy loading; results in
@@ -204,6 +239,12 @@ _ROWS = (
     # run and the convolutional ones), 750.8-752.8 MiB in the 6 fp32 runs without cuDNN, 768.8 MiB
     # once. The estimate it replaces (133 + 264 MiB of stacks + 187 MiB of step kernels = 584 MiB)
     # was 183 MiB low.
+    # smi (text search): 'NVIDIA GH200 480GB, 97871 MiB' (Lambda, torch 2.7.0, CUDA 12.8, aarch64; driver
+    # 580.95.05). The Grace Hopper superchip's 96 GB HBM3 GPU: the H100's GH100 with 132 SMs, so the
+    # H200's measured context is borrowed as for the H100-80GB. The 144 GB HBM3e GH200 (146831 MiB)
+    # is recognised as an H200 (143771 MiB, within 3%).
+    _Row("GH200", 97871, 97871, (9, 0), 132, 2048, r"gh200", context_mib=767,
+         context_source="estimated: 767 MiB measured on an H200 (same GH100 chip, 132 SMs); not measured on a GH200"),
     _Row("H200", 143156, 143771, (9, 0), 132, 2048, r"h200", context_mib=767,
          context_source="measured: 767 MiB after 3 training steps on an H200 (torch 2.11+cu130, driver 580; "
                         "benchmarks/results/NVIDIA_H200-2026-11-26.md)"),
@@ -239,12 +280,24 @@ RATES = {
     "T4": Rates(8.1 * _T, 65 * _T, 320e9, "T4 datasheet (fp16 tensor; no bf16)"),
     "A10G": Rates(31.2 * _T, 125 * _T, 600e9, "A10 datasheet (the A10G is AWS's variant; not published)"),
     "RTX-3090": Rates(35.6 * _T, 71 * _T, 936e9, "GA102 whitepaper, fp32 accumulate"),
+    "RTX-4080": Rates(48.7 * _T, 97.5 * _T, 716.8e9, "Ada whitepaper (AD103), fp32 accumulate"),
     "RTX-4090": Rates(82.6 * _T, 165.2 * _T, 1008e9, "AD102 whitepaper, fp32 accumulate"),
+    # 838.4 TFLOPS sparse FP16 with FP16 accumulate (RTX Blackwell whitepaper) = 419 dense, halved for FP32
+    # accumulate as on the other GeForce cards; 104.8 TFLOPS FP32, 1,792 GB/s.
+    "RTX-5090": Rates(104.8 * _T, 209.5 * _T, 1792e9, "RTX Blackwell (GB202) whitepaper, fp32 accumulate"),
+    # 309.7 TFLOPS sparse tensor = 154.8 dense (professional cards: full rate with FP32 accumulate).
+    "RTX-A6000": Rates(38.7 * _T, 154.8 * _T, 768e9, "RTX A6000 datasheet (309.7 sparse / 2)"),
     "L4": Rates(30.3 * _T, 121 * _T, 300e9, "L4 datasheet"),
+    # L40: 362.1 sparse bf16 = 181 dense (half the L40S's, as the datasheets show).
+    "L40": Rates(90.5 * _T, 181 * _T, 864e9, "L40 datasheet (362.1 sparse / 2)"),
+    "A40": Rates(37.4 * _T, 149.7 * _T, 696e9, "A40 datasheet (299.4 sparse / 2)"),
     "L40S": Rates(91.6 * _T, 362 * _T, 864e9, "L40S datasheet"),
     "A100-40GB": Rates(19.5 * _T, 312 * _T, 1555e9, "A100 datasheet"),
     "A100-80GB": Rates(19.5 * _T, 312 * _T, 2039e9, "A100 datasheet (SXM)"),
     "H100-80GB": Rates(67 * _T, 989 * _T, 3350e9, "H100 SXM datasheet"),
+    "H100-PCIe": Rates(51 * _T, 756 * _T, 2000e9, "H100 PCIe datasheet (1,513 sparse / 2)"),
+    "GH200": Rates(67 * _T, 989 * _T, 4000e9, "GH200 datasheet, 96 GB HBM3 (1,979 sparse / 2)"),
+    "H100-NVL": Rates(60 * _T, 835 * _T, 3900e9, "H100 NVL datasheet (1,671 sparse / 2)"),
     "H200": Rates(67 * _T, 989 * _T, 4800e9, "H200 SXM datasheet"),
     "B200": Rates(75 * _T, 2250 * _T, 8000e9, "HGX B200 datasheet, per GPU (approximate)"),
 }
@@ -264,6 +317,9 @@ def _spec(row: _Row) -> GpuSpec:
 
 
 GPUS: dict[str, GpuSpec] = {r.name: _spec(r) for r in _ROWS}
+# Rows whose capacity is nvidia-smi's memory.total, no CUDA figure having been found (see the rows'
+# comments): CUDA's own may be ~2% lower.
+SMI_CAPACITY = ("V100-32GB", "RTX-4080", "RTX-A6000", "L40", "A40", "H100-PCIe", "H100-NVL", "GH200")
 
 _PREFIXES = ("nvidia", "geforce", "tesla", "quadro")
 
@@ -288,6 +344,10 @@ _ALIASES: dict[str, str | tuple[str, ...]] = {
     "h10080g": "H100-80GB",
     "3090": "RTX-3090",
     "4090": "RTX-4090",
+    "5090": "RTX-5090",
+    "4080": "RTX-4080",
+    "a6000": "RTX-A6000",
+    "h100nvl": "H100-NVL",
     "a10040g": "A100-40GB",
     "a10080g": "A100-80GB",
     "v10016g": "V100-16GB",
@@ -352,11 +412,73 @@ def resolve_gpu(spec: str | GpuSpec | None) -> GpuSpec | None:
             if float(size.group(1)) <= 0 or size.group(2).lower() in units.UNITS:  # too large, say
                 raise
             # a number with letters that are not a unit ("4090D"): report it as a name
-    allowed = list(GPUS)
-    raise UsageError(
-        f"unknown GPU {spec!r}{closest(text.upper(), allowed)}; "
-        f"allowed: {', '.join(allowed)}, or a memory size such as 24GiB"
-    )
+    raise UsageError(unknown_gpu_message(text))
+
+
+# A memory size inside a card's name ("H100-94GB", "A800 80G"): datasheet gigabytes.
+_NAMED_SIZE = re.compile(r"(?<![0-9.])([0-9]+)\s*G(?:B|IB)?(?![A-Z])", re.IGNORECASE)
+# Each table card's memory as its datasheet states it (GB), to compare with a size in a name:
+# CUDA's bytes are no measure of that (the T4's "16 GB" is 15.84e9 B to CUDA, the H100 NVL's
+# "94 GB" 100.5e9 B), and a card is never called at least as large as one it is not.
+DATASHEET_GB = {
+    "V100-16GB": 16, "V100-32GB": 32, "T4": 16, "A10G": 24, "RTX-3090": 24, "RTX-4080": 16,
+    "RTX-4090": 24, "RTX-5090": 32, "RTX-A6000": 48, "L4": 24, "L40": 48, "A40": 48, "L40S": 48,
+    "A100-40GB": 40, "A100-80GB": 80, "H100-80GB": 80, "H100-PCIe": 80, "H100-NVL": 94, "GH200": 96,
+    "H200": 141, "B200": 180,  # B200: the DGX B200 datasheet's 1,440 GB over 8 GPUs
+}
+# The message's room: 80 columns less the CLI's "memcheck: error: --gpu: " (24).
+_ROOM = 80 - len("memcheck: error: --gpu: ")
+
+
+def unknown_gpu_message(text: str) -> str:
+    """The one-line error for a ``--gpu`` name outside the table: the fullest wording that fits
+    ``_ROOM`` columns (so the CLI's line fits 80 unless the name itself is long), else the
+    shortest.
+
+    A spelling suggestion ("did you mean") is made only for a likely typo (:func:`_likely_typo`:
+    "RTX4900", "H100-8GB", "H10O"), never for a different model number or family ("RTX-5080" is
+    not offered the RTX-5090, "B300" or "GB200" not the B200, "B100" not the H100). Where
+    the name carries its memory ("H100-94GB"), no card with less (by datasheet) is suggested, and
+    the table's nearest cards with at least that much are listed, smallest first."""
+    named = _NAMED_SIZE.search(text)
+    need = int(named.group(1)) if named else None
+    big_enough = sorted((g for g in GPUS.values() if need is None or DATASHEET_GB[g.name] >= need),
+                        key=lambda g: (DATASHEET_GB[g.name], g.capacity_bytes))
+    head = f"unknown GPU {text!r}"
+    # Spelling is compared as resolve_gpu reads names (no case, dashes or vendor words), against the
+    # table's names and its unambiguous aliases ("H10O" is near the alias "h100", the H100-80GB).
+    keys = {_norm(g.name): g.name for g in big_enough}
+    keys.update({k: v for k, v in _ALIASES.items() if isinstance(v, str) and v in keys.values()})
+    match = closest(_norm(text), keys)
+    key = match[len(" (did you mean '"):-len("'?)")] if match else None
+    name = keys[key] if key is not None else None
+    if name is not None and _likely_typo(_norm(text), key):
+        options = [f"{head}; did you mean {name!r}? (see memcheck gpus)", f"{head}; did you mean {name!r}?"]
+    elif need is not None and not big_enough:
+        options = [f"{head}; no GPU in the table has {need} GB: --gpu {need}GB",
+                   f"{head}; none has {need} GB: --gpu {need}GB"]
+    elif need is not None:
+        options = [f"{head}; at least {need} GB: {', '.join(g.name for g in big_enough[:count])}"
+                   for count in (3, 2, 1)]
+    else:
+        options = [f"{head}; see memcheck gpus, or give its memory: 24GiB",
+                   f"{head}; see memcheck gpus, or give 24GiB", f"{head}; see memcheck gpus"]
+    return next((line for line in options if len(line) <= _ROOM), options[-1])
+
+
+def _likely_typo(text: str, key: str) -> bool:
+    """True when the normalised name ``text`` is a likely misspelling of the table key ``key``: the
+    same letters before the model number ("h", "rtx"; "GB200" is not a "B200", "B100" not an
+    "H100") and the same digits reordered, or one digit string inside the other in order (a digit
+    dropped or doubled); a changed digit is another model."""
+    if re.match(r"[a-z]*", text).group(0) != re.match(r"[a-z]*", key).group(0):
+        return False
+    a, b = re.sub(r"\D", "", text), re.sub(r"\D", "", key)
+    if sorted(a) == sorted(b):
+        return True
+    short, long = sorted((a, b), key=len)
+    it = iter(long)
+    return all(ch in it for ch in short)
 
 
 def _match_row(smi_name: str, smi_mib: int) -> _Row | None:

@@ -901,20 +901,44 @@ def _context_kind(source: str | None) -> str:
     return "published bare context + estimate" if source and source.startswith("published:") else "estimate"
 
 
-def render_gpus(gpus, as_json: bool = False) -> str:
-    """The table (or JSON) of ``memcheck gpus``."""
-    rows = [
-        {"name": g.name, "capacity_bytes": g.capacity_bytes, "arch": f"sm{g.arch[0]}{g.arch[1]}",
-         "context_bytes": g.context_bytes, "context_source": g.context_source}
-        for g in gpus
-    ]
+def render_gpus(gpus, as_json: bool = False, wide: bool = False) -> str:
+    """The table (or JSON) of ``memcheck gpus``, within 80 columns: name, capacity as CUDA reports
+    it, compute capability, the CUDA context and what it rests on (measured, published or
+    estimated), and the datasheet rates the planner's cost proxy uses. ``wide`` adds each card's
+    sources under the table, wrapped; JSON carries everything."""
+    from memcheck.cuda.gpus import RATES, SMI_CAPACITY
+
+    gpus = list(gpus)
+    names = {g.name for g in gpus}
+    rows = []
+    for g in gpus:
+        r = RATES.get(g.name)
+        rows.append({"name": g.name, "capacity_bytes": g.capacity_bytes, "arch": f"sm{g.arch[0]}{g.arch[1]}",
+                     "context_bytes": g.context_bytes, "context_source": g.context_source,
+                     "fp32_flops": r.fp32_flops if r else None, "tensor_flops": r.tensor_flops if r else None,
+                     "bandwidth_bytes_per_s": r.bandwidth if r else None, "rates_source": r.source if r else None})
     if as_json:
         return json.dumps(rows, indent=2)
-    return tabulate(
+    table = tabulate(
         [[r["name"], format_bytes(r["capacity_bytes"]), r["arch"], format_bytes(r["context_bytes"]),
-          r["context_source"]] for r in rows],
-        headers=["GPU", "capacity", "arch", "CUDA context", "context source"], tablefmt="simple",
+          r["context_source"].split(":")[0],
+          "" if r["tensor_flops"] is None else f"{r['tensor_flops'] / 1e12:.0f}",
+          "" if r["bandwidth_bytes_per_s"] is None else f"{r['bandwidth_bytes_per_s'] / 1e9:.0f}"] for r in rows],
+        headers=["GPU", "capacity", "arch", "CUDA context", "context", "TFLOP/s", "GB/s"], tablefmt="simple",
+        colalign=("left", "right", "left", "right", "left", "right", "right"),
     )
+    lines = [table, "",
+             *wrap(f"capacity: what CUDA reports (nvidia-smi's figure, maybe ~2% high, for "
+                   f"{', '.join(n for n in SMI_CAPACITY if n in names)}); CUDA context: device memory outside PyTorch's allocator; "
+                   "TFLOP/s: bf16 tensor (fp16 without bf16), dense, datasheet; GB/s: memory bandwidth. "
+                   + ("Sources below." if wide else "Sources: memcheck gpus --wide or --json."), indent="")]
+    if wide:
+        for r in rows:
+            lines.append("")
+            lines.extend(wrap(f"{r['name']}: context {r['context_source']}", indent="    "))
+            if r["rates_source"]:
+                lines.extend(wrap(f"    rates: {r['rates_source']}", indent="    "))
+    return "\n".join(lines)
 
 
 def render_config_check(results, skipped=(), as_json: bool = False) -> str:

@@ -428,6 +428,8 @@ def _workload_options(command):
               help="Gradient checkpointing: full wraps every repeated block, half every second, every:N every "
                    "Nth (transformers' every_n_layers), selective-op every block with torchtitan's op-level "
                    "policy; or comma-separated module names/patterns (transformer.h.*).")
+@click.option("--margin", type=float, default=None,
+              help="Fraction of the capacity held back; the verdict is the one check and plan give (default 0.05).")
 @click.option("--compare", is_flag=True, help="One table of every strategy that applies to --gpus.")
 @click.option("--top", default=8, show_default=True, type=int, help="Modules to list in the table (identical copies of a repeated block count as one).")
 @click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
@@ -438,8 +440,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
              gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, padding, weights_dtype, lora, dora, qlora,
              max_grad_norm,
              reentrant, bucket_view, bucket_cap_mb,
-             offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
-             snapshot_path, plot_path, timeout, trust_remote_code=False, reduce_bucket_size=None,
+             offload, eval_batch_size, eval_accumulate_predictions, margin, compare, top, as_json, allow_download,
+             debug, snapshot_path, plot_path, timeout, trust_remote_code=False, reduce_bucket_size=None,
              prefetch_bucket_size=None, max_live_parameters=None, layout=None, fsdp_sharding=None, gpus_per_node=None,
              tp_plan=None, param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=None):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
@@ -487,7 +489,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
                    bucket_cap_mb=bucket_cap_mb, offload=offload, fsdp_sharding=fsdp_sharding,
                    gpus_per_node=gpus_per_node, task=task, attn=attn, packing=packing, assume=assume,
-                   trust_remote_code=trust_remote_code, layout=layout, tp_plan=tp_plan, **shared)
+                   trust_remote_code=trust_remote_code, layout=layout, tp_plan=tp_plan, margin=margin, **shared)
         if compare and job.layout is not None:
             raise UsageError("--compare lists the strategies of one kind over --gpus; drop --layout")
         if progress is not None:
@@ -502,7 +504,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
         else:
             result = run_estimate(work.model, work.batch, job, timeline=bool(snapshot_path or plot_path),
                                   train_step=work.train_step, **runtime)
-            write_pictures(result, snapshot_path, plot_path)
+            write_pictures(result, snapshot_path, plot_path, margin=job.effective_margin)
     _print(render_json(result) if as_json else str(result))
     sys.exit(EXIT_DOES_NOT_FIT if result.fits is False else EXIT_FITS)
 

@@ -40,6 +40,13 @@ from memcheck.units import MAX_BYTES, parse_size, short_repr
 # reserved peak is within -0.3% to +1.7%; 5% covers that spread with room for the stacks not yet
 # measured. On the CPU target the fp32 zoo is within 0.21% of the profiler's measured peak.
 DEFAULT_MARGIN = 0.05
+
+
+def limit_bytes(capacity_bytes: int, margin: float) -> int:
+    """The one verdict rule's limit: the capacity less the margin, ``capacity * (1 - margin)``
+    rounded down to a byte. estimate, check, plan, preflight and the callbacks all judge a
+    job's total against it (``memcheck.report.results.Judgement``)."""
+    return int(capacity_bytes * (1 - margin))
 # The JSON's version: 2 since the settings moved into one "job" object (issue 15).
 SCHEMA_VERSION = 2
 

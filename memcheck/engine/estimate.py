@@ -31,7 +31,7 @@ from memcheck.errors import (
     model_frame,
     require_int,
 )
-from memcheck.job import Job, SettingError, as_job, escape
+from memcheck.job import Job, SettingError, as_job, escape, limit_bytes
 from memcheck.report.results import (
     BatchInfo,
     Branch,
@@ -1074,7 +1074,7 @@ def _growing_life(events: list, start: int, eval_start: int, gpu: GpuSpec | None
 
     run, last = growing_run(events, start, eval_start, sizes_at, lengths)
     run += [(*ev[:6], len(lengths), *ev[7:]) for ev in events[eval_start:]]  # the evaluation, after training
-    room = None if gpu is None else int(gpu.capacity_bytes * (1 - margin)) - context_bytes(gpu)
+    room = None if gpu is None else limit_bytes(gpu.capacity_bytes, margin) - context_bytes(gpu)
     sim, grown = _replayed(run, (last, last + eval_start - start), room)
     traced_lengths = ", ".join(str(x) for x in [length] + [p[0] for p in points])
     note = (f"padding=longest: the caching allocator replayed {len(lengths)} steps of lengths growing from "

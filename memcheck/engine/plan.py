@@ -82,7 +82,7 @@ from memcheck.cuda.overhead import context_bytes
 from memcheck.engine.estimate import estimate, target_gpu
 from memcheck.enums import Device, Offload, Precision, Strategy, WeightsDtype
 from memcheck.errors import UsageError, closest, require_int
-from memcheck.job import MIXED_PRECISION_FIELDS, Job, as_job
+from memcheck.job import MIXED_PRECISION_FIELDS, Job, as_job, limit_bytes
 from memcheck.report.results import (
     Estimate,
     LargerGpu,
@@ -288,7 +288,7 @@ def _validate(model, make_batch, job: Job, precision_options, optimizer_options,
     if not blocks:
         checkpoints = [c for c in checkpoints if c == NONE] or [NONE]
     cap = job.global_batch // config.gpus if job.global_batch is not None else MAX_MICRO_BATCH
-    return _Space(tiers, checkpoints, target, budget, int(budget * (1 - job.effective_margin)), blocks, cap)
+    return _Space(tiers, checkpoints, target, budget, limit_bytes(budget, job.effective_margin), blocks, cap)
 
 
 def _weights_agree(job: Job, precision: Precision) -> bool:
@@ -676,10 +676,10 @@ class _Search:
             candidates = [g for g in sorted(GPUS.values(), key=lambda g: g.capacity_bytes)
                           if g.capacity_bytes > self.budget]
             for spec in candidates:  # predicted from the trace on this GPU, then traced on that one
-                if base.reserved_bytes + context_bytes(spec) > spec.capacity_bytes * (1 - margin):
+                if base.reserved_bytes + context_bytes(spec) > limit_bytes(spec.capacity_bytes, margin):
                     continue
                 est = self.estimate_at(1, precision, checkpointing, self.accumulation(1), gpu=spec)
-                if est.total_bytes <= spec.capacity_bytes * (1 - margin):
+                if est.total_bytes <= limit_bytes(spec.capacity_bytes, margin):
                     larger = LargerGpu(spec.name, spec.capacity_bytes, est.total_bytes)  # the job as asked
                     break
             sharded = self._sharded_count(base, precision, checkpointing, margin)
@@ -706,7 +706,7 @@ class _Search:
         """
         sharded = (Strategy.ZERO3 if self.strategy in (Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3)
                    else Strategy.FSDP)
-        limit = int(self.budget * (1 - margin))
+        limit = limit_bytes(self.budget, margin)
         own = self.strategy is sharded  # the failing trace is already one rank of it, at self.gpus
         seen: dict[int, int] = {self.gpus: base.total_bytes} if own else {}
         lo, hi = (self.gpus if own else 1), None  # the most GPUs known not to fit; the fewest known to

@@ -23,7 +23,7 @@ from memcheck.engine.estimate import estimate, target_gpu
 from memcheck.engine.plan import CHECKPOINTING_OPTIONS, _arity, plan
 from memcheck.enums import Device, Strategy
 from memcheck.errors import UsageError, WillNotFit, require_int
-from memcheck.job import Job, as_job
+from memcheck.job import Job, as_job, limit_bytes
 from memcheck.report.results import Estimate, EvalFix, Verdict
 from memcheck.report.text import will_not_fit_message
 from memcheck.trace.device_redirect import on_meta, tracing_globals
@@ -93,7 +93,7 @@ def check(
     if progress is not None:
         progress(f"tracing {name} at micro-batch {batch_size}")
     est = estimate(model, batch, job, eval_batch=eval_batch, loss_fn=loss_fn, model_name=name)
-    limit = int(capacity * (1 - margin))
+    limit = limit_bytes(capacity, margin)
     verdict = Verdict(estimate=est, capacity_bytes=capacity, margin=margin, limit_bytes=limit)
     if est.total_bytes <= limit or not fix:
         return verdict

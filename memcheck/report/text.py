@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the results import this module to render themselves
         Comparison,
         DeviceMemory,
         Estimate,
+        Judgement,
         Plan,
         PlanOption,
         ShardedFit,
@@ -278,11 +279,7 @@ def render_estimate(est: Estimate) -> str:
         lines.extend(_prose(*branch_lines))
     if est.budget_bytes is not None:
         lines.append("")
-        verdict = "FITS" if est.fits else "DOES NOT FIT"
-        what = "device total" if est.device_total_bytes is not None else "peak"
-        lines.extend(_prose(
-            f"{verdict}: {what} {format_bytes(est.total_bytes)} vs {format_bytes(est.budget_bytes)} available"
-        ))
+        lines.extend(_prose(*estimate_verdict_lines(est)))
     return "\n".join(line for line in lines if line is not None).replace("\n\n\n", "\n\n")
 
 
@@ -696,6 +693,8 @@ def _checkpointing_label(plan: Plan, option: PlanOption, short: bool = False) ->
 
 def render_plan(plan: Plan) -> str:
     """The table printed by ``memcheck plan``."""
+    from memcheck.report.results import Judgement  # the results import this module at call time
+
     where = plan.gpu.name if plan.gpu is not None else plan.device.value
     head = f"memcheck plan: {plan.model} on {where}" + (
         f", {plan.gpus} GPU(s), {plan.strategy}" if plan.device.value == "cuda" else "")
@@ -709,7 +708,7 @@ def render_plan(plan: Plan) -> str:
     lines = _prose(
         head,
         f"limit: {what} at most {format_bytes(plan.limit_bytes)} = capacity {format_bytes(plan.capacity_bytes)} "
-        f"minus a {plan.margin:.0%} margin ({format_bytes(plan.margin_bytes)})",
+        f"minus a {margin_words(plan.margin)} margin ({format_bytes(plan.margin_bytes)})",
     )
     lines.append("")
     r = plan.recommended
@@ -723,7 +722,8 @@ def render_plan(plan: Plan) -> str:
         ))
         if plan.global_batch is not None and per_step != plan.global_batch:
             lines.extend(_prose(f"  note: {per_step} is the nearest reachable to the global batch {plan.global_batch}"))
-        lines.append(f"  {what} {format_bytes(r.predicted_device_total_bytes)} (traced at exactly this point)")
+        lines.extend(_prose(f"  {what} {format_bytes(r.predicted_device_total_bytes)} (traced at exactly this point): "
+                            f"fits with {headroom_words(Judgement(r.predicted_device_total_bytes, plan.capacity_bytes, plan.margin))}"))
         flags, args = _flag_parts(plan, r)
         lines.extend(continued("  memcheck flags:", flags, shell=True))
         lines.extend(continued("  TrainingArguments:", args, shell=False))
@@ -790,6 +790,31 @@ def render_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def margin_words(margin: float) -> str:
+    """``5%``: the margin as the verdict lines say it."""
+    return f"{100 * margin:.3g}%"
+
+
+def headroom_words(j: "Judgement") -> str:
+    """The one verdict rule in words, the same on every verdict line (estimate, check, plan,
+    preflight, the callbacks): the headroom the job leaves and the margin the gate keeps."""
+    kept = f"the gate keeps {margin_words(j.margin)}"
+    if j.total_bytes > j.capacity_bytes:
+        return f"{format_bytes(j.total_bytes - j.capacity_bytes)} over the capacity; {kept}"
+    return f"{100 * j.headroom:.1f}% headroom; {kept}"
+
+
+def estimate_verdict_lines(est: Estimate) -> tuple[str, ...]:
+    """The estimate's verdict (the one rule, ``Estimate.judgement``) and where to go next."""
+    j = est.judgement
+    what = "device total" if est.device_total_bytes is not None else "peak"
+    first = (f"{'FITS' if j.fits else 'DOES NOT FIT'}: {what} {format_bytes(j.total_bytes)} vs "
+             f"{format_bytes(j.capacity_bytes)} available, {headroom_words(j)} (limit {format_bytes(j.limit_bytes)})")
+    nxt = ("memcheck plan (the same model and flags) finds the largest micro-batch within the limit" if j.fits
+           else "memcheck plan (the same model and flags) finds the settings that fit within the limit")
+    return first, nxt
+
+
 def _where(v: Verdict) -> str:
     gpu = v.estimate.gpu
     return (f"{gpu.name} {format_bytes(v.capacity_bytes)}" if gpu is not None
@@ -803,13 +828,14 @@ def verdict_line(v: Verdict) -> str:
     settings = (f"micro-batch {est.batch.batch_size} x {est.accumulate} accumulation step(s), {est.precision.value}, "
                 f"checkpointing {'none' if not est.checkpointing else f'{len(est.checkpointing)} module(s)'}"
                 + (f", {est.strategy}" if est.gpus > 1 else ""))  # the label names the GPUs: "zero2 x8"
-    limit = (f"the {format_bytes(v.limit_bytes)} limit ({_where(v)} minus a {v.margin:.0%} margin)"
+    limit = (f"the {format_bytes(v.limit_bytes)} limit ({_where(v)} minus a {margin_words(v.margin)} margin)"
              if v.margin else f"the {format_bytes(v.limit_bytes)} capacity ({_where(v)})")
     if v.fits:
-        return f"fits: {est.model} needs {format_bytes(est.total_bytes)} ({what}) of {limit} at {settings}"
+        return (f"fits: {est.model} needs {format_bytes(est.total_bytes)} ({what}) of {limit} at {settings}; "
+                f"{headroom_words(v.judgement)}")
     where = "the evaluation pass" if est.peak_in == "eval" else est.peak_phase.value
     return (f"will not fit: {est.model} needs {format_bytes(est.total_bytes)} ({what}, reached in {where}) "
-            f"over {limit} at {settings}")
+            f"over {limit} at {settings}; {headroom_words(v.judgement)}")
 
 
 _FIX_STYLES = ("python", "memcheck", "trainer", "lightning", "config", "deepspeed")

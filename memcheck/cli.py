@@ -420,12 +420,14 @@ def _workload_options(command):
 @main.command()
 @_workload_options
 @click.option("-b", "--batch-size", type=int, default=1, show_default=True, help="Micro-batch size per step.")
-@click.option("--precision", default="fp32", show_default=True, metavar="PREC",
-              help="fp32; amp-bf16 / amp-fp16 (torch.autocast, fp16 with a GradScaler); or pure bf16 / fp16 weights.")
+@click.option("--precision", default=None, metavar="PREC",
+              help="fp32 (the default); amp-bf16 / amp-fp16 (torch.autocast, fp16 with a GradScaler); or pure bf16 / "
+                   "fp16 weights. With --qlora the recipe's amp-bf16 where the GPU has bf16 (sm80+).")
 @click.option("--accumulate", type=int, default=1, show_default=True, help="Gradient accumulation steps.")
-@click.option("--checkpointing", default="none", show_default=True,
+@click.option("--checkpointing", default=None,
               metavar="none|full|half|every:N|selective-op|LIST",
-              help="Gradient checkpointing: full wraps every repeated block, half every second, every:N every "
+              help="Gradient checkpointing (default none; with --qlora the recipe's full, as PEFT's "
+                   "prepare_model_for_kbit_training): full wraps every repeated block, half every second, every:N every "
                    "Nth (transformers' every_n_layers), selective-op every block with torchtitan's op-level "
                    "policy; or comma-separated module names/patterns (transformer.h.*).")
 @click.option("--margin", type=float, default=None,

@@ -150,6 +150,7 @@ def plan(
     model_name: str | None = None,
     progress: Callable[[str], None] | None = None,
     length_profile: bool = True,
+    suggest: bool = True,
     **settings,
 ) -> Plan:
     """Find the configuration that fits ``gpu`` and reaches ``global_batch`` fastest.
@@ -181,6 +182,8 @@ def plan(
         loss_fn, model_name: as in ``estimate``.
         progress: called with a short line before each trace (the CLI's stderr progress).
         length_profile: trace the length profile (needs a ``make_batch`` that takes a length).
+        suggest: when nothing fits, trace what would (a larger GPU, a sharded GPU count);
+            False leaves ``suggestion`` None (``check``'s fix search widens its options first).
 
     Returns:
         A ``Plan``: ``recommended`` (None when nothing fits, with ``suggestion``
@@ -202,7 +205,7 @@ def plan(
     search = _Search(model, make_batch, _arity(make_batch), job, gpu=space.target, budget=space.budget,
                      blocks=space.blocks, name=model_name or type(model).__name__, progress=progress, loss_fn=loss_fn)
     recommended, alternatives = _choose(search, space)
-    return _result(search, space, job, recommended, alternatives, length_profile, max_len_limit)
+    return _result(search, space, job, recommended, alternatives, length_profile, max_len_limit, suggest)
 
 
 @dataclass(frozen=True)
@@ -372,7 +375,8 @@ def _heavier(checkpointing: str, than: str) -> bool:
 
 
 def _result(search: "_Search", space: _Space, job: Job, recommended: PlanOption | None,
-            alternatives: tuple[PlanOption, ...], length_profile: bool, max_len_limit: int | None) -> Plan:
+            alternatives: tuple[PlanOption, ...], length_profile: bool, max_len_limit: int | None,
+            suggest: bool = True) -> Plan:
     """The recommendation's own trace and length profile, or, when nothing fits, what would."""
     profile: tuple[LengthPoint, ...] = ()
     longest = chosen = suggestion = None
@@ -382,7 +386,7 @@ def _result(search: "_Search", space: _Space, job: Job, recommended: PlanOption 
                                     optimizer=recommended.optimizer, offload=recommended.offload == "optimizer")
         if length_profile and search.takes_length and job.max_len:
             profile, longest = search.length_profile(recommended, space.limit, max_len_limit)
-    else:
+    elif suggest:
         suggestion = search.what_would_fit(space.precisions, space.checkpoints, job.effective_margin)
     config = job.strategy_config
     return Plan(

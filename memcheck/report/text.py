@@ -546,7 +546,7 @@ def _kept_settings(plan: Plan) -> list[tuple[Spelling, Any]]:
     default; values as a flag or config key takes them (enums by value, LoRA settings as text)."""
     if plan.job is None:
         return []
-    defaults = {f.name: f.default for f in dataclasses.fields(Job)}
+    defaults = {f.name: f.default for f in dataclasses.fields(Job) if f.name in SPELLING}
     out = []
     for field in KEPT_SETTINGS:
         value = getattr(plan.job, field)
@@ -878,15 +878,30 @@ def fix_line(v: Verdict, style: str = "python") -> str:
     flags, args = _flags(plan, r)
     ck = "none" if r.checkpointing == "none" else "full" if r.checkpointing == "full" else list(
         plan.checkpointed_modules)
+    est = v.estimate
+    # a fix found at another precision or optimizer (check's second stage) names them in every style
+    precision = r.precision if r.precision != est.precision.value else None
+    optimizer = (r.optimizer if isinstance(r.optimizer, str) and r.optimizer != est.job.optimizer else None)
+    offload = r.offload == "optimizer"
+    py_more = ((f", precision={precision!r}" if precision else "") + (f", optimizer={optimizer!r}" if optimizer else "")
+               + (", strategy='zero2', gpus=1, offload='optimizer'" if offload else ""))
+    cfg_more = ((f', precision = "{precision}"' if precision else "") + (f', optimizer = "{optimizer}"' if optimizer
+                                                                         else "")
+                + (', strategy = "zero2", gpus = 1, offload = "optimizer"' if offload else ""))
+    if r.checkpointing == "none" and est.job.checkpointing != "none":
+        flags += " --checkpointing none"  # the job's own (a QLoRA recipe's full) is not the fix's
     words = {
-        "python": f"batch_size={r.micro_batch_size}, accumulate={r.accumulation_steps}, checkpointing={ck!r}",
+        "python": f"batch_size={r.micro_batch_size}, accumulate={r.accumulation_steps}, checkpointing={ck!r}"
+                  + py_more,
         "memcheck": flags,
         "trainer": args,
         "lightning": f"batch_size={r.micro_batch_size} in the DataLoader, Trainer(accumulate_grad_batches="
-                     f"{r.accumulation_steps})" + ("" if r.checkpointing == "none" else
-                                                    ", gradient checkpointing on " + _checkpointing_label(plan, r)),
+                     f"{r.accumulation_steps}" + (f', precision="{LIGHTNING_NAMES.get(precision, precision)}"'
+                                                   if precision else "") + ")"
+                     + ("" if r.checkpointing == "none" else ", gradient checkpointing on "
+                        + _checkpointing_label(plan, r)) + (f", optimizer {optimizer}" if optimizer else ""),
         "config": f"micro_batch = {r.micro_batch_size}, accumulation = {r.accumulation_steps}, checkpointing = "
-                  + (f'"{ck}"' if isinstance(ck, str) else "[" + ", ".join(f'"{m}"' for m in ck) + "]"),
+                  + (f'"{ck}"' if isinstance(ck, str) else "[" + ", ".join(f'"{m}"' for m in ck) + "]") + cfg_more,
         "deepspeed": f'"train_micro_batch_size_per_gpu": {r.micro_batch_size}, "gradient_accumulation_steps": '
                      f"{r.accumulation_steps}, --checkpointing "
                      + (ck if isinstance(ck, str) else ",".join(ck)),

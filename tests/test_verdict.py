@@ -174,3 +174,61 @@ def test_the_readmes_examples_get_one_verdict_everywhere(name):
     model = build()
     got = verdicts(model, _maker(model), memcheck.Job(**settings))
     assert got == dict.fromkeys(("estimate", "check", "preflight", "plan"), fits), got
+
+
+# Fix searches (issue 37 item 3): a job over the limit whose checkpointing, accumulation, precision or
+# optimizer would fit on the same card gets that setting as its fix, never other hardware. The
+# fine-tuning recipes on a 4-layer Llama (hidden 128) at 16 x 512 tokens on an unnamed 1 GiB GPU
+# (limit 1 GiB x 0.95 = 972.8 MiB; its context taken as 512 MiB): without checkpointing in fp32 each
+# is over the limit, and with full checkpointing each fits (both traced below, not assumed).
+def _llama_4():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False,
+                         architectures=["LlamaForCausalLM"])
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+RECIPES = {
+    "full fine-tuning": {},
+    "lora": {"lora": "r=8"},
+    "qlora without the recipe's checkpointing": {"qlora": True, "checkpointing": "none", "precision": "fp32"},
+}
+
+
+def assert_fixed_on_the_same_card(model, make, job):
+    batch = make(job.batch_size, job.max_len)
+    v = memcheck.check(model, batch, job)
+    assert not v.fits
+    # a setting on this card fits: full checkpointing, traced
+    setting = memcheck.estimate(model, batch, job.replace(checkpointing="full"))
+    assert setting.fits, setting.total_bytes
+    line = fix_line(v, "memcheck")
+    assert v.fix is not None and v.fix.recommended is not None, line
+    assert "what would" not in line and v.fix.suggestion is None, line
+    r = v.fix.recommended
+    assert r.predicted_device_total_bytes <= v.limit_bytes and r.offload == "none"
+    return v
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_no_fix_suggests_hardware_when_a_setting_fits(name):
+    pytest.importorskip("peft")
+    model = _llama_4()
+    job = memcheck.Job(batch_size=16, max_len=512, gpu="1GiB", **RECIPES[name])
+    assert_fixed_on_the_same_card(model, _maker(model), job)
+
+
+@pytest.mark.slow
+def test_the_readme_qlora_job_without_checkpointing_is_fixed_with_checkpointing_on_the_rtx_4090():
+    # The README's QLoRA 7B job as it was traced before the recipe's defaults: fp32, no checkpointing,
+    # 23.01 GiB device total over the RTX-4090's 22.79 GiB limit; before issue 37 the fix named a V100-32GB.
+    pytest.importorskip("peft")
+    model = _llama_7b()
+    job = memcheck.Job(batch_size=1, max_len=2048, qlora=True, gpu="RTX-4090", optimizer="adamw-fused",
+                       checkpointing="none", precision="fp32")
+    v = assert_fixed_on_the_same_card(model, _maker(model), job)
+    assert v.fix.recommended.checkpointing in ("half", "full")

@@ -976,7 +976,7 @@ def render_config_check(results, skipped=(), as_json: bool = False) -> str:
         if v.fits:
             what = "device total" if v.estimate.device_total_bytes is not None else "peak"
             lines.extend(wrap(f"ok{_GLUE * 4}{job.label}: {what} {format_bytes(v.estimate.total_bytes)} of the "
-                              f"{format_bytes(v.limit_bytes)} limit", indent=" " * 8))
+                              f"{format_bytes(v.limit_bytes)} limit; {headroom_words(v.judgement)}", indent=" " * 8))
         else:  # the verdict's word stays on the first line with the file's name
             lines.extend(wrap(f"FAIL{_GLUE * 2}{job.label}: {verdict_line(v)}", indent=" " * 8))
             lines.extend(wrap(f"      {fix_line(v, _style(job))}", indent=" " * 8))

@@ -873,7 +873,8 @@ def fix_line(v: Verdict, style: str = "python") -> str:
         return "fix: not searched (check(fix=False))"
     plan, r = v.fix, v.fix.recommended
     if r is None:
-        return (f"fix: no micro-batch, accumulation and checkpointing at {v.estimate.precision.value} fits; "
+        tried = ", ".join(dict.fromkeys([v.estimate.precision.value, *(o.precision for o in plan.alternatives)]))
+        return (f"fix: no micro-batch, accumulation and checkpointing at {tried} fits on this card; "
                 f"what would: {(plan.suggestion and str(plan.suggestion)) or ('a larger GPU' if plan.device.value == 'cuda' else 'a larger budget')}")
     flags, args = _flags(plan, r)
     ck = "none" if r.checkpointing == "none" else "full" if r.checkpointing == "full" else list(

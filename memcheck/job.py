@@ -47,6 +47,8 @@ def limit_bytes(capacity_bytes: int, margin: float) -> int:
     rounded down to a byte. estimate, check, plan, preflight and the callbacks all judge a
     job's total against it (``memcheck.report.results.Judgement``)."""
     return int(capacity_bytes * (1 - margin))
+
+
 # The JSON's version: 2 since the settings moved into one "job" object (issue 15).
 SCHEMA_VERSION = 2
 

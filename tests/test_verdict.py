@@ -100,7 +100,7 @@ def test_every_verdict_line_says_the_headroom_and_the_margin(tiny_total):
     words = headroom_words(v.judgement)  # about 3.0% headroom; the gate keeps 5%
     assert words.endswith("headroom; the gate keeps 5%") and words == headroom_words(est.judgement)
     text = " ".join(str(est).split())
-    assert f"DOES NOT FIT: peak" in text and words in text and "memcheck plan" in text
+    assert "DOES NOT FIT: peak" in text and words in text and "memcheck plan" in text
     assert words in verdict_line(v)
     # the JSON says the same
     assert est.to_dict()["limit_bytes"] == v.to_dict()["limit_bytes"] == limit_bytes(job.budget_bytes, 0.05)

@@ -532,6 +532,10 @@ class Plan:
     def margin_bytes(self) -> int:
         return self.capacity_bytes - self.limit_bytes
 
+    def judgement_of(self, total_bytes: int) -> Judgement:
+        """A total judged by the one verdict rule against this plan's capacity and margin."""
+        return Judgement(total_bytes, self.capacity_bytes, self.margin)
+
     @property
     def effective_global_batch(self) -> int | None:
         r = self.recommended

@@ -693,8 +693,6 @@ def _checkpointing_label(plan: Plan, option: PlanOption, short: bool = False) ->
 
 def render_plan(plan: Plan) -> str:
     """The table printed by ``memcheck plan``."""
-    from memcheck.report.results import Judgement  # the results import this module at call time
-
     where = plan.gpu.name if plan.gpu is not None else plan.device.value
     head = f"memcheck plan: {plan.model} on {where}" + (
         f", {plan.gpus} GPU(s), {plan.strategy}" if plan.device.value == "cuda" else "")
@@ -723,7 +721,7 @@ def render_plan(plan: Plan) -> str:
         if plan.global_batch is not None and per_step != plan.global_batch:
             lines.extend(_prose(f"  note: {per_step} is the nearest reachable to the global batch {plan.global_batch}"))
         lines.extend(_prose(f"  {what} {format_bytes(r.predicted_device_total_bytes)} (traced at exactly this point): "
-                            f"fits with {headroom_words(Judgement(r.predicted_device_total_bytes, plan.capacity_bytes, plan.margin))}"))
+                            f"fits with {headroom_words(plan.judgement_of(r.predicted_device_total_bytes))}"))
         flags, args = _flag_parts(plan, r)
         lines.extend(continued("  memcheck flags:", flags, shell=True))
         lines.extend(continued("  TrainingArguments:", args, shell=False))

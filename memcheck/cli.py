@@ -427,7 +427,8 @@ def _workload_options(command):
 @click.option("--checkpointing", default=None,
               metavar="none|full|half|every:N|selective-op|LIST",
               help="Gradient checkpointing (default none; with --qlora the recipe's full, as PEFT's "
-                   "prepare_model_for_kbit_training): full wraps every repeated block, half every second, every:N every "
+                   "prepare_model_for_kbit_training): full wraps every repeated block, half every second, "
+                   "every:N every "
                    "Nth (transformers' every_n_layers), selective-op every block with torchtitan's op-level "
                    "policy; or comma-separated module names/patterns (transformer.h.*).")
 @click.option("--margin", type=float, default=None,

@@ -247,7 +247,8 @@ def test_a_setting_given_explicitly_wins_over_the_qlora_recipe(given, kept, reci
     assert job.replace(batch_size=4).recipe == recipe
     assert memcheck.Job(qlora=True, gpu="A100-80GB").replace(gpu="T4").precision.value == "fp32"
     # the same in a config's words and in the HF aliases (bf16=False says nothing: the recipe stays)
-    assert memcheck.Job.from_settings({"qlora": True, "gpu": "A100-80GB", **given}, vocabulary="config").recipe == recipe
+    config = memcheck.Job.from_settings({"qlora": True, "gpu": "A100-80GB", **given}, vocabulary="config")
+    assert config.recipe == recipe
     assert memcheck.Job.from_settings({"qlora": True, "gpu": "A100-80GB", "bf16": False}).precision.value == "amp-bf16"
 
 

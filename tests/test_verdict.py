@@ -240,3 +240,26 @@ def test_the_readme_qlora_job_without_checkpointing_is_fixed_with_checkpointing_
                        checkpointing="none", precision="fp32")
     v = assert_fixed_on_the_same_card(model, _maker(model), job)
     assert v.fix.recommended.checkpointing in ("half", "full")
+
+
+@pytest.mark.slow
+def test_a_fix_at_another_precision_is_found_on_the_same_card_before_other_hardware():
+    # A 2-layer Llama (hidden 64) whose 32,000-token embedding and head hold most of its 4.2M
+    # weights, 1 x 32 tokens, on an unnamed 610 MiB GPU (context 512 MiB; limit 610 x 0.95 =
+    # 579.5 MiB). Traced: fp32 with any checkpointing 634 MiB (over); pure bf16 with fused AdamW
+    # 574 MiB (within): the second stage of the fix search, not a larger GPU.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=False,
+                         architectures=["LlamaForCausalLM"])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    make = _maker(model)
+    job = memcheck.Job(batch_size=1, max_len=32, gpu="610MiB", assume="padding")
+    v = memcheck.check(model, make(1), job)
+    assert not v.fits and v.fix is not None and v.fix.suggestion is None
+    r = v.fix.recommended
+    assert r is not None and r.precision in ("bf16", "amp-bf16") and r.predicted_device_total_bytes <= v.limit_bytes
+    line = fix_line(v, "python")
+    assert f"precision={r.precision!r}" in line and "what would" not in line, line

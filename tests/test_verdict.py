@@ -91,7 +91,7 @@ def _tiny_job(**settings) -> memcheck.Job:
     (2.0, True),  # half the capacity free
     (1 / 0.97, False),  # 3% headroom: within the capacity, short of the 5% margin (estimate said FITS before)
     (0.9, False),  # over the capacity
-])
+], ids=["room", "3pc-headroom", "over-capacity"])
 def test_estimate_check_plan_and_preflight_give_the_same_verdict(tiny_total, capacity_over_total, fits):
     model = _tiny()
     job = _tiny_job(budget_bytes=int(tiny_total * capacity_over_total))

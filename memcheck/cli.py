@@ -425,14 +425,19 @@ def _workload_options(command):
 @main.command()
 @_workload_options
 @click.option("-b", "--batch-size", type=int, default=1, show_default=True, help="Micro-batch size per step.")
-@click.option("--precision", default="fp32", show_default=True, metavar="PREC",
-              help="fp32; amp-bf16 / amp-fp16 (torch.autocast, fp16 with a GradScaler); or pure bf16 / fp16 weights.")
+@click.option("--precision", default=None, metavar="PREC",
+              help="fp32 (the default); amp-bf16 / amp-fp16 (torch.autocast, fp16 with a GradScaler); or pure bf16 / "
+                   "fp16 weights. With --qlora the recipe's amp-bf16 where the GPU has bf16 (sm80+).")
 @click.option("--accumulate", type=int, default=1, show_default=True, help="Gradient accumulation steps.")
-@click.option("--checkpointing", default="none", show_default=True,
+@click.option("--checkpointing", default=None,
               metavar="none|full|half|every:N|selective-op|LIST",
-              help="Gradient checkpointing: full wraps every repeated block, half every second, every:N every "
+              help="Gradient checkpointing (default none; with --qlora the recipe's full, as PEFT's "
+                   "prepare_model_for_kbit_training): full wraps every repeated block, half every second, "
+                   "every:N every "
                    "Nth (transformers' every_n_layers), selective-op every block with torchtitan's op-level "
                    "policy; or comma-separated module names/patterns (transformer.h.*).")
+@click.option("--margin", type=float, default=None,
+              help="Fraction of the capacity held back; the verdict is the one check and plan give (default 0.05).")
 @click.option("--compare", is_flag=True, help="One table of every strategy that applies to --gpus.")
 @click.option("--top", default=8, show_default=True, type=int, help="Modules to list in the table (identical copies of a repeated block count as one).")
 @click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
@@ -443,8 +448,8 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
              gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, padding, weights_dtype, lora, dora, qlora,
              max_grad_norm,
              reentrant, bucket_view, bucket_cap_mb,
-             offload, eval_batch_size, eval_accumulate_predictions, compare, top, as_json, allow_download, debug,
-             snapshot_path, plot_path, timeout, trust_remote_code=False, reduce_bucket_size=None,
+             offload, eval_batch_size, eval_accumulate_predictions, margin, compare, top, as_json, allow_download,
+             debug, snapshot_path, plot_path, timeout, trust_remote_code=False, reduce_bucket_size=None,
              prefetch_bucket_size=None, max_live_parameters=None, layout=None, fsdp_sharding=None, gpus_per_node=None,
              tp_plan=None, param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=None,
              step_order="hf"):
@@ -493,7 +498,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
                    strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
                    bucket_cap_mb=bucket_cap_mb, offload=offload, fsdp_sharding=fsdp_sharding,
                    gpus_per_node=gpus_per_node, task=task, attn=attn, packing=packing, assume=assume,
-                   trust_remote_code=trust_remote_code, layout=layout, tp_plan=tp_plan, **shared)
+                   trust_remote_code=trust_remote_code, layout=layout, tp_plan=tp_plan, margin=margin, **shared)
         if compare and job.layout is not None:
             raise UsageError("--compare lists the strategies of one kind over --gpus; drop --layout")
         if progress is not None:
@@ -508,7 +513,7 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
         else:
             result = run_estimate(work.model, work.batch, job, timeline=bool(snapshot_path or plot_path),
                                   train_step=work.train_step, **runtime)
-            write_pictures(result, snapshot_path, plot_path)
+            write_pictures(result, snapshot_path, plot_path, margin=job.effective_margin)
     _print(render_json(result) if as_json else str(result))
     sys.exit(EXIT_DOES_NOT_FIT if result.fits is False else EXIT_FITS)
 

@@ -27,7 +27,7 @@ from memcheck.cuda.gpus import GpuSpec, resolve_gpu
 from memcheck.enums import (Attention, Device, Dtype, FsdpSharding, Offload, Padding, Precision, StepOrder, Strategy, Task,
                             WeightsDtype)
 from memcheck.errors import UsageError, closest
-from memcheck.training.adapters import Lora
+from memcheck.training.adapters import Lora, qlora_recipe
 from memcheck.training.checkpointing import parse_checkpointing
 from memcheck.training.optimizers import OPTIMIZERS, hf_optimizer
 from memcheck.training.strategies import StrategyConfig
@@ -41,6 +41,15 @@ from memcheck.units import MAX_BYTES, parse_size, short_repr
 # reserved peak is within -0.3% to +1.7%; 5% covers that spread with room for the stacks not yet
 # measured. On the CPU target the fp32 zoo is within 0.21% of the profiler's measured peak.
 DEFAULT_MARGIN = 0.05
+
+
+def limit_bytes(capacity_bytes: int, margin: float) -> int:
+    """The one verdict rule's limit: the capacity less the margin, ``capacity * (1 - margin)``
+    rounded down to a byte. estimate, check, plan, preflight and the callbacks all judge a
+    job's total against it (``memcheck.report.results.Judgement``)."""
+    return int(capacity_bytes * (1 - margin))
+
+
 # The JSON's version: 2 since the settings moved into one "job" object (issue 15).
 SCHEMA_VERSION = 2
 
@@ -266,8 +275,10 @@ class Job:
     ``padding_free``): each of ``batch_size`` sample slots is ``max_len`` tokens of packed sequences, all
     flattened into one row of ``batch_size * max_len`` tokens with position ids restarting at 0 for each
     sequence and no attention mask. Causal language models only."""
-    precision: Precision = Precision.FP32
-    """``fp32``; ``amp-bf16``/``amp-fp16`` (torch.autocast); pure ``bf16``/``fp16`` weights."""
+    precision: Precision | None = None
+    """``fp32``; ``amp-bf16``/``amp-fp16`` (torch.autocast); pure ``bf16``/``fp16`` weights. None (unset):
+    ``fp32``, or for a ``qlora`` job the QLoRA recipe's ``amp-bf16`` where the GPU has bf16
+    (``memcheck.training.adapters.qlora_recipe``); the job always holds the resolved value."""
     weights_dtype: WeightsDtype = WeightsDtype.AUTO
     """The weights' dtype: ``auto`` follows the precision (fp32 weights for ``fp32``, bf16/fp16 for
     pure ``bf16``/``fp16``) and, under autocast, the model's own dtype (``from_pretrained``'s default:
@@ -278,8 +289,10 @@ class Job:
     """Training steps to trace; the peak is taken from step 2 on (step 1 has no optimizer state)."""
     accumulate: int = 1
     """Gradient accumulation steps; the peak is the steady-state micro-step's."""
-    checkpointing: str | tuple[str, ...] = "none"
-    """``none``, ``full`` (every repeated block) or module names/patterns."""
+    checkpointing: str | tuple[str, ...] | None = None
+    """``none``, ``full`` (every repeated block) or module names/patterns. None (unset): ``none``, or
+    for a ``qlora`` job the recipe's ``full`` (PEFT's ``prepare_model_for_kbit_training`` turns it on);
+    the job always holds the resolved value."""
     use_reentrant: bool = False
     """torch.utils.checkpoint's implementation."""
     lora: Lora | None = None
@@ -366,9 +379,17 @@ class Job:
     is never left to ask on stdin. ``memcheck check`` accepts it only for code inside the
     config's own repository."""
 
+    defaulted: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False, repr=False)
+    """Not a setting: the ``(field, value)`` pairs filled in because the job left them unset
+    (``_fill_defaults``: fp32 and none, or the QLoRA recipe's), so that a copy with another
+    ``qlora``, GPU or device chooses them again and the report can say which the recipe chose
+    (``recipe``); set by the job itself."""
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _CHECKS[f.name](getattr(self, f.name)))
+            if f.name in _CHECKS:
+                object.__setattr__(self, f.name, _CHECKS[f.name](getattr(self, f.name)))
+        self._fill_defaults()
         if self.device is Device.CPU and self.gpu is not None:
             raise SettingError("gpu", f"gpu={self.gpu!r} applies to the cuda target only; the target is cpu "
                                       "(give the budget as --gpu-memory)")
@@ -388,6 +409,26 @@ class Job:
                 f"global batch {g} is not divisible by {gpus} GPUs; every GPU takes the same share: "
                 + (f"use a multiple of {gpus}, such as {below} or {above}" if below
                    else f"use {above} or another multiple of {gpus}")))
+
+    def _fill_defaults(self) -> None:
+        """Unset ``precision`` and ``checkpointing`` take their defaults: the QLoRA recipe's
+        for a ``qlora`` job (``memcheck.training.adapters.qlora_recipe``), else fp32 and none.
+        ``recipe`` names the settings the recipe filled in (the report says so)."""
+        unset = [name for name in _DEFAULTED if getattr(self, name) is None]
+        # what a copy (replace) carries over: the defaults it still holds
+        kept = {k: v for k, v in self.defaulted if k not in unset and _CHECKS[k](v) == getattr(self, k)}
+        recipe = qlora_recipe(_target_arch(self)) if self.qlora and unset else {}
+        filled = {name: recipe.get(name, _DEFAULTED[name]) for name in unset}
+        for name, value in filled.items():
+            object.__setattr__(self, name, _CHECKS[name](value))
+        object.__setattr__(self, "defaulted", tuple(sorted({**kept, **filled}.items())))
+
+    @property
+    def recipe(self) -> dict[str, str]:
+        """The settings the QLoRA recipe chose because the job left them unset (the report says so)."""
+        if not self.qlora:
+            return {}
+        return {k: v for k, v in self.defaulted if v != _DEFAULTED[k]}
 
     @property
     def strategy_config(self) -> StrategyConfig:
@@ -431,7 +472,10 @@ class Job:
         return DEFAULT_MARGIN if self.margin is None else self.margin
 
     def replace(self, **changes) -> "Job":
-        """A copy with ``changes`` (Python keywords), validated again."""
+        """A copy with ``changes`` (Python keywords), validated again. Settings the QLoRA recipe
+        filled in stay the recipe's: chosen again when ``qlora``, the GPU or the device changes."""
+        if self.defaulted and {"qlora", "gpu", "device"} & set(changes):
+            changes = {**{name: None for name, _ in self.defaulted}, **changes}
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -465,7 +509,7 @@ class Job:
                                  "already set")
             changes[field], setters[field] = value, key
         try:
-            return dataclasses.replace(base, **changes) if base is not None else cls(**changes)
+            return base.replace(**changes) if base is not None else cls(**changes)
         except SettingError as exc:
             raise UsageError(exc.worded(vocabulary)) from None
 
@@ -489,6 +533,20 @@ class Job:
                 value = value.value
             out[s.json] = value
         return out
+
+
+# The settings a job may leave unset, and their defaults without the QLoRA recipe (Job._fill_defaults)
+_DEFAULTED = {"checkpointing": "none", "precision": "fp32"}
+
+
+def _target_arch(job: "Job") -> tuple[int, int] | None:
+    """The CUDA target's compute capability, for the QLoRA recipe's precision: the named GPU's,
+    sm80 for a bare size, the local GPU's when none is named (sm80 assumed when there is none);
+    None on the CPU target."""
+    if job.device is not Device.CUDA:
+        return None
+    spec = resolve_gpu(job.gpu)
+    return spec.arch if spec is not None else (8, 0)
 
 
 def _gpu(value):
@@ -528,6 +586,8 @@ def _optimizer(value):
 
 
 def _checkpointing(value):
+    if value is None:  # unset: the default (Job._fill_defaults)
+        return None
     try:
         return parse_checkpointing(value)
     except UsageError as exc:
@@ -751,7 +811,7 @@ _CHECKS = {
     "target_len": lambda v: _int("target_len", v, maximum=MAX_LEN, why=" (2**24 tokens)"),
     "padding": lambda v: _choice("padding", Padding, v),
     "packing": lambda v: _flag("packing", v),
-    "precision": lambda v: _choice("precision", Precision, v),
+    "precision": lambda v: _choice("precision", Precision, v, optional=True),
     "weights_dtype": lambda v: _choice("weights_dtype", WeightsDtype, v),
     "optimizer": _optimizer,
     "steps": lambda v: _int("steps", v, minimum=2, optional=False,
@@ -799,7 +859,8 @@ _CHECKS = {
     "assume": _assume,
     "trust_remote_code": lambda v: _flag("trust_remote_code", v),
 }
-assert tuple(_CHECKS) == tuple(s.field for s in SPELLINGS) == tuple(f.name for f in dataclasses.fields(Job))
+assert tuple(_CHECKS) == tuple(s.field for s in SPELLINGS) == tuple(f.name for f in dataclasses.fields(Job)
+                                                                  if f.name != "defaulted")
 
 
 def as_job(job: "Job | None", settings: Mapping[str, Any], *, caller: str) -> Job:

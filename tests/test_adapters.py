@@ -106,8 +106,10 @@ def test_lora_adapters_and_their_optimizer_state_by_hand():
     ("r=16,targets=all-linear", True)])
 def test_lora_dora_and_qlora_match_a_real_cpu_run(spec, qlora):
     lora = Lora.parse(spec)
+    # the oracle calls prepare_model_for_kbit_training(use_gradient_checkpointing=False): checkpointing
+    # none, given, wins over the QLoRA recipe's full
     est = memcheck.estimate(_meta_model(), _batch("meta"),
-                            memcheck.Job(device="cpu", lora=lora, qlora=qlora, optimizer=_adamw))
+                            memcheck.Job(device="cpu", lora=lora, qlora=qlora, optimizer=_adamw, checkpointing="none"))
     real = measure_cpu(_real(lora, qlora), _adamw)
     assert abs(est.peak_bytes - real.steady_peak_bytes) <= 0.02 * real.steady_peak_bytes, (
         est.peak_bytes, real.steady_peak_bytes)
@@ -225,3 +227,64 @@ def test_a_model_fed_features_gets_no_seq2seq_task_type():
         t5 = T5ForConditionalGeneration(T5Config(d_model=64, num_layers=1, num_heads=2, vocab_size=100))
     assert _task_type(whisper) is None
     assert _task_type(t5) == "SEQ_2_SEQ_LM"
+
+
+# The QLoRA recipe's defaults (issue 37 item 4): PEFT's prepare_model_for_kbit_training turns gradient
+# checkpointing on (use_gradient_checkpointing=True, peft 0.21.2 peft/utils/other.py:158-159) and the
+# recipe computes in bf16 (bnb_4bit_compute_dtype=torch.bfloat16) where the GPU has it (sm80 and later).
+@pytest.mark.parametrize("where, precision", [
+    ({"gpu": "A100-80GB"}, "amp-bf16"),  # sm80
+    ({"gpu": "RTX-4090"}, "amp-bf16"),  # sm89
+    ({"gpu": "24GiB"}, "amp-bf16"),  # a bare size is taken as sm80
+    ({"gpu": "T4"}, "fp32"),  # sm75: no bf16, the job's default
+    ({"gpu": "V100-32GB"}, "fp32"),  # sm70
+    ({"device": "cpu"}, "fp32"),  # the CPU target: checkpointing only
+])
+def test_qlora_takes_the_recipes_checkpointing_and_bf16_where_the_gpu_has_it(where, precision):
+    job = memcheck.Job(qlora=True, **where)
+    assert (job.checkpointing, job.precision.value) == ("full", precision)
+    assert job.recipe == {"checkpointing": "full", **({"precision": "amp-bf16"} if precision != "fp32" else {})}
+    # without --qlora nothing changes: fp32, no checkpointing
+    plain = memcheck.Job(**where)
+    assert (plain.checkpointing, plain.precision.value, plain.recipe) == ("none", "fp32", {})
+
+
+@pytest.mark.parametrize("given, kept, recipe", [
+    ({"checkpointing": "none"}, ("none", "amp-bf16"), {"precision": "amp-bf16"}),
+    ({"precision": "fp32"}, ("full", "fp32"), {"checkpointing": "full"}),
+    ({"checkpointing": "none", "precision": "fp32"}, ("none", "fp32"), {}),
+    ({"checkpointing": "half", "precision": "amp-fp16"}, ("half", "amp-fp16"), {}),
+])
+def test_a_setting_given_explicitly_wins_over_the_qlora_recipe(given, kept, recipe):
+    job = memcheck.Job(qlora=True, gpu="A100-80GB", **given)
+    assert (job.checkpointing, job.precision.value) == kept and job.recipe == recipe
+    # a copy keeps what was given, and chooses the recipe's again for another GPU
+    assert job.replace(batch_size=4).recipe == recipe
+    assert memcheck.Job(qlora=True, gpu="A100-80GB").replace(gpu="T4").precision.value == "fp32"
+    # the same in a config's words and in the HF aliases (bf16=False says nothing: the recipe stays)
+    config = memcheck.Job.from_settings({"qlora": True, "gpu": "A100-80GB", **given}, vocabulary="config")
+    assert config.recipe == recipe
+    assert memcheck.Job.from_settings({"qlora": True, "gpu": "A100-80GB", "bf16": False}).precision.value == "amp-bf16"
+
+
+def test_the_report_says_what_the_qlora_recipe_chose_and_how_to_turn_it_off(tmp_path):
+    _config().save_pretrained(tmp_path)
+    runner = CliRunner()
+    base = [f"hf:{tmp_path}", "--max-len", "64", "--gpu", "A100-80GB", "--qlora"]
+    result = runner.invoke(main, [*base, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["job"]["checkpointing"], data["job"]["precision"]) == ("full", "amp-bf16")
+    # prepare_model_for_kbit_training casts the weights that stay unquantized to fp32
+    assert data["weights_dtype"] == "float32"
+    note = next(a for a in data["assumptions"] if a.startswith("QLoRA recipe's defaults"))
+    assert "use_gradient_checkpointing=True" in note and "bnb_4bit_compute_dtype=bfloat16" in note
+    assert "--checkpointing none / --precision fp32 turns them off" in note
+    assert len(data["checkpointed_modules"]) == 1  # transformers' own checkpointing of its 2 decoder layers
+    # both turned off on the command line: the user's settings, and no recipe line
+    result = runner.invoke(main, [*base, "--json", "--checkpointing", "none", "--precision", "fp32"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["job"]["checkpointing"], data["job"]["precision"]) == ("none", "fp32")
+    assert data["checkpointed_modules"] == []
+    assert not any(a.startswith("QLoRA recipe's defaults") for a in data["assumptions"])

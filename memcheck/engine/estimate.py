@@ -32,7 +32,7 @@ from memcheck.errors import (
     model_frame,
     require_int,
 )
-from memcheck.job import Job, SettingError, as_job, escape
+from memcheck.job import Job, SettingError, as_job, escape, limit_bytes
 from memcheck.report.results import (
     BatchInfo,
     Branch,
@@ -603,7 +603,7 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
         twin = twin.to(weights)
     if job.qlora:  # 4-bit linear layers, then a twin of those: bitsandbytes' quantized sizes (twin_memo)
         twin = meta_twin(quantize_4bit(twin))
-    twin, adapted = apply_adapters(twin, job.lora, job.qlora)  # LoRA / QLoRA over the cast base
+    twin, adapted = apply_adapters(twin, job.lora, job.qlora, job.recipe)  # LoRA / QLoRA over the cast base
     wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
     rank_context = None
     if role is not None:  # what one rank of the layout holds: its experts, shards, stage and tokens
@@ -630,6 +630,10 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
         tracer.assume(
             f"no GPU named (gpu=/--gpu): kernels chosen as on sm{arch[0]}{arch[1]} and a generic CUDA context"
         )
+    if job.qlora:
+        # prepare_model_for_kbit_training casts every fp16/bf16 weight but the 4-bit ones to fp32
+        # (peft/utils/other.py:204-209), so the model's own dtype is not what trains (apply_adapters' note)
+        weights, how = torch.float32, ""
     if how:
         tracer.assume(how)
     for note in packing_note(job, info, model, batch):
@@ -1100,7 +1104,7 @@ def _growing_life(events: list, start: int, eval_start: int, gpu: GpuSpec | None
 
     run, last = growing_run(events, start, eval_start, sizes_at, lengths)
     run += [(*ev[:6], len(lengths), *ev[7:]) for ev in events[eval_start:]]  # the evaluation, after training
-    room = None if gpu is None else int(gpu.capacity_bytes * (1 - margin)) - context_bytes(gpu)
+    room = None if gpu is None else limit_bytes(gpu.capacity_bytes, margin) - context_bytes(gpu)
     sim, grown = _replayed(run, (last, last + eval_start - start), room)
     traced_lengths = ", ".join(str(x) for x in [length] + [p[0] for p in points])
     note = (f"padding=longest: the caching allocator replayed {len(lengths)} steps of lengths growing from "

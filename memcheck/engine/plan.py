@@ -82,7 +82,7 @@ from memcheck.cuda.overhead import context_bytes
 from memcheck.engine.estimate import estimate, target_gpu
 from memcheck.enums import Device, Offload, Precision, Strategy, WeightsDtype
 from memcheck.errors import UsageError, closest, require_int
-from memcheck.job import MIXED_PRECISION_FIELDS, Job, as_job
+from memcheck.job import MIXED_PRECISION_FIELDS, Job, as_job, limit_bytes
 from memcheck.report.results import (
     Estimate,
     LargerGpu,
@@ -150,6 +150,7 @@ def plan(
     model_name: str | None = None,
     progress: Callable[[str], None] | None = None,
     length_profile: bool = True,
+    suggest: bool = True,
     **settings,
 ) -> Plan:
     """Find the configuration that fits ``gpu`` and reaches ``global_batch`` fastest.
@@ -181,6 +182,8 @@ def plan(
         loss_fn, model_name: as in ``estimate``.
         progress: called with a short line before each trace (the CLI's stderr progress).
         length_profile: trace the length profile (needs a ``make_batch`` that takes a length).
+        suggest: when nothing fits, trace what would (a larger GPU, a sharded GPU count);
+            False leaves ``suggestion`` None (``check``'s fix search widens its options first).
 
     Returns:
         A ``Plan``: ``recommended`` (None when nothing fits, with ``suggestion``
@@ -202,7 +205,7 @@ def plan(
     search = _Search(model, make_batch, _arity(make_batch), job, gpu=space.target, budget=space.budget,
                      blocks=space.blocks, name=model_name or type(model).__name__, progress=progress, loss_fn=loss_fn)
     recommended, alternatives = _choose(search, space)
-    return _result(search, space, job, recommended, alternatives, length_profile, max_len_limit)
+    return _result(search, space, job, recommended, alternatives, length_profile, max_len_limit, suggest)
 
 
 @dataclass(frozen=True)
@@ -288,7 +291,7 @@ def _validate(model, make_batch, job: Job, precision_options, optimizer_options,
     if not blocks:
         checkpoints = [c for c in checkpoints if c == NONE] or [NONE]
     cap = job.global_batch // config.gpus if job.global_batch is not None else MAX_MICRO_BATCH
-    return _Space(tiers, checkpoints, target, budget, int(budget * (1 - job.effective_margin)), blocks, cap)
+    return _Space(tiers, checkpoints, target, budget, limit_bytes(budget, job.effective_margin), blocks, cap)
 
 
 def _weights_agree(job: Job, precision: Precision) -> bool:
@@ -372,7 +375,8 @@ def _heavier(checkpointing: str, than: str) -> bool:
 
 
 def _result(search: "_Search", space: _Space, job: Job, recommended: PlanOption | None,
-            alternatives: tuple[PlanOption, ...], length_profile: bool, max_len_limit: int | None) -> Plan:
+            alternatives: tuple[PlanOption, ...], length_profile: bool, max_len_limit: int | None,
+            suggest: bool = True) -> Plan:
     """The recommendation's own trace and length profile, or, when nothing fits, what would."""
     profile: tuple[LengthPoint, ...] = ()
     longest = chosen = suggestion = None
@@ -382,7 +386,7 @@ def _result(search: "_Search", space: _Space, job: Job, recommended: PlanOption 
                                     optimizer=recommended.optimizer, offload=recommended.offload == "optimizer")
         if length_profile and search.takes_length and job.max_len:
             profile, longest = search.length_profile(recommended, space.limit, max_len_limit)
-    else:
+    elif suggest:
         suggestion = search.what_would_fit(space.precisions, space.checkpoints, job.effective_margin)
     config = job.strategy_config
     return Plan(
@@ -676,10 +680,10 @@ class _Search:
             candidates = [g for g in sorted(GPUS.values(), key=lambda g: g.capacity_bytes)
                           if g.capacity_bytes > self.budget]
             for spec in candidates:  # predicted from the trace on this GPU, then traced on that one
-                if base.reserved_bytes + context_bytes(spec) > spec.capacity_bytes * (1 - margin):
+                if base.reserved_bytes + context_bytes(spec) > limit_bytes(spec.capacity_bytes, margin):
                     continue
                 est = self.estimate_at(1, precision, checkpointing, self.accumulation(1), gpu=spec)
-                if est.total_bytes <= spec.capacity_bytes * (1 - margin):
+                if est.total_bytes <= limit_bytes(spec.capacity_bytes, margin):
                     larger = LargerGpu(spec.name, spec.capacity_bytes, est.total_bytes)  # the job as asked
                     break
             sharded = self._sharded_count(base, precision, checkpointing, margin)
@@ -706,7 +710,7 @@ class _Search:
         """
         sharded = (Strategy.ZERO3 if self.strategy in (Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3)
                    else Strategy.FSDP)
-        limit = int(self.budget * (1 - margin))
+        limit = limit_bytes(self.budget, margin)
         own = self.strategy is sharded  # the failing trace is already one rank of it, at self.gpus
         seen: dict[int, int] = {self.gpus: base.total_bytes} if own else {}
         lo, hi = (self.gpus if own else 1), None  # the most GPUs known not to fit; the fewest known to

@@ -41,7 +41,7 @@ import torch
 from memcheck.engine.estimate import _estimate_rank, estimate, target_gpu
 from memcheck.enums import Device, Precision, Schedule
 from memcheck.errors import MemcheckError, UsageError, require_int
-from memcheck.job import Job, as_job
+from memcheck.job import Job, as_job, limit_bytes
 from memcheck.report.results import LayoutCandidate, LayoutPlan
 from memcheck.cuda.gpus import rates_for
 from memcheck.trace.device_redirect import tracing_globals
@@ -106,7 +106,7 @@ def plan_layout(
     capacity = job.budget_bytes if job.budget_bytes is not None else (target.capacity_bytes if target else None)
     if capacity is None:
         raise UsageError("a layout plan needs a capacity: name the GPU (--gpu H100-80GB) or give --gpu-memory")
-    limit = int(capacity * (1 - job.effective_margin))
+    limit = limit_bytes(capacity, job.effective_margin)
     name = model_name or type(model).__name__
     blocks = repeated_blocks(model)
     if not blocks:

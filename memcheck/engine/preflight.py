@@ -3,10 +3,13 @@
 For the top of a training script, a trainer callback or a config gate. The job
 is traced as ``estimate`` traces it (a meta twin of the model: no weights are
 copied, on the host or on a GPU) and judged against the capacity minus the
-margin, the limit ``memcheck plan`` keeps to. A job over the limit gets a fix,
-found by ``plan`` with the job's own global batch, precision and strategy: the
-micro-batch, accumulation and checkpointing that reach the same global batch and
-fit (each fix is traced at exactly its own settings). When the training step fits
+margin, the limit ``memcheck plan`` keeps to. A job over the limit gets a fix on the
+same card, found by ``plan`` with the job's own global batch and strategy: first at
+the job's precision and optimizer, the micro-batch, accumulation and checkpointing
+that reach the same global batch and fit; when none does, the same search over the
+GPU's low precisions and the lighter optimizers (``plan``'s ``auto``: fused AdamW,
+8-bit state, ZeRO-Offload); other hardware is suggested only when no setting on this
+card fits (each fix is traced at exactly its own settings). When the training step fits
 but the evaluation pass does not, the fix is the evaluation's: predictions moved
 off the GPU after every batch, then a smaller evaluation batch.
 """
@@ -23,7 +26,7 @@ from memcheck.engine.estimate import estimate, target_gpu
 from memcheck.engine.plan import CHECKPOINTING_OPTIONS, _arity, plan
 from memcheck.enums import Device, Strategy
 from memcheck.errors import UsageError, WillNotFit, require_int
-from memcheck.job import Job, as_job
+from memcheck.job import Job, as_job, limit_bytes
 from memcheck.report.results import Estimate, EvalFix, Verdict
 from memcheck.report.text import will_not_fit_message
 from memcheck.trace.device_redirect import on_meta, tracing_globals
@@ -93,7 +96,7 @@ def check(
     if progress is not None:
         progress(f"tracing {name} at micro-batch {batch_size}")
     est = estimate(model, batch, job, eval_batch=eval_batch, loss_fn=loss_fn, model_name=name)
-    limit = int(capacity * (1 - margin))
+    limit = limit_bytes(capacity, margin)
     verdict = Verdict(estimate=est, capacity_bytes=capacity, margin=margin, limit_bytes=limit)
     if est.total_bytes <= limit or not fix:
         return verdict
@@ -101,10 +104,33 @@ def check(
     if est.peak_in == "eval" and train_total <= limit:
         return Verdict(estimate=est, capacity_bytes=capacity, margin=margin, limit_bytes=limit,
                        eval_fix=_eval_fix(model, batch, eval_batch, limit, job, loss_fn, name, progress))
-    found = plan(model, make, job.replace(global_batch=batch_size * job.accumulate * config.gpus, margin=margin),
-                 checkpointing_options=CHECKPOINTING_OPTIONS, loss_fn=loss_fn, model_name=name, progress=progress,
-                 length_profile=False)
+    found = find_fix(model, make, job.replace(global_batch=batch_size * job.accumulate * config.gpus, margin=margin),
+                     loss_fn=loss_fn, model_name=name, progress=progress)
     return Verdict(estimate=est, capacity_bytes=capacity, margin=margin, limit_bytes=limit, fix=found)
+
+
+# What the fix search widens to, in order, before it names other hardware: the job's own precision
+# and optimizer (micro-batch, accumulation, checkpointing), then the target GPU's low precisions
+# and the lighter optimizers (plan's "auto"; on the CPU target only the job's precision).
+FIX_STAGES = ((None, None), ("auto", "auto"))
+
+
+def find_fix(model: torch.nn.Module, make: Callable[..., Any], job: Job, *, loss_fn=None, model_name: str,
+             progress=None):
+    """The plan that fixes ``job`` on its own card: the job's precision and optimizer first,
+    then the GPU's low precisions and lighter optimizers (``FIX_STAGES``); only the last
+    stage, when nothing fits, traces what would (a larger GPU, a sharded GPU count)."""
+    found = None
+    for i, (precisions, optimizers) in enumerate(FIX_STAGES):
+        last = i == len(FIX_STAGES) - 1
+        if precisions is not None and job.device is not Device.CUDA:
+            break  # the CPU target keeps the job's precision (plan's auto) and optimizer
+        found = plan(model, make, job, precision_options=precisions, optimizer_options=optimizers,
+                     checkpointing_options=CHECKPOINTING_OPTIONS, loss_fn=loss_fn, model_name=model_name,
+                     progress=progress, length_profile=False, suggest=last or job.device is not Device.CUDA)
+        if found.recommended is not None:
+            return found
+    return found
 
 
 def preflight(model: torch.nn.Module, batch: Any, **kwargs) -> Estimate:

@@ -12,7 +12,7 @@ import io
 
 from memcheck.enums import Category, Device, Phase
 from memcheck.errors import UsageError
-from memcheck.job import DEFAULT_MARGIN
+from memcheck.job import DEFAULT_MARGIN, limit_bytes
 from memcheck.pictures.snapshot import _timeline_of
 from memcheck.report.text import _CATEGORY_LABELS
 from memcheck.report.timeline import (
@@ -124,7 +124,7 @@ def _figure(est, timeline: Timeline, margin: float):
     xs, points = _envelope(timeline.points[start:end], BUCKETS)
     context = timeline.context_bytes or 0
     budget = est.budget_bytes
-    limit = int(budget * (1 - margin)) if budget else None
+    limit = limit_bytes(budget, margin) if budget else None
     reserved = [context + p.reserved for p in points] if timeline.device is Device.CUDA else None
     top = max([context + peak.total, *(reserved or []), *([budget] if budget else [])])
     unit, unit_label = _unit(top)

@@ -8,12 +8,43 @@ from typing import TYPE_CHECKING
 
 from memcheck.cuda.gpus import GpuSpec
 from memcheck.enums import Category, Device, Phase, Precision
-from memcheck.job import SCHEMA_VERSION, Job
+from memcheck.job import SCHEMA_VERSION, Job, limit_bytes
 from memcheck.training.checkpointing import half_of
 from memcheck.training.optimizers import optimizer_name
 
 if TYPE_CHECKING:
     from memcheck.report.timeline import Timeline
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The one verdict rule: a job's total against its capacity less the margin.
+
+    estimate, check, plan, preflight and the callbacks judge with it, so the same job gets
+    the same verdict everywhere; the reports say the headroom it leaves and the margin kept
+    (``memcheck.report.text.headroom_words``).
+    """
+
+    total_bytes: int  # the device total on CUDA, the peak on the CPU target
+    capacity_bytes: int  # the budget: the job's, else the GPU's capacity
+    margin: float  # the fraction of the capacity held back
+
+    @property
+    def limit_bytes(self) -> int:
+        return limit_bytes(self.capacity_bytes, self.margin)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.limit_bytes
+
+    @property
+    def headroom(self) -> float:
+        """The fraction of the capacity the job leaves free (negative: over the capacity)."""
+        return (self.capacity_bytes - self.total_bytes) / self.capacity_bytes if self.capacity_bytes else 0.0
+
+    def to_dict(self) -> dict:
+        return {"fits": self.fits, "total_bytes": self.total_bytes, "capacity_bytes": self.capacity_bytes,
+                "margin": self.margin, "limit_bytes": self.limit_bytes, "headroom": self.headroom}
 
 
 @dataclass(frozen=True)
@@ -279,11 +310,19 @@ class Estimate:
         return self.device_total_bytes if self.device_total_bytes is not None else self.peak_bytes
 
     @property
-    def fits(self) -> bool | None:
-        """True/False against the budget; None when no budget was given."""
+    def judgement(self) -> Judgement | None:
+        """The job's total against the budget less the job's margin (the one verdict rule);
+        None without a budget."""
         if self.budget_bytes is None:
             return None
-        return self.total_bytes <= self.budget_bytes
+        return Judgement(self.total_bytes, self.budget_bytes, self.job.effective_margin)
+
+    @property
+    def fits(self) -> bool | None:
+        """True/False against the budget less the margin, as check and plan judge; None
+        when no budget was given."""
+        j = self.judgement
+        return None if j is None else j.fits
 
     def to_dict(self) -> dict:
         """The JSON object ``memcheck --json`` prints (README, "JSON")."""
@@ -300,6 +339,9 @@ class Estimate:
             },
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
+            "margin": None if self.budget_bytes is None else self.job.effective_margin,
+            "limit_bytes": None if self.judgement is None else self.judgement.limit_bytes,
+            "headroom": None if self.judgement is None else self.judgement.headroom,
             "peak_bytes": self.peak_bytes,
             "reserved_bytes": self.reserved_bytes,
             "fragmentation_bytes": self.fragmentation_bytes,
@@ -490,6 +532,10 @@ class Plan:
     def margin_bytes(self) -> int:
         return self.capacity_bytes - self.limit_bytes
 
+    def judgement_of(self, total_bytes: int) -> Judgement:
+        """A total judged by the one verdict rule against this plan's capacity and margin."""
+        return Judgement(total_bytes, self.capacity_bytes, self.margin)
+
     @property
     def effective_global_batch(self) -> int | None:
         r = self.recommended
@@ -586,8 +632,13 @@ class Verdict:
     eval_fix: EvalFix | None = None  # for a job whose evaluation pass alone is over the limit
 
     @property
+    def judgement(self) -> Judgement:
+        """The one verdict rule, as estimate applies it (``Judgement``)."""
+        return Judgement(self.estimate.total_bytes, self.capacity_bytes, self.margin)
+
+    @property
     def fits(self) -> bool:
-        return self.estimate.total_bytes <= self.limit_bytes
+        return self.judgement.fits
 
     @property
     def margin_bytes(self) -> int:
@@ -605,6 +656,7 @@ class Verdict:
             "capacity_bytes": self.capacity_bytes,
             "margin": self.margin,
             "limit_bytes": self.limit_bytes,
+            "headroom": self.judgement.headroom,
             "fix": None if self.fix is None else self.fix.to_dict()["plan"],
             "eval_fix": None if self.eval_fix is None else asdict(self.eval_fix),
             "estimate": self.estimate.to_dict(),

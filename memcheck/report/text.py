@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the results import this module to render themselves
         Comparison,
         DeviceMemory,
         Estimate,
+        Judgement,
         Plan,
         PlanOption,
         ShardedFit,
@@ -278,11 +279,7 @@ def render_estimate(est: Estimate) -> str:
         lines.extend(_prose(*branch_lines))
     if est.budget_bytes is not None:
         lines.append("")
-        verdict = "FITS" if est.fits else "DOES NOT FIT"
-        what = "device total" if est.device_total_bytes is not None else "peak"
-        lines.extend(_prose(
-            f"{verdict}: {what} {format_bytes(est.total_bytes)} vs {format_bytes(est.budget_bytes)} available"
-        ))
+        lines.extend(_prose(*estimate_verdict_lines(est)))
     return "\n".join(line for line in lines if line is not None).replace("\n\n\n", "\n\n")
 
 
@@ -549,7 +546,7 @@ def _kept_settings(plan: Plan) -> list[tuple[Spelling, Any]]:
     default; values as a flag or config key takes them (enums by value, LoRA settings as text)."""
     if plan.job is None:
         return []
-    defaults = {f.name: f.default for f in dataclasses.fields(Job)}
+    defaults = {f.name: f.default for f in dataclasses.fields(Job) if f.name in SPELLING}
     out = []
     for field in KEPT_SETTINGS:
         value = getattr(plan.job, field)
@@ -709,7 +706,7 @@ def render_plan(plan: Plan) -> str:
     lines = _prose(
         head,
         f"limit: {what} at most {format_bytes(plan.limit_bytes)} = capacity {format_bytes(plan.capacity_bytes)} "
-        f"minus a {plan.margin:.0%} margin ({format_bytes(plan.margin_bytes)})",
+        f"minus a {margin_words(plan.margin)} margin ({format_bytes(plan.margin_bytes)})",
     )
     lines.append("")
     r = plan.recommended
@@ -723,7 +720,8 @@ def render_plan(plan: Plan) -> str:
         ))
         if plan.global_batch is not None and per_step != plan.global_batch:
             lines.extend(_prose(f"  note: {per_step} is the nearest reachable to the global batch {plan.global_batch}"))
-        lines.append(f"  {what} {format_bytes(r.predicted_device_total_bytes)} (traced at exactly this point)")
+        lines.extend(_prose(f"  {what} {format_bytes(r.predicted_device_total_bytes)} (traced at exactly this point): "
+                            f"fits with {headroom_words(plan.judgement_of(r.predicted_device_total_bytes))}"))
         flags, args = _flag_parts(plan, r)
         lines.extend(continued("  memcheck flags:", flags, shell=True))
         lines.extend(continued("  TrainingArguments:", args, shell=False))
@@ -790,6 +788,31 @@ def render_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def margin_words(margin: float) -> str:
+    """``5%``: the margin as the verdict lines say it."""
+    return f"{100 * margin:.3g}%"
+
+
+def headroom_words(j: "Judgement") -> str:
+    """The one verdict rule in words, the same on every verdict line (estimate, check, plan,
+    preflight, the callbacks): the headroom the job leaves and the margin the gate keeps."""
+    kept = f"the gate keeps {margin_words(j.margin)}"
+    if j.total_bytes > j.capacity_bytes:
+        return f"{format_bytes(j.total_bytes - j.capacity_bytes)} over the capacity; {kept}"
+    return f"{100 * j.headroom:.1f}% headroom; {kept}"
+
+
+def estimate_verdict_lines(est: Estimate) -> tuple[str, ...]:
+    """The estimate's verdict (the one rule, ``Estimate.judgement``) and where to go next."""
+    j = est.judgement
+    what = "device total" if est.device_total_bytes is not None else "peak"
+    first = (f"{'FITS' if j.fits else 'DOES NOT FIT'}: {what} {format_bytes(j.total_bytes)} vs "
+             f"{format_bytes(j.capacity_bytes)} available, {headroom_words(j)} (limit {format_bytes(j.limit_bytes)})")
+    nxt = ("memcheck plan (the same model and flags) finds the largest micro-batch within the limit" if j.fits
+           else "memcheck plan (the same model and flags) finds the settings that fit within the limit")
+    return first, nxt
+
+
 def _where(v: Verdict) -> str:
     gpu = v.estimate.gpu
     return (f"{gpu.name} {format_bytes(v.capacity_bytes)}" if gpu is not None
@@ -803,13 +826,14 @@ def verdict_line(v: Verdict) -> str:
     settings = (f"micro-batch {est.batch.batch_size} x {est.accumulate} accumulation step(s), {est.precision.value}, "
                 f"checkpointing {'none' if not est.checkpointing else f'{len(est.checkpointing)} module(s)'}"
                 + (f", {est.strategy}" if est.gpus > 1 else ""))  # the label names the GPUs: "zero2 x8"
-    limit = (f"the {format_bytes(v.limit_bytes)} limit ({_where(v)} minus a {v.margin:.0%} margin)"
+    limit = (f"the {format_bytes(v.limit_bytes)} limit ({_where(v)} minus a {margin_words(v.margin)} margin)"
              if v.margin else f"the {format_bytes(v.limit_bytes)} capacity ({_where(v)})")
     if v.fits:
-        return f"fits: {est.model} needs {format_bytes(est.total_bytes)} ({what}) of {limit} at {settings}"
+        return (f"fits: {est.model} needs {format_bytes(est.total_bytes)} ({what}) of {limit} at {settings}; "
+                f"{headroom_words(v.judgement)}")
     where = "the evaluation pass" if est.peak_in == "eval" else est.peak_phase.value
     return (f"will not fit: {est.model} needs {format_bytes(est.total_bytes)} ({what}, reached in {where}) "
-            f"over {limit} at {settings}")
+            f"over {limit} at {settings}; {headroom_words(v.judgement)}")
 
 
 _FIX_STYLES = ("python", "memcheck", "trainer", "lightning", "config", "deepspeed")
@@ -847,20 +871,36 @@ def fix_line(v: Verdict, style: str = "python") -> str:
         return "fix: not searched (check(fix=False))"
     plan, r = v.fix, v.fix.recommended
     if r is None:
-        return (f"fix: no micro-batch, accumulation and checkpointing at {v.estimate.precision.value} fits; "
+        tried = ", ".join(dict.fromkeys([v.estimate.precision.value, *(o.precision for o in plan.alternatives)]))
+        return (f"fix: no micro-batch, accumulation and checkpointing at {tried} fits on this card; "
                 f"what would: {(plan.suggestion and str(plan.suggestion)) or ('a larger GPU' if plan.device.value == 'cuda' else 'a larger budget')}")
     flags, args = _flags(plan, r)
     ck = "none" if r.checkpointing == "none" else "full" if r.checkpointing == "full" else list(
         plan.checkpointed_modules)
+    est = v.estimate
+    # a fix found at another precision or optimizer (check's second stage) names them in every style
+    precision = r.precision if r.precision != est.precision.value else None
+    optimizer = (r.optimizer if isinstance(r.optimizer, str) and r.optimizer != est.job.optimizer else None)
+    offload = r.offload == "optimizer"
+    py_more = ((f", precision={precision!r}" if precision else "") + (f", optimizer={optimizer!r}" if optimizer else "")
+               + (", strategy='zero2', gpus=1, offload='optimizer'" if offload else ""))
+    cfg_more = ((f', precision = "{precision}"' if precision else "") + (f', optimizer = "{optimizer}"' if optimizer
+                                                                         else "")
+                + (', strategy = "zero2", gpus = 1, offload = "optimizer"' if offload else ""))
+    if r.checkpointing == "none" and est.job.checkpointing != "none":
+        flags += " --checkpointing none"  # the job's own (a QLoRA recipe's full) is not the fix's
     words = {
-        "python": f"batch_size={r.micro_batch_size}, accumulate={r.accumulation_steps}, checkpointing={ck!r}",
+        "python": f"batch_size={r.micro_batch_size}, accumulate={r.accumulation_steps}, checkpointing={ck!r}"
+                  + py_more,
         "memcheck": flags,
         "trainer": args,
         "lightning": f"batch_size={r.micro_batch_size} in the DataLoader, Trainer(accumulate_grad_batches="
-                     f"{r.accumulation_steps})" + ("" if r.checkpointing == "none" else
-                                                    ", gradient checkpointing on " + _checkpointing_label(plan, r)),
+                     f"{r.accumulation_steps}" + (f', precision="{LIGHTNING_NAMES.get(precision, precision)}"'
+                                                   if precision else "") + ")"
+                     + ("" if r.checkpointing == "none" else ", gradient checkpointing on "
+                        + _checkpointing_label(plan, r)) + (f", optimizer {optimizer}" if optimizer else ""),
         "config": f"micro_batch = {r.micro_batch_size}, accumulation = {r.accumulation_steps}, checkpointing = "
-                  + (f'"{ck}"' if isinstance(ck, str) else "[" + ", ".join(f'"{m}"' for m in ck) + "]"),
+                  + (f'"{ck}"' if isinstance(ck, str) else "[" + ", ".join(f'"{m}"' for m in ck) + "]") + cfg_more,
         "deepspeed": f'"train_micro_batch_size_per_gpu": {r.micro_batch_size}, "gradient_accumulation_steps": '
                      f"{r.accumulation_steps}, --checkpointing "
                      + (ck if isinstance(ck, str) else ",".join(ck)),
@@ -959,7 +999,7 @@ def render_config_check(results, skipped=(), as_json: bool = False) -> str:
         if v.fits:
             what = "device total" if v.estimate.device_total_bytes is not None else "peak"
             lines.extend(wrap(f"ok{_GLUE * 4}{job.label}: {what} {format_bytes(v.estimate.total_bytes)} of the "
-                              f"{format_bytes(v.limit_bytes)} limit", indent=" " * 8))
+                              f"{format_bytes(v.limit_bytes)} limit; {headroom_words(v.judgement)}", indent=" " * 8))
         else:  # the verdict's word stays on the first line with the file's name
             lines.extend(wrap(f"FAIL{_GLUE * 2}{job.label}: {verdict_line(v)}", indent=" " * 8))
             lines.extend(wrap(f"      {fix_line(v, _style(job))}", indent=" " * 8))

@@ -18,7 +18,21 @@ memcheck (``pip install 'memcheck[peft]'``):
   gradients and optimizer state exist for them only;
 * ``prepare_model_for_kbit_training`` is called with ``use_gradient_checkpointing=False``:
   its default turns gradient checkpointing on, which here is the job's ``checkpointing``
-  setting (``full`` for the recipe's).
+  setting; a QLoRA job that does not name one takes the recipe's (``qlora_recipe``).
+
+The QLoRA recipe's defaults (``qlora_recipe``, applied by ``memcheck.job.Job`` to a ``qlora``
+job that leaves the setting unset; a setting given, ``checkpointing="none"`` or
+``precision="fp32"``, wins):
+
+* gradient checkpointing on every repeated block (``full``): PEFT's
+  ``prepare_model_for_kbit_training(model, use_gradient_checkpointing=True, ...)``,
+  peft 0.21.2 ``peft/utils/other.py:158-159``, which then calls
+  ``model.gradient_checkpointing_enable`` (``other.py:257``);
+* bf16 compute where the GPU has it (sm80 and later, and an unnamed GPU of a given size,
+  taken as sm80): ``amp-bf16``, the compute dtype of the recipe's
+  ``BitsAndBytesConfig(bnb_4bit_compute_dtype=torch.bfloat16)`` (PEFT's quantization guide,
+  docs/source/developer_guides/quantization.md; the QLoRA paper, Dettmers et al. 2023, sec. 3,
+  computes in BFloat16) and ``quantize_4bit`` below; before sm80 the job's default, fp32.
 """
 
 from __future__ import annotations
@@ -33,6 +47,23 @@ import torch
 from memcheck.errors import UsageError
 
 _KEYS = ("r", "alpha", "dropout", "targets", "dora")
+
+# The QLoRA recipe's defaults for the settings a QLoRA job leaves unset (see the module docstring):
+# PEFT's prepare_model_for_kbit_training(use_gradient_checkpointing=True) (peft/utils/other.py:158-159,
+# peft 0.21.2) and the recipe's bf16 compute (bnb_4bit_compute_dtype=torch.bfloat16).
+QLORA_CHECKPOINTING = "full"
+QLORA_PRECISION = "amp-bf16"
+BF16_FROM_ARCH = (8, 0)  # Ampere: the first compute capability with bf16 tensor cores
+
+
+def qlora_recipe(arch: tuple[int, int] | None) -> dict[str, str]:
+    """The QLoRA recipe's settings for a GPU of compute capability ``arch`` (None: the CPU
+    target, where only the checkpointing applies): ``{"checkpointing": "full",
+    "precision": "amp-bf16"}`` on sm80 and later."""
+    recipe = {"checkpointing": QLORA_CHECKPOINTING}
+    if arch is not None and tuple(arch) >= BF16_FROM_ARCH:
+        recipe["precision"] = QLORA_PRECISION
+    return recipe
 
 
 @dataclass(frozen=True)
@@ -236,7 +267,21 @@ def quantize_4bit(model: torch.nn.Module) -> torch.nn.Module:
         return replace_with_bnb_linear(model, modules_to_not_convert=keep, quantization_config=config)
 
 
-def apply_adapters(model: torch.nn.Module, lora: Lora | None, qlora: bool) -> tuple[torch.nn.Module, list[str]]:
+def recipe_note(recipe: dict[str, str]) -> str:
+    """The report's line for the settings the QLoRA recipe filled in, and how to turn them off."""
+    parts, off = [], []
+    if "checkpointing" in recipe:
+        parts.append(f"checkpointing {recipe['checkpointing']} (PEFT's prepare_model_for_kbit_training, "
+                     "use_gradient_checkpointing=True)")
+        off.append("--checkpointing none")
+    if "precision" in recipe:
+        parts.append(f"{recipe['precision']} (bnb_4bit_compute_dtype=bfloat16; the GPU has bf16)")
+        off.append("--precision fp32")
+    return f"QLoRA recipe's defaults: {'; '.join(parts)}; {' / '.join(off)} turns them off"
+
+
+def apply_adapters(model: torch.nn.Module, lora: Lora | None, qlora: bool,
+                   recipe: dict[str, str] | None = None) -> tuple[torch.nn.Module, list[str]]:
     """The meta twin with QLoRA's quantization and LoRA's adapters set up as PEFT does; and what
     was assumed, for the report. ``model`` unchanged (and no notes) without either."""
     if lora is None and not qlora:
@@ -252,6 +297,8 @@ def apply_adapters(model: torch.nn.Module, lora: Lora | None, qlora: bool) -> tu
         notes.append("QLoRA: linear layers but the head in 4-bit NF4 (double quantization, bf16 compute), other "
                      "weights cast to fp32 by prepare_model_for_kbit_training, whose own gradient checkpointing "
                      "is the job's checkpointing setting")
+        if recipe:
+            notes.append(recipe_note(recipe))
     lora = lora or Lora()
     try:
         with quiet_third_party():

@@ -138,3 +138,16 @@ def test_lightnings_compiled_module_is_traced_eagerly_on_its_twin():
         trainer.fit(torch.compile(module), loader)
     (note,) = _notes(info.value.verdict.estimate)
     assert "Module (compiled methods)" in note and "traced eagerly" in note
+
+
+def test_under_memcheck_run_only_the_users_own_code_counts_as_compiled():
+    # bitsandbytes compiles its own kernels with @torch.compile as the HF Trainer imports it; those
+    # are not the user's step: compiled as they would be, and not named in the report
+    import json
+
+    import transformers.trainer
+
+    from memcheck.engine.script import _users_code
+
+    assert _users_code(_loss)
+    assert not _users_code(json.dumps) and not _users_code(transformers.trainer.Trainer.train)

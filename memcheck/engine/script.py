@@ -40,6 +40,7 @@ import contextlib
 import os
 import runpy
 import sys
+import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -264,9 +265,15 @@ def _patched(session: _Session):
     def compile_eagerly(model=None, **options):
         """torch.compile as the script calls it (``torch.compile(m)``, ``@torch.compile``,
         ``@torch.compile(mode=...)``, ``module.compile()``, the HF Trainer's and Lightning's):
-        the object itself, recorded; memcheck traces what it runs eagerly (compiled_note)."""
+        a module, or a function of the user's own code, is returned as it is and recorded;
+        memcheck traces what it runs eagerly (compiled_note). A library's own kernels that it
+        compiles as it is imported (bitsandbytes' ``@torch.compile`` helpers) are compiled as
+        they would be, not recorded: they are not the user's step."""
         if model is None:
             return lambda m: compile_eagerly(m, **options)
+        owner = getattr(model, "__self__", model)  # module.compile() compiles the bound _call_impl
+        if not isinstance(owner, torch.nn.Module) and not _users_code(model):
+            return originals["compile"](model, **options)
         name = getattr(model, "__qualname__", None) or type(model).__name__
         session.compiled.append("the model's call (module.compile())" if name == "Module._call_impl" else name)
         return model
@@ -383,6 +390,15 @@ def run_script(argv: list[str], job: Job | None = None, *, progress=None, **sett
                       f"{', '.join(other)} was not (assume= pins either)")
     devices = _summarise(run, gpu_map, job, target, name, 8)
     return _result(run, gpu_map, devices, job, target, name, False)
+
+
+_LIBRARIES = tuple({sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")})
+
+
+def _users_code(fn) -> bool:
+    """Whether function ``fn`` was written outside the installed libraries and the standard library."""
+    filename = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    return bool(filename) and not os.path.abspath(filename).startswith(_LIBRARIES)
 
 
 def _run(path: Path, name: str, session: _Session) -> bool:

@@ -268,10 +268,10 @@ def estimate(
         hide the ops inside them from the autocast emulation (see memcheck.rules.autocast).
     """
     job = as_job(job, settings, caller="estimate()")
+    eager = compat.eager_module(model)
+    target = _validate(eager, batch, job, eval_batch, top_modules)  # first: it refuses a model nested too deep
     notes = compiled_note(compat.compiled_parts(model, loss_fn=loss_fn, train_step=train_step))
-    model, loss_fn, train_step = compat.eager_module(model), compat.eager_function(loss_fn), \
-        compat.eager_function(train_step)
-    target = _validate(model, batch, job, eval_batch, top_modules)
+    model, loss_fn, train_step = eager, compat.eager_function(loss_fn), compat.eager_function(train_step)
     _check_train_step(train_step, job)
     name = model_name or type(model).__name__
     kwargs = dict(loss_fn=loss_fn, eval_batch=eval_batch, top_modules=top_modules, progress=progress,

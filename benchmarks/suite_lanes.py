@@ -30,7 +30,9 @@ import collections
 import re
 import sys
 
-OWN_LANES = ("tests/test_coverage.py", "tests/test_fuzz.py")
+# Files that choose their own lanes in code: the census's smoke sample, the fuzz examples, and the
+# combination matrix's share (tests/combinations.py FAST: the cells that meet the most pairs first).
+OWN_LANES = ("tests/test_coverage.py", "tests/test_fuzz.py", "tests/test_combinations.py")
 # Cases the rule places wrongly, and the lane they belong in ("test": make test), with why.
 _ZOO = "tests/test_accuracy_cpu.py::test_cpu_estimate_matches_measured_peak_within_2_percent[{}]"
 _AMP = "tests/test_accuracy_cpu.py::test_amp_bf16_estimate_matches_a_real_cpu_autocast_run[{}-narrow]"
@@ -45,6 +47,16 @@ OVERRIDES = {
     # the cheaper rank job on a quiet machine (21 s against 36 s)
     _FSDP.format("mlp"): "test",
     _FSDP.format("gpt2"): "bench",
+    # the 7B QLoRA plans (a fix search at 7B scale, about a minute each) never ran in make test, so
+    # no durations file has them: bench, whether measured or not
+    "tests/test_verdict.py::test_the_readme_qlora_job_without_checkpointing_is_fixed_with_checkpointing_on_the_"
+    "rtx_4090": "bench",
+    "tests/test_verdict.py::test_the_readmes_examples_get_one_verdict_everywhere[qlora 7B RTX-4090]": "bench",
+    # the one-verdict rule and the same-card fix search keep their tiny jobs in make test
+    # (test_estimate_check_plan_and_preflight_give_the_same_verdict, a fix at another precision); the
+    # README-scale and recipe sweeps (25-40 s each: a fix search at GPT-2 and Llama scale) are bench
+    "tests/test_verdict.py::test_the_readmes_examples_get_one_verdict_everywhere[gpt2 RTX-4090]": "bench",
+    "tests/test_verdict.py::test_no_fix_suggests_hardware_when_a_setting_fits[lora]": "bench",
 }
 LINE = re.compile(r"([\d.]+)s (?:call|setup|teardown)\s+(tests/\S.*?)\s*$")  # a case id may hold spaces
 
@@ -72,9 +84,9 @@ def lanes(seconds: dict[str, float], sweep: float, single: float, slow: float) -
                 lane[node] = "bench" if total > sweep and i > 0 else "test"
             else:
                 lane[node] = "bench" if total > single else "test"
-    lane.update({node: chosen for node, chosen in OVERRIDES.items() if node in lane})
+    lane.update({node: chosen for node, chosen in OVERRIDES.items() if node in lane or chosen == "bench"})
     return {"bench": sorted(node for node, chosen in lane.items() if chosen == "bench"),
-            "slow": sorted(node for node, chosen in lane.items() if chosen == "test" and seconds[node] > slow)}
+            "slow": sorted(node for node, chosen in lane.items() if chosen == "test" and seconds.get(node, 0) > slow)}
 
 
 def main(argv=None) -> int:

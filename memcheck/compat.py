@@ -202,14 +202,18 @@ def compiled_parts(model=None, **functions) -> list[str]:
         if optimized is not None and isinstance(model, optimized):
             parts.append("the model (torch.compile(model))")
         elif isinstance(model, torch.nn.Module):
-            for how, test in (("module.compile()", lambda m: getattr(m, "_compiled_call_impl", None) is not None),
-                              ("compiled methods", _compiled_methods)):
+            for how, test in (("module.compile()", _compiled_call), ("compiled methods", _compiled_methods)):
                 inner = [n or type(model).__name__ for n, m in model.named_modules() if test(m)]
                 if inner:
                     parts.append(f"{inner[0]} ({how})" if len(inner) == 1 else f"{len(inner)} modules ({how})")
     parts += [f"{name} (torch.compile)" for name, fn in functions.items()
               if getattr(fn, "_torchdynamo_orig_callable", None) is not None]
     return parts
+
+
+def _compiled_call(module) -> bool:
+    """Whether ``module.compile()`` compiled ``module``'s call (it sets ``_compiled_call_impl``)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def _compiled_methods(module) -> list[str]:
@@ -239,7 +243,7 @@ def uncompile_copy(module: torch.nn.Module) -> None:
     ``_compiled_call_impl`` and a compiled instance ``forward`` are bound to the original module,
     so calling them from the copy would run the user's own module and weights."""
     for m in module.modules():
-        if getattr(m, "_compiled_call_impl", None) is not None:
+        if _compiled_call(m):
             m._compiled_call_impl = None
         for name in _compiled_methods(m):
             del m.__dict__[name]  # the class's method, on the copy's own parameters

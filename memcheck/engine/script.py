@@ -64,7 +64,7 @@ from memcheck.engine.estimate import (
     target_gpu,
 )
 from memcheck.enums import Category, Device, Phase, Precision
-from memcheck.errors import MemcheckError, TraceError, UsageError
+from memcheck.errors import MemcheckError, TraceError, UsageError, stock_package
 from memcheck.job import Job, as_job
 from memcheck.report.results import Estimate
 from memcheck.rules import extensions
@@ -392,13 +392,15 @@ def run_script(argv: list[str], job: Job | None = None, *, progress=None, **sett
     return _result(run, gpu_map, devices, job, target, name, False)
 
 
-_LIBRARIES = tuple({sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")})
+_STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
 
 
 def _users_code(fn) -> bool:
-    """Whether function ``fn`` was written outside the installed libraries and the standard library."""
+    """Whether function ``fn`` was written outside installed library code (``errors.stock_package``,
+    as the error messages decide it) and the standard library."""
     filename = getattr(getattr(fn, "__code__", None), "co_filename", None)
-    return bool(filename) and not os.path.abspath(filename).startswith(_LIBRARIES)
+    return (bool(filename) and stock_package(filename) is None
+            and not os.path.realpath(filename).startswith(_STDLIB))
 
 
 def _run(path: Path, name: str, session: _Session) -> bool:

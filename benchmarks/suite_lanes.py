@@ -62,6 +62,9 @@ OVERRIDES = {
     # keeps a cheaper check in make test (HF checkpointing: test_checkpointing's T5 and the other
     # cases of test_checkpointing_full_matches_hf_checkpointing_measured; evaluation:
     # test_integrations_transformers; a Hub config's dtypes: the rest of test_weights_dtype)
+    # a real torchrun of 2 gloo ranks (each under the profiler) beside the traced script: ~20 s quiet;
+    # the launcher's parsing, the buckets' bytes and the clean-up stay in make test
+    "tests/test_launch.py::test_a_ddp_script_under_torchrun_matches_its_real_ranks": "bench",
     "tests/test_strategies_cpu.py::test_eval_pass_matches_a_trainer_style_loop[0]": "bench",
     "tests/test_strategies_cpu.py::test_hf_checkpointing_in_user_code_matches_a_real_run[False]": "bench",
     "tests/test_strategies_cpu.py::test_checkpointing_full_matches_hf_checkpointing_measured[bert-True]": "bench",

@@ -700,6 +700,12 @@ def run(max_len, device, gpu, gpu_memory, steps, as_json, allow_download, debug,
     weights), each batch padded to --max-len. Its own loop is traced (a plain loop,
     the HF Trainer, Lightning, accelerate) for --steps optimizer steps; then the
     script is stopped. What the script prints goes to stderr; the report to stdout.
+
+    \b
+    memcheck run --max-len 1024 -- torchrun --nproc-per-node 8 train.py
+    Under torchrun or accelerate launch, no process is started: the script runs once
+    as rank 0 of the launcher's world size, with a stand-in process group, and a
+    DistributedDataParallel script is answered per rank.
     """
     if not allow_download:
         _offline()

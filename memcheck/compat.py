@@ -313,6 +313,10 @@ _OPTIONAL = {
     "CheckpointPolicy": ("2.4", lambda: _attr("torch.utils.checkpoint", "CheckpointPolicy")),
     "create_selective_checkpoint_contexts": (
         "2.4", lambda: _attr("torch.utils.checkpoint", "create_selective_checkpoint_contexts")),
+    # the "fake" process-group backend (every collective completes at once, nothing is sent) and
+    # its store: torch.testing._internal.distributed.fake_pg, 2.1+ (2.6-2.15 checked); what
+    # ``memcheck run`` hands a launched script's init_process_group.
+    "FakeStore": ("2.1", lambda: _attr("torch.testing._internal.distributed.fake_pg", "FakeStore")),
 }
 
 SINCE: dict[str, str] = {name: since for name, (since, _) in _OPTIONAL.items()}

@@ -29,9 +29,17 @@ GPU without the driver), and changes four things:
 Known limitations (each said in the report when it applies):
     ``torch.autocast`` inside the script is emulated on the target's autocast lists, but a
     GradScaler is not; DataLoader workers are real processes (their tensors are real);
-    multi-process launchers (torchrun, accelerate launch with several processes) are not
-    followed: run the script as one process; a model built before ``memcheck run`` imports
-    (a pickled module) keeps its real weights.
+    a model built before ``memcheck run`` imports (a pickled module) keeps its real weights.
+
+Multi-process launches (``torchrun``, ``python -m torch.distributed.run``, ``accelerate launch``;
+``memcheck.engine.launch``) start no process: the script runs once, as rank 0 of the launcher's
+world size, with the environment the launcher gives that rank, and
+``torch.distributed.init_process_group`` gets torch's "fake" backend (every collective completes
+at once and sends nothing) whatever backend the script names. ``DistributedDataParallel`` is
+followed: the wrapper the script builds runs the module itself, with memcheck's emulation of
+its buckets (``memcheck.training.strategies.ddp.MetaDDP``), so the answer is one rank's, which
+every rank shares. FSDP (``fully_shard``, ``FullyShardedDataParallel``) and DeepSpeed set up by
+the script are refused with one line naming the ``--strategy`` to estimate instead.
 """
 
 from __future__ import annotations
@@ -64,6 +72,8 @@ from memcheck.engine.estimate import (
     target_gpu,
 )
 from memcheck.enums import Category, Device, Phase, Precision
+from memcheck.engine import launch as launches
+from memcheck.enums import Strategy
 from memcheck.errors import MemcheckError, TraceError, UsageError, stock_package
 from memcheck.job import Job, as_job
 from memcheck.report.results import Estimate
@@ -98,6 +108,8 @@ class _Session:
     autocast: UserAutocast | None = None  # the script's own torch.autocast regions, emulated
     entered: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # extensions, at the 1st forward
     compiled: list = field(default_factory=list)  # what the script handed to torch.compile, by name
+    ddp: dict | None = None  # the settings of the DistributedDataParallel the script built, if it did
+    emulation: Any = None  # MetaDDP, built at the first training forward
 
     def __post_init__(self):
         self.autocast = UserAutocast(self.tracer, self.job.device)
@@ -143,6 +155,11 @@ class _Session:
                 self.tracer.watch(model=module)
                 for opt in self.optimizers:  # adopted before the first forward (Lightning's closure)
                     self._outside(opt)
+                if self.ddp is not None:
+                    from memcheck.training.strategies.ddp import MetaDDP
+
+                    inner = module.module if isinstance(module, _ScriptDDP) else module
+                    self.emulation = MetaDDP(self.tracer, inner, **self.ddp)
             self.tracer.set_phase(self.steps_done, Phase.FORWARD)
         args, kwargs = self.twins_of((args, kwargs))
         if training:
@@ -212,6 +229,89 @@ class _Moves(TorchFunctionMode):
                 dtype = kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
                 return out.to(dtype) if dtype is not None else out
         return func(*args, **kwargs)
+
+
+class _ScriptDDP(torch.nn.parallel.DistributedDataParallel):
+    """What ``DistributedDataParallel(module, ...)`` builds in a traced script: the module itself
+    under the wrapper's name (``.module``, ``no_sync()``, ``isinstance`` as the script and its
+    trainer expect), with no reducer and no process group of its own; the buckets are memcheck's
+    emulation (``_Session.emulation``), made with the settings given here."""
+
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                 process_group=None, bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
+                 gradient_as_bucket_view=False, static_graph=False, **kwargs):
+        torch.nn.Module.__init__(self)
+        self.module = module
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.static_graph = static_graph
+        session = _SESSION[0]
+        if session is not None:
+            session.ddp = dict(bucket_cap_mb=bucket_cap_mb, bucket_view=gradient_as_bucket_view)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _set_static_graph(self):
+        self.static_graph = True
+
+
+_SESSION: list = [None]  # the session a _ScriptDDP reports to (memcheck run runs one script at a time)
+
+
+def _refuse(what: str, strategy: str):
+    def refused(*args, **kwargs):
+        raise UsageError(f"the script builds {what}: memcheck run follows DistributedDataParallel scripts only; "
+                         f"estimate the model with --strategy {strategy} --gpus N instead")
+    return refused
+
+
+@contextlib.contextmanager
+def _distributed(session: _Session, launch: launches.Launch):
+    """The launcher's environment for rank 0, torch.distributed's process group as the fake
+    backend, and the wrappers the script may build: DDP followed, FSDP refused (module docstring);
+    all restored on exit, and a process group made here destroyed."""
+    import torch.distributed as dist
+    import torch.distributed.fsdp as fsdp
+    import torch.nn.parallel as parallel
+    from torch.nn.parallel import distributed as ddp_module
+
+    saved_env, threads = dict(os.environ), torch.get_num_threads()  # accelerate's state sets OMP_NUM_THREADS=1
+    os.environ.update(launch.env)
+    made = []
+    real_init = dist.init_process_group
+
+    def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
+                           group_name="", pg_options=None, device_id=None, **kwargs):
+        world = world_size if world_size and world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))
+        own = rank if rank is not None and rank >= 0 else int(os.environ.get("RANK", "0"))
+        real_init("fake", store=compat.FakeStore(), rank=own, world_size=world)
+        made.append(True)
+
+    patches = [(dist, "init_process_group", init_process_group),
+               (dist.distributed_c10d, "init_process_group", init_process_group),
+               (parallel, "DistributedDataParallel", _ScriptDDP), (ddp_module, "DistributedDataParallel", _ScriptDDP)]
+    if hasattr(fsdp, "fully_shard"):
+        patches.append((fsdp, "fully_shard", _refuse("FSDP2 (fully_shard)", "fsdp")))
+    patches.append((fsdp, "FullyShardedDataParallel", _refuse("FSDP (FullyShardedDataParallel)", "fsdp1")))
+    deepspeed = sys.modules.get("deepspeed")
+    if deepspeed is not None:
+        patches.append((deepspeed, "initialize", _refuse("a DeepSpeed engine", "zero1/zero2/zero3")))
+    originals = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    for mod, name, value in patches:
+        setattr(mod, name, value)
+    _SESSION[0] = session
+    try:
+        yield
+    finally:
+        _SESSION[0] = None
+        for mod, name, value in originals:
+            setattr(mod, name, value)
+        if made and dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(threads)
 
 
 def _as_batch(args: tuple, kwargs: dict):
@@ -354,21 +454,32 @@ def run_script(argv: list[str], job: Job | None = None, *, progress=None, **sett
     Known limitations: see the module docstring.
     """
     job = as_job(job, settings, caller="run_script()")
-    path, args = _script(argv)
+    launch = launches.parse(argv)
+    path, args = launch.script, launch.args
     target = target_gpu(job)
     arch = target.arch if target is not None else DEFAULT_ARCH
     tracer = MemoryTracer(job.device, arch=arch, choices=Choices(job.assume))
     session = _Session(tracer, job)
-    if progress is not None:
-        tracer.on_phase = lambda step, phase: progress(f"running {path.name}: step {step + 1}, {phase.value}")
+
+    def on_phase(step, phase):
+        if session.emulation is not None:
+            session.emulation.on_phase(step, phase)
+        if progress is not None:
+            progress(f"running {path.name}: step {step + 1}, {phase.value}")
+
+    tracer.on_phase = on_phase
     name = path.name
     stopped = False
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.parent))
     try:
-        with redirect_cuda(target), tracer, _patched(session), _Moves(session):
-            stopped = _run(path, name, session)
+        with redirect_cuda(target), tracer, _distributed(session, launch), _patched(session), _Moves(session):
+            try:
+                stopped = _run(path, name, session)
+            finally:
+                if session.emulation is not None:
+                    session.emulation.close()
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     if session.root is None or session.steps_done < 2:
@@ -376,10 +487,13 @@ def run_script(argv: list[str], job: Job | None = None, *, progress=None, **sett
             f"{name} ran {'until memcheck stopped it' if stopped else 'to its end'} with "
             f"{session.steps_done} optimizer step(s) of a model memcheck could follow; it needs 2 (give the script "
             "more steps or data, or check that it builds its model after it starts)")
-    _explain(session, path, stopped)
+    _explain(session, path, stopped, launch)
     dtype = model_dtype(session.root)
     info = describe_batch(session.batch, None, job.max_len, job.target_len)  # the batch size: its first tensor's
     job = job.replace(batch_size=info.batch_size, precision=_precision(dtype, session))
+    if session.ddp is not None:
+        job = job.replace(strategy=Strategy.DDP, gpus=max(2, launch.world_size),
+                          bucket_view=bool(session.ddp["bucket_view"]), bucket_cap_mb=session.ddp["bucket_cap_mb"])
     run = _Run(session.root, (), session.batch, None, info, tracer, arch, session.label(), None,
                weights_dtype=_dtype_name(dtype))
     gpu_map = [0]
@@ -420,21 +534,6 @@ def _run(path: Path, name: str, session: _Session) -> bool:
     return False
 
 
-def _script(argv: list[str]) -> tuple[Path, list[str]]:
-    """The script and its arguments from ``python train.py ARGS`` or ``train.py ARGS``."""
-    argv = list(argv)
-    if argv and (Path(argv[0]).name.startswith("python") or argv[0] == sys.executable):
-        argv = argv[1:]
-        if argv[:1] == ["-m"]:
-            raise UsageError("memcheck run takes a script file (python train.py ...), not python -m MODULE")
-    if not argv:
-        raise UsageError("memcheck run needs the script to run after --: memcheck run [OPTIONS] -- python train.py ARGS")
-    path = Path(argv[0])
-    if not path.is_file():
-        raise UsageError(f"no such script: {argv[0]}")
-    return path.resolve(), argv[1:]
-
-
 def _failed(exc: Exception, name: str, session: _Session) -> MemcheckError:
     """The script's own failure, as one line naming where it happened."""
     if session.root is None:
@@ -448,8 +547,19 @@ def _failed(exc: Exception, name: str, session: _Session) -> MemcheckError:
     return _translate(exc, name)
 
 
-def _explain(session: _Session, path: Path, stopped: bool) -> None:
+def _explain(session: _Session, path: Path, stopped: bool, launch: launches.Launch) -> None:
     assume = session.tracer.assume
+    if launch.launcher is not None:
+        assume(f"launched by {launch.describe()}: rank 0 traced, in this one process, with a stand-in process "
+               "group (collectives send nothing)")
+    if session.ddp is not None:
+        cap = session.ddp["bucket_cap_mb"]
+        assume(f"DistributedDataParallel as the script built it (bucket_cap_mb {cap if cap is not None else 25}, "
+               f"gradient_as_bucket_view {bool(session.ddp['bucket_view'])}): its buckets emulated; every rank "
+               "holds the same")
+    elif launch.world_size > 1:
+        assume("the script built no DistributedDataParallel: each rank holds the whole model and its gradients, "
+               "as traced")
     assume(f"{path.name} ran as written: its own loop, traced for {session.job.steps} optimizer steps"
            + (", then stopped at the next forward" if stopped else ", to its end"))
     assume(f"everything before the model's first forward ran for real (data loading, tokenisation); files "

@@ -111,6 +111,24 @@ def measure_ddp_cpu(
     return _run_ranks("ddp", build, make_optimizer, loss_fn, world_size, steps, options, timeout_s)
 
 
+def measure_launched(script: Sequence[str], nproc: int, *, timeout_s: float = 600.0) -> list[Measured]:
+    """Run a training script for real under torchrun, ``nproc`` ranks on this machine's CPU
+    (``torchrun --standalone --nproc-per-node nproc``, each rank measured by
+    ``memcheck.measure.script_rank``): the oracle of ``memcheck run -- torchrun ...``. The
+    script picks its backend (gloo without CUDA). Returns each rank's ``Measured``, by rank."""
+    import json
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   "-m", "memcheck.measure.script_rank", out, *script]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            raise DistributedMeasureError(f"torchrun of {script[0]} failed ({done.returncode}): "
+                                          f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}")
+        return [Measured(**json.loads(open(os.path.join(out, f"rank{r}.json")).read())) for r in range(nproc)]
+
+
 def measure_fsdp_cpu(
     build: Callable[[], tuple[torch.nn.Module, Any]],
     make_optimizer: Callable[[Any], torch.optim.Optimizer],

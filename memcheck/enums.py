@@ -4,6 +4,7 @@ kinds of the tracer's memory events."""
 from __future__ import annotations
 
 import enum
+from typing import Any, NamedTuple
 
 from memcheck.errors import UsageError, closest
 
@@ -263,3 +264,19 @@ class Attention(_Choice):
 # allocated, freed, or given a new category (RECAT, nbytes 0). The allocator simulation and the
 # timeline read them too, so they live here, below both.
 ALLOC, FREE, RECAT = 0, 1, 2
+
+
+class Event(NamedTuple):
+    """One memory event of a trace (``memcheck.trace.tracer.TraceLog.events``), as the allocator
+    simulation, its process-life replay and the timeline read it. A plain tuple of the first
+    fields stands for one (``Event(*t)``; the tests' allocator sequences are ``(kind, sid, nbytes)``)."""
+
+    kind: int  # ALLOC, FREE or RECAT
+    sid: Any  # the storage's key; reused after its FREE
+    nbytes: int  # the request (0 for RECAT)
+    category: Any = None  # a Category
+    module: str | None = None  # the module it was made in (ALLOC) or moved to (RECAT)
+    phase: Any = None  # the Phase it happened in
+    step: int = 0  # the training step, from 0
+    gpu: int = 0  # the traced device it lives on
+    stream: int = 0  # the CUDA stream an ALLOC is made on

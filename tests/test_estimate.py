@@ -218,22 +218,22 @@ def test_the_allocator_life_releases_cached_segments_when_the_gpu_is_full():
     # context it gives the cached 12 MiB segment back and retries: 16 MiB; with 15 MiB the retry
     # fails too, and the unbounded figures stand (the job does not fit).
     from memcheck.cuda.gpus import GpuSpec
-    from memcheck.engine.estimate import _allocator_life
-    from memcheck.enums import ALLOC, FREE, Category, Phase
+    from memcheck.cuda.replay import allocator_life
+    from memcheck.enums import ALLOC, FREE, Category, Event, Phase
 
     MiB = 2**20
     act = (Category.ACTIVATION, None)
-    events = [(ALLOC, "x", 12 * MiB, *act, Phase.FORWARD, 0, 0), (FREE, "x", 12 * MiB, *act, Phase.FORWARD, 0, 0),
-              (ALLOC, "y", 16 * MiB, *act, Phase.BACKWARD, 0, 0), (FREE, "y", 16 * MiB, *act, Phase.BACKWARD, 0, 0)]
+    events = [Event(ALLOC, "x", 12 * MiB, *act, Phase.FORWARD), Event(FREE, "x", 12 * MiB, *act, Phase.FORWARD),
+              Event(ALLOC, "y", 16 * MiB, *act, Phase.BACKWARD), Event(FREE, "y", 16 * MiB, *act, Phase.BACKWARD)]
 
     def gpu(room):
         return GpuSpec("test", capacity_bytes=room + 64 * MiB, arch=(8, 0), context_bytes=64 * MiB)
 
-    fits = _allocator_life(events, 0, len(events), gpu(20 * MiB))
+    fits = allocator_life(events, 0, len(events), gpu(20 * MiB))
     assert (fits.peak_reserved_bytes, fits.released) == (16 * MiB, True)
-    full = _allocator_life(events, 0, len(events), gpu(15 * MiB))
+    full = allocator_life(events, 0, len(events), gpu(15 * MiB))
     assert (full.peak_reserved_bytes, full.released) == (28 * MiB, False)
-    assert _allocator_life(events, 0, len(events), None).peak_reserved_bytes == 28 * MiB
+    assert allocator_life(events, 0, len(events), None).peak_reserved_bytes == 28 * MiB
 
 
 def test_the_report_says_where_reserved_peaked_and_when_the_allocator_settles():

@@ -7,7 +7,8 @@ from click.testing import CliRunner
 
 import memcheck
 from memcheck.cli import main
-from memcheck.engine.estimate import _at_length, _device_events, _lagrange, growing_lengths
+from memcheck.cuda.replay import aligned, device_events, growing_lengths, lagrange
+from memcheck.engine.estimate import _at_length
 from memcheck.enums import Device
 from memcheck.trace.tracer import MemoryTracer
 
@@ -37,7 +38,7 @@ def _sizes(model, length):
         opt = torch.optim.AdamW(model.parameters())
         tracer.watch(optimizer=opt)
         run_steps(model, _batch(length), lambda m, b: m(**b).loss, opt, 2, tracer.set_phase)
-    events, _ = _device_events(tracer.log, 0, Device.CUDA, (8, 0))
+    events, _ = device_events(tracer.log, 0, Device.CUDA, (8, 0))
     return [e[2] for e in events]
 
 
@@ -57,7 +58,7 @@ def test_sizes_between_traced_lengths_are_the_quadratic_through_three_traces():
     assert quadratic in at[192]
     assert len({len(v) for v in at.values()}) == 1  # the same ops at every length
     for n, real in enumerate(at[192]):
-        assert _lagrange([(x, at[x][n]) for x in (256, 128, 64)], 192) == real
+        assert lagrange([(x, at[x][n]) for x in (256, 128, 64)], 192) == real
 
 
 def test_a_growing_run_reserves_more_than_steps_at_max_len_and_the_report_says_so():
@@ -114,13 +115,12 @@ def test_a_batch_that_fails_when_shortened_names_padding_not_the_model():
 def test_buffers_only_the_max_len_trace_has_are_matched_around():
     # CUDA's embedding backward sorts above 3,072 indices (memcheck.rules.cuda_sort): at 512 tokens
     # x 8 rows = 4,096 indices the trace has the sort's buffers, at 256 x 8 = 2,048 it has not
-    from memcheck.engine.estimate import _aligned
-    from memcheck.enums import ALLOC, FREE, Category, Phase
+    from memcheck.enums import ALLOC, FREE, Category, Event, Phase
 
     def ev(kind, sid, n, module="m"):
-        return (kind, sid, n, Category.TEMPORARY, module, Phase.BACKWARD, 0, 0)
+        return Event(kind, sid, n, Category.TEMPORARY, module, Phase.BACKWARD, 0, 0)
 
     long = [ev(ALLOC, 1, 100), ev(ALLOC, 2, 8, "wte"), ev(FREE, 2, 8, None), ev(ALLOC, 3, 50), ev(FREE, 1, 100, None)]
     short = [ev(ALLOC, 7, 25), ev(ALLOC, 9, 12), ev(FREE, 7, 25, None)]
-    assert _aligned(long, short) == [0, None, None, 1, 2]
-    assert _aligned(short, long) is None  # a shorter trace with events the longer lacks: not replayed
+    assert aligned(long, short) == [0, None, None, 1, 2]
+    assert aligned(short, long) is None  # a shorter trace with events the longer lacks: not replayed

@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-from memcheck.enums import ALLOC, FREE
+from memcheck.enums import ALLOC, FREE, Event
 from memcheck.errors import UsageError, closest
 from memcheck.units import MiB, round_up
 
@@ -759,9 +759,9 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
     """Replay a ``TraceLog.events`` list through the caching allocator.
 
     Args:
-        events: tuples ``(kind, storage_id, nbytes, ...)`` with kind ALLOC, FREE or RECAT
-            (from ``memcheck.enums``); a storage id may be reused after its FREE. An event's
-            ninth field, when present, names the stream an ALLOC is made on (default 0).
+        events: ``memcheck.enums.Event``s (or tuples of their first fields, ``(kind, sid,
+            nbytes)`` at least) with kind ALLOC, FREE or RECAT; a storage id may be reused after
+            its FREE; ``stream`` is the stream an ALLOC is made on (default 0).
         config: allocator settings; None means torch's defaults (use
             ``AllocatorConfig.from_env()`` to honour ``PYTORCH_CUDA_ALLOC_CONF``).
         capacity: device memory in bytes; see ``CachingAllocator``.
@@ -794,13 +794,14 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
         cached blocks go to the lower simulated address, and new segments get ever higher
         addresses, which real ``cudaMalloc`` does not promise.
     """
+    events = as_events(events)
     run = _Run(CachingAllocator(config, capacity=capacity))
     end = len(events) if repeat is None else repeat[1]
     before = None
     for n in range(end):
         if repeat is not None and n == repeat[0]:
             before = run.alloc.layout()
-        run.replay(n, events[n], events[n][1])
+        run.replay(n, events[n], events[n].sid)
     steady = None
     if repeat is not None:
         kept = carried(events, *repeat)  # None: the step keeps what no later step frees, no steady state
@@ -808,13 +809,20 @@ def simulate(events, config: AllocatorConfig | None = None, *, capacity: int | N
             # 0: the log's last step already left the layout the step before it left
             steady = 0 if run.alloc.layout() == before else run.repeat(events, *repeat, kept)
     for n in range(end, len(events)):
-        run.replay(n, events[n], events[n][1])
+        run.replay(n, events[n], events[n].sid)
     a = run.alloc
     return AllocatorStats(run.peak_alloc, a.peak_reserved, run.frag, run.segs, tuple(run.granted), run.first_oom,
                           run.peak_event, run.peak_repeat, steady, a.released)
 
 
-def carried(events, start: int, end: int) -> dict[int, int] | None:
+def as_events(events) -> list[Event]:
+    """``events`` as ``Event``s: the list itself when its first already is one (a trace's log)."""
+    if not events or isinstance(events[0], Event):
+        return events
+    return [Event(*ev) for ev in events]
+
+
+def carried(events: list[Event], start: int, end: int) -> dict[int, int] | None:
     """For the step ``events[start:end]``: which tensor the next step's FREE at position ``n``
     frees, as the position of the ALLOC in this step that made it.
 
@@ -826,17 +834,17 @@ def carried(events, start: int, end: int) -> dict[int, int] | None:
     made, outside = {}, []
     for n in range(start, end):
         ev = events[n]
-        if ev[0] == ALLOC:
-            made[ev[1]] = n
-        elif ev[0] == FREE:
-            if ev[1] in made:
-                del made[ev[1]]
+        if ev.kind == ALLOC:
+            made[ev.sid] = n
+        elif ev.kind == FREE:
+            if ev.sid in made:
+                del made[ev.sid]
             else:
                 outside.append(n)
     pool = sorted(made.values())
     kept = {}
     for n in outside:
-        match = next((m for m in pool if events[m][2] == events[n][2]), None)
+        match = next((m for m in pool if events[m].nbytes == events[n].nbytes), None)
         if match is None:
             return None
         pool.remove(match)
@@ -844,7 +852,7 @@ def carried(events, start: int, end: int) -> dict[int, int] | None:
     return None if pool else kept
 
 
-def growing_run(events, start: int, end: int, sizes_at, lengths: list[int]) -> tuple[list, int]:
+def growing_run(events: list[Event], start: int, end: int, sizes_at, lengths: list[int]) -> tuple[list, int]:
     """The event log of a run whose batches grow: ``events[:start]`` (the setup and first
     step) at ``lengths[0]``, then the step ``events[start:end]`` once at each later length.
 
@@ -852,22 +860,23 @@ def growing_run(events, start: int, end: int, sizes_at, lengths: list[int]) -> t
     events are those of one trace; only the sizes change with the length). Each replayed
     step's own tensors get keys of their own, and a FREE of a tensor made before the step
     frees what the step before kept (``carried``). Returns the log and where its last step
-    starts; its steps are numbered in the seventh field (0: the setup and first step).
+    starts; its steps are numbered in ``step`` (0: the setup and first step).
     """
+    events = as_events(events)
     kept = carried(events, start, end)
     if kept is None:
         raise ValueError("the step keeps tensors the next step does not free; it cannot be replayed")
     sizes = sizes_at(lengths[0])
-    out = [(ev[0], ev[1], sizes[n], *ev[3:]) for n, ev in enumerate(events[:start])]
+    out = [ev._replace(nbytes=sizes[n]) for n, ev in enumerate(events[:start])]
     last = start
     for r, length in enumerate(lengths[1:], 1):
         sizes, last = sizes_at(length), len(out)
-        out += [(ev[0], key, sizes[n], *ev[3:6], r, *ev[7:])  # made before the first step: as traced
-                for n, ev, key in replay_keys(events, start, end, r, kept, lambda n: events[n][1])]
+        out += [ev._replace(sid=key, nbytes=sizes[n], step=r)  # made before the first step: as traced
+                for n, ev, key in replay_keys(events, start, end, r, kept, lambda n: events[n].sid)]
     return out, last
 
 
-def replay_keys(events, start: int, end: int, r: int, kept: dict[int, int], first_outside):
+def replay_keys(events: list[Event], start: int, end: int, r: int, kept: dict[int, int], first_outside):
     """``(n, event, key)`` for replay ``r`` (from 1) of the step ``events[start:end]``: the
     step's own tensors are keyed ``("step", r, n)``; a FREE of a tensor made before the step
     frees what replay ``r - 1`` kept (``kept``, from ``carried``), or, in replay 1, the tensor
@@ -875,11 +884,11 @@ def replay_keys(events, start: int, end: int, r: int, kept: dict[int, int], firs
     keys = {}
     for n in range(start, end):
         ev = events[n]
-        key = ev[1]
-        if ev[0] == ALLOC:
-            key = keys[ev[1]] = ("step", r, n)
-        elif ev[0] == FREE:
-            key = keys.pop(ev[1], None)
+        key = ev.sid
+        if ev.kind == ALLOC:
+            key = keys[ev.sid] = ("step", r, n)
+        elif ev.kind == FREE:
+            key = keys.pop(ev.sid, None)
             if key is None:
                 key = ("step", r - 1, kept[n]) if r > 1 else first_outside(n)
         yield n, ev, key
@@ -897,15 +906,15 @@ class _Run:
         self.repeat_no = 0  # 0 in the log's own pass, r in the r-th extra replay of the step
         self.empty: set = set()  # zero-byte storages: torch's allocate() hands out a null pointer, no block
 
-    def replay(self, n: int, ev, key) -> None:
-        kind, first = ev[0], self.repeat_no == 0
+    def replay(self, n: int, ev: Event, key) -> None:
+        kind, first = ev.kind, self.repeat_no == 0
         got = 0
-        if kind == ALLOC and ev[2] == 0:
+        if kind == ALLOC and ev.nbytes == 0:
             self.empty.add(key)
         elif kind == FREE and key in self.empty:
             self.empty.discard(key)
         elif kind == ALLOC:
-            got = self.alloc.malloc(key, ev[2], ev[8] if len(ev) > 8 else 0)
+            got = self.alloc.malloc(key, ev.nbytes, ev.stream)
             if not got and self.first_oom is None:
                 self.first_oom = n
             self.peak_alloc = max(self.peak_alloc, self.alloc.allocated)
@@ -924,7 +933,7 @@ class _Run:
         before = self.alloc.layout()
         for r in range(1, MAX_REPEATS + 1):
             self.repeat_no = r
-            for n, ev, key in replay_keys(events, start, end, r, kept, lambda n: events[kept[n]][1]):
+            for n, ev, key in replay_keys(events, start, end, r, kept, lambda n: events[kept[n]].sid):
                 self.replay(n, ev, key)
             after = self.alloc.layout()
             if after == before:  # replay r left the layout the pass before it left

@@ -16,10 +16,11 @@ import torch
 from memcheck import compat
 from memcheck.compat import tree_flatten, tree_map_only
 from memcheck.choices import ANSWERS, NO_PADDING, PADDING, Choices, point_of
-from memcheck.cuda.allocator import AllocatorConfig, growing_run, simulate
+from memcheck.cuda.allocator import AllocatorConfig
 from memcheck.cuda.gpus import GpuSpec, local_library_versions, resolve_gpu
-from memcheck.cuda.overhead import context_bytes, context_source, module_loading, workspace_allocations
-from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Padding, Phase, Precision, StepOrder
+from memcheck.cuda.overhead import context_bytes, context_source, module_loading
+from memcheck.cuda.replay import allocator_life, device_events, device_totals, growing_life
+from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Event, Padding, Phase, Precision, StepOrder
 from memcheck.errors import (
     MemcheckError,
     TraceError,
@@ -54,7 +55,6 @@ from memcheck.training.loop import LossFn, default_loss, run_eval, to_precision
 from memcheck.training.optimizers import resolve_optimizer
 from memcheck.training.strategies import train
 from memcheck.training.strategies.layout import Role, roles
-from memcheck.units import format_bytes
 
 _STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER, Category.COMMUNICATION)
 
@@ -413,11 +413,11 @@ def _only_padding_differs(first: Choices, answers: tuple[str, ...]) -> bool:
     return changed == [NO_PADDING]
 
 
-def _forward_prefix(log: TraceLog) -> list[tuple]:
+def _forward_prefix(log: TraceLog) -> list[Event]:
     """The events of step 1 before its backward begins: the setup and the first forward and loss."""
     out = []
     for ev in log.events:
-        if ev[6] > 0 or ev[5] in (Phase.BACKWARD, Phase.OPTIMIZER, Phase.ZERO_GRAD, Phase.EVAL):
+        if ev.step > 0 or ev.phase in (Phase.BACKWARD, Phase.OPTIMIZER, Phase.ZERO_GRAD, Phase.EVAL):
             break
         out.append(ev)
     return out
@@ -436,18 +436,19 @@ def _bounded_by(base: TraceLog, alt: TraceLog) -> bool:
     mine, theirs = _forward_prefix(base), _forward_prefix(alt)
     if not mine or len(theirs) != len(alt.events):
         return False
-    allocs = iter((ev[2], ev[4], ev[7]) for ev in mine if ev[0] == ALLOC)
-    if not all(any(sig == other for other in allocs) for sig in ((ev[2], ev[4], ev[7]) for ev in theirs
-                                                                 if ev[0] == ALLOC)):
+    allocs = iter((ev.nbytes, ev.module, ev.gpu) for ev in mine if ev.kind == ALLOC)
+    if not all(any(sig == other for other in allocs) for sig in ((ev.nbytes, ev.module, ev.gpu) for ev in theirs
+                                                                 if ev.kind == ALLOC)):
         return False
     (base_live, base_peak), (alt_live, alt_peak) = _live_by_category(mine), _live_by_category(theirs)
     return alt_peak <= base_peak and all(n <= base_live.get(c, 0) for c, n in alt_live.items())
 
 
-def _live_by_category(events: list[tuple]) -> tuple[dict, int]:
+def _live_by_category(events: list[Event]) -> tuple[dict, int]:
     """The bytes live at the end of ``events`` by category, and the peak of their sum."""
     sizes, cats, live, peak = {}, {}, 0, 0
-    for kind, sid, n, cat, *_ in events:
+    for ev in events:
+        kind, sid, n, cat = ev.kind, ev.sid, ev.nbytes, ev.category
         if kind == ALLOC:
             sizes[sid], cats[sid] = n, cat
             live += n
@@ -842,29 +843,6 @@ def target_gpu(job: Job) -> GpuSpec | None:
     return job.gpu if isinstance(job.gpu, GpuSpec) else resolve_gpu(job.gpu)
 
 
-def _with_workspaces(events: list[tuple], arch, start: int) -> tuple[list[tuple], int]:
-    """One GPU's events with cuBLAS's workspaces allocated where a real step first needs
-    them, and where event ``start`` (the steady state's first) now is.
-
-    torch keeps one workspace per (cuBLAS handle, stream) in the caching allocator; the
-    forward runs on the main thread and backward on autograd's device thread, each
-    with its own handle (memcheck.cuda.overhead). The first is allocated at the first
-    forward, the second at the first backward; both live to the end.
-    """
-    by_phase = {Phase.FORWARD: [], Phase.BACKWARD: []}
-    for label, nbytes in workspace_allocations(arch):
-        by_phase[Phase.BACKWARD if "autograd" in label else Phase.FORWARD].append((label, nbytes))
-    out, new_start = [], None
-    for i, ev in enumerate(events):
-        for label, nbytes in by_phase.pop(ev[5], ()):
-            out.append((ALLOC, f"workspace:{label}:{ev[7]}", nbytes, Category.WORKSPACE, f"({label})", ev[5],
-                        ev[6], ev[7]))
-        if i == start:
-            new_start = len(out)
-        out.append(ev)
-    return out, len(out) if new_start is None else new_start
-
-
 def _top_modules(rows: list[ModuleMemory], top: int) -> list[ModuleMemory]:
     """The rows of the ``top`` largest groups, a group being the rows of one repeated block that
     hold exactly the same bytes (``model.layers.7.mlp`` beside ``model.layers.3.mlp``,
@@ -890,27 +868,11 @@ def _short(module: str | None, root: str) -> str:
     return module.split(".", 1)[1] if module.startswith(root + ".") else module
 
 
-def _device_events(log: TraceLog, traced: int, device: Device, arch) -> tuple[list[tuple], int]:
-    """One traced GPU's events (with cuBLAS's workspaces on CUDA), and the index of step 2's first."""
-    second = log.step_starts[1] if len(log.step_starts) > 1 else 0
-    events, start = [], None
-    for i, ev in enumerate(log.events):
-        if ev[7] != traced:
-            continue
-        if start is None and i >= second:
-            start = len(events)
-        events.append(ev)
-    start = len(events) if start is None else start
-    if device is Device.CUDA:
-        events, start = _with_workspaces(events, arch, start)
-    return events, start
-
-
 def _timeline(log: TraceLog, traced: int, busiest: DeviceMemory, device: Device, arch, *, root: str):
     """The busiest GPU's memory event by event (``estimate(timeline=True)``)."""
     from memcheck.report.timeline import build_timeline
 
-    events, start = _device_events(log, traced, device, arch)
+    events, start = device_events(log, traced, device, arch)
     return build_timeline(events, start, device=device, gpu=busiest.index, context_bytes=busiest.context_bytes,
                           config=AllocatorConfig.from_env(), module_label=lambda m: _short(m, root),
                           stacks=log.stacks)
@@ -924,28 +886,29 @@ def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch
 
     ``shorter``: ``(length, log)`` traces of the same job at shorter lengths, and the
     traced length first, for a run whose batch lengths vary (``padding="longest"``)."""
-    events, start = _device_events(log, traced, device, arch)
-    eval_start = next((i for i, ev in enumerate(events) if ev[5] is Phase.EVAL), len(events))
+    events, start = device_events(log, traced, device, arch)
+    eval_start = next((i for i, ev in enumerate(events) if ev.phase is Phase.EVAL), len(events))
     cuda = None
     if device is Device.CUDA:
-        sim = _allocator_life(events, start, eval_start, gpu)
+        sim = allocator_life(events, start, eval_start, gpu)
         sizes, life, life_events = sim.granted, sim, events
-        grown = None if shorter is None else _growing_life(events, start, eval_start, gpu, shorter, traced, arch,
-                                                           margin, assume)
+        room = None if gpu is None else limit_bytes(gpu.capacity_bytes, margin) - context_bytes(gpu)
+        grown = None if shorter is None else growing_life(events, start, eval_start, gpu, shorter, traced, arch,
+                                                          room, margin, assume)
         if grown is not None:
             life, life_events = grown
         cuda = (life, life_events, context_bytes(gpu))
     else:
-        sizes = [ev[2] for ev in events]
+        sizes = [ev.nbytes for ev in events]
 
     live = 0
     best = train_best = eval_best = -1
     best_at = 0
     granted: dict = {}
     for i, ev in enumerate(events):
-        kind = ev[0]
+        kind = ev.kind
         if kind == ALLOC:
-            granted[ev[1]] = sizes[i]
+            granted[ev.sid] = sizes[i]
             live += sizes[i]
             if i >= start:
                 if i < eval_start:
@@ -955,7 +918,7 @@ def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch
                 if live > best:
                     best, best_at = live, i
         elif kind == FREE:
-            live -= granted.pop(ev[1], ev[2])
+            live -= granted.pop(ev.sid, ev.nbytes)
     if best < 0:
         raise TraceError(f"tracing {name} recorded no memory after step 1")
 
@@ -963,11 +926,11 @@ def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch
     # Categories set just after the peak's allocation (a buffer created, then registered)
     # belong to it too, so the replay runs on through those RECAT events.
     end = best_at + 1
-    while end < len(events) and events[end][0] == RECAT:
+    while end < len(events) and events[end].kind == RECAT:
         end += 1
     state: dict = {}
     for i, ev in enumerate(events[:end]):
-        kind, sid, n, cat, module = ev[:5]
+        kind, sid, cat, module = ev.kind, ev.sid, ev.category, ev.module
         if kind == ALLOC:
             state[sid] = [sizes[i], cat, module]
         elif kind == FREE:
@@ -990,151 +953,7 @@ def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch
     peak_event = events[best_at]
     return DeviceMemory(
         index=index, peak_bytes=best, breakdown_at_peak=Breakdown.from_categories(by_cat),
-        peak_phase=peak_event[5], peak_module=_short(peak_event[4], root), peak_step=peak_event[6] + 1,
+        peak_phase=peak_event.phase, peak_module=_short(peak_event.module, root), peak_step=peak_event.step + 1,
         modules=tuple(modules), train_peak_bytes=max(train_best, 0),
-        eval_peak_bytes=eval_best if eval_best >= 0 else None, **_device_totals(best, cuda),
+        eval_peak_bytes=eval_best if eval_best >= 0 else None, **device_totals(best, cuda),
     )
-
-
-def _allocator_life(events: list, start: int, eval_start: int, gpu: GpuSpec | None):
-    """The caching allocator over the process's life: the setup (weights, batch), the traced
-    steps, the last step replayed until the allocator's layout repeats, then the evaluation,
-    on the GPU beside its context (``_replayed``)."""
-    room = None if gpu is None else gpu.capacity_bytes - context_bytes(gpu)
-    return _replayed(events, (start, eval_start), room)[0]
-
-
-def _replayed(events: list, repeat: tuple[int, int], room: int | None):
-    """``simulate`` with ``repeat``, first with unbounded memory, as the allocator behaves while
-    nothing fails; then, when that reserves more than ``room``, again at ``room``: a real
-    run's ``cudaMalloc`` fails there and the allocator gives cached segments back and retries
-    (``CUDACachingAllocator.cpp``, ``release_cached_blocks``). Returns the run's figures (the
-    bounded replay's when it completes) and the unbounded reserved peak."""
-    config = AllocatorConfig.from_env()
-    sim = simulate(events, config=config, repeat=repeat)
-    if room is None or sim.peak_reserved_bytes <= room or sim.peak_allocated_bytes > room:
-        return sim, sim.peak_reserved_bytes  # it fits without giving anything back, or nothing can make it fit
-    bounded = simulate(events, config=config, capacity=room, repeat=repeat)
-    return (sim if bounded.first_oom is not None else bounded), sim.peak_reserved_bytes
-
-
-GROWING_STEPS = 16  # a padding="longest" run: steps from max_len / 16 up to max_len
-
-
-def growing_lengths(max_len: int, steps: int = GROWING_STEPS) -> list[int]:
-    """The batch lengths of a run whose batches grow to ``max_len`` in ``steps`` even steps."""
-    return sorted({max(1, max_len * i // steps) for i in range(1, steps + 1)})
-
-
-def _lagrange(points: list[tuple[int, int]], x: int) -> int:
-    """The quadratic (or lower) through ``points`` at ``x``, rounded up to whole bytes."""
-    from fractions import Fraction
-
-    total = Fraction(0)
-    for j, (xj, yj) in enumerate(points):
-        term = Fraction(yj)
-        for k, (xk, _) in enumerate(points):
-            if k != j:
-                term *= Fraction(x - xk, xj - xk)
-        total += term
-    return max(0, -(-total.numerator // total.denominator))
-
-
-def _signature(ev: tuple) -> tuple:
-    """What must agree for two traces' events to be the same op's: kind, category, phase, step,
-    and for an allocation its module."""
-    return ev[0], ev[3], ev[5], ev[6], ev[4] if ev[0] == ALLOC else None
-
-
-def _aligned(base: list, other: list) -> list | None:
-    """For each event of ``base`` (the max_len trace), the index of the same event in ``other``
-    (a shorter trace), or None where only ``base`` has it (a kernel that takes another
-    algorithm above a size: CUDA's embedding backward sorts above 3,072 indices); None when
-    ``other`` has events ``base`` lacks. Matched in order: an event of ``base`` that does not
-    match ``other``'s next is taken as one only ``base`` has."""
-    pairs, j = [], 0
-    for ev in base:
-        if j < len(other) and _signature(other[j]) == _signature(ev):
-            pairs.append(j)
-            j += 1
-        else:
-            pairs.append(None)
-    return pairs if j == len(other) else None
-
-
-def _growing_life(events: list, start: int, eval_start: int, gpu: GpuSpec | None, shorter: list, traced: int,
-                  arch, margin: float, assume: Callable[[str], None]):
-    """The caching allocator over a run whose batches grow to the traced length (issue 22).
-
-    Its steps are replayed at ``growing_lengths``; an allocation's size at a length no trace
-    had is the quadratic through its sizes in the three traces (exact for sizes linear or
-    quadratic in the length, as activations and attention scores are). Lengths that grow
-    leave cached segments too small for the next step: the cache fills until the allocator
-    must give segments back, so the run is replayed on the GPU less the margin, and its
-    figures are those of a GPU that keeps the margin free. Falls back to the steady
-    max-length life (with a note) when the traces differ op for op."""
-    (length, _), *others = shorter
-    base = events[:eval_start]
-    points = []  # (length, its trace's index of each max_len event, or None, and its events)
-    partial = False
-    for l, log in others:
-        evs, _ = _device_events(log, traced, Device.CUDA, arch)
-        pairs = _aligned(base, evs)
-        if pairs is None:
-            assume(f"padding=longest: the traces at {length} and {l} tokens differ op for op, so the run of "
-                   f"growing lengths was not replayed; reserved is that of steps at {length} tokens")
-            return None
-        partial |= None in pairs
-        points.append((l, pairs, evs))
-    lengths = growing_lengths(length)
-
-    def sizes_at(l: int) -> list[int]:
-        sizes = [ev[2] for ev in base]
-        if l == length:
-            return sizes
-        known = next(((pairs, evs) for x, pairs, evs in points if x == l), None)
-        for n in range(len(base)):
-            if known is not None:
-                pairs, evs = known
-                if pairs[n] is not None:
-                    sizes[n] = evs[pairs[n]][2]
-            elif all(pairs[n] is not None for _, pairs, _ in points):
-                sizes[n] = _lagrange([(length, sizes[n])] + [(x, evs[pairs[n]][2]) for x, pairs, evs in points], l)
-        return sizes
-
-    run, last = growing_run(events, start, eval_start, sizes_at, lengths)
-    run += [(*ev[:6], len(lengths), *ev[7:]) for ev in events[eval_start:]]  # the evaluation, after training
-    room = None if gpu is None else limit_bytes(gpu.capacity_bytes, margin) - context_bytes(gpu)
-    sim, grown = _replayed(run, (last, last + eval_start - start), room)
-    traced_lengths = ", ".join(str(x) for x in [length] + [p[0] for p in points])
-    note = (f"padding=longest: the caching allocator replayed {len(lengths)} steps of lengths growing from "
-            f"{lengths[0]} to {length} tokens (sizes between the traced {traced_lengths} "
-            f"interpolated per allocation), then {length} until it settled"
-            + (f"; buffers only the {length}-token trace has (a kernel that switches algorithm with the "
-               f"size, such as CUDA's sorting embedding backward) are replayed at their {length}-token size "
-               "at every length" if partial else ""))
-    if sim.peak_reserved_bytes < grown:  # the bounded replay completed
-        note += (f"; unbounded its cache would grow to {format_bytes(grown)}, so it was "
-                 f"replayed on the {gpu.name} less the {margin:.0%} margin, where it gives cached segments "
-                 "back and completes")
-    assume(note)
-    return sim, run
-
-
-def _device_totals(allocated_peak: int, cuda) -> dict:
-    if cuda is None:
-        return {}
-    sim, events, context = cuda
-    reserved = max(sim.peak_reserved_bytes, allocated_peak)
-    at = events[sim.reserved_peak_event] if sim.reserved_peak_event is not None else None
-    last_step = max((ev[6] for ev in events if ev[5] is not Phase.EVAL), default=0) + 1  # 1-based
-    return {
-        # What the cache holds beyond the allocated peak: blocks too fragmented, or in the
-        # wrong pool, to serve the peak's requests, so new segments had to be reserved.
-        "reserved_bytes": reserved, "fragmentation_bytes": reserved - allocated_peak, "context_bytes": context,
-        "device_total_bytes": reserved + context,
-        "reserved_peak_phase": None if at is None else at[5],
-        "reserved_peak_step": None if at is None else at[6] + 1 + sim.reserved_peak_repeat,
-        "steady_step": None if sim.steady_repeats is None else last_step + sim.steady_repeats - 1,
-        "released_cached": sim.released,
-    }

@@ -141,7 +141,7 @@ def build_timeline(
     """The timeline of one GPU's ``TraceLog.events`` (as ``estimate`` selects them).
 
     Args:
-        events: ``(kind, storage_id, nbytes, category, module, phase, step, gpu)`` tuples.
+        events: ``memcheck.enums.Event``s of one GPU.
         steady_start: the index of step 2's first event.
         device: on CUDA the events go through the caching-allocator simulation.
         config: the allocator settings (default: ``AllocatorConfig.from_env()``, as ``estimate``).
@@ -162,10 +162,11 @@ def build_timeline(
     spans: list[PhaseSpan] = []
     stacks = stacks or {}
     for i, event in enumerate(events):
-        kind, sid, nbytes, category, module, phase, step, _ = event
+        kind, sid, nbytes, category, module, phase, step = (event.kind, event.sid, event.nbytes, event.category,
+                                                             event.module, event.phase, event.step)
         if kind == ALLOC:
             if cuda:
-                size = allocator.malloc(sid, nbytes)
+                size = allocator.malloc(sid, nbytes, event.stream)
                 address = ADDRESS_BASE + allocator.live[sid].addr
                 segments.extend(SegmentEvent(i, ADDRESS_BASE + a, n, small, expandable)
                                 for a, n, small, expandable in reserved_now)

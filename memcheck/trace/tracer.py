@@ -46,7 +46,7 @@ import memcheck.rules  # noqa: F401  (every rule module registers its rules)
 from memcheck import compat
 from memcheck.compat import TorchDispatchMode, tree_flatten
 from memcheck.choices import NO_PADDING, PADDING, Choices, attention_masks
-from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Phase
+from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Event, Phase
 from memcheck.rules.extensions import weight_side_tensors
 from memcheck.rules.known_values import KnownValues
 from memcheck.rules.registry import DISPATCH_RULES, FUNCTION_RULES, named_rule
@@ -118,12 +118,12 @@ class ForwardDone(BaseException):
 class TraceLog:
     """The ordered allocation events of a trace and what the tracer assumed.
 
-    ``events`` holds tuples ``(kind, storage_id, nbytes, category, module, phase, step, gpu)``;
-    ``kind`` is ALLOC, FREE or RECAT (a change of category, nbytes 0); ``gpu`` is the
-    index of the device the storage lives on (0 unless a strategy emulates several).
+    ``events`` holds ``memcheck.enums.Event``s ``(kind, sid, nbytes, category, module, phase,
+    step, gpu)``; ``kind`` is ALLOC, FREE or RECAT (a change of category, nbytes 0); ``gpu`` is
+    the index of the device the storage lives on (0 unless a strategy emulates several).
     """
 
-    events: list[tuple] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     assumptions: dict[str, None] = field(default_factory=dict)
     step_starts: list[int] = field(default_factory=list)  # event index where each step begins
     # (step, phase, gpu) -> [FLOPs, of which in bf16/fp16, kernels]: what the planner's cost proxy reads
@@ -716,12 +716,12 @@ class MemoryTracer(TorchDispatchMode):
             self._sizes[self._scratch_id] = n
             self._cats[self._scratch_id] = Category.TEMPORARY
             self.live_bytes += n
-            self._alloc_event((ALLOC, self._scratch_id, n, Category.TEMPORARY, module, self.phase, self.step, gpu))
+            self._alloc_event(Event(ALLOC, self._scratch_id, n, Category.TEMPORARY, module, self.phase, self.step, gpu))
         for sid in range(self._scratch_id, self._scratch_id + len(sizes)):
             n = self._sizes.pop(sid)
             self._cats.pop(sid)
             self.live_bytes -= n
-            self.log.events.append((FREE, sid, n, Category.TEMPORARY, None, self.phase, self.step, gpu))
+            self.log.events.append(Event(FREE, sid, n, Category.TEMPORARY, None, self.phase, self.step, gpu))
 
     # ---- hooks -----------------------------------------------------------------------
     def _pack(self, t):
@@ -796,9 +796,9 @@ class MemoryTracer(TorchDispatchMode):
         gpu = self._current_gpu()
         if gpu:
             self._gpu[sid] = gpu
-        self._alloc_event((ALLOC, sid, n, category, module or self._module(), self.phase, self.step, gpu))
+        self._alloc_event(Event(ALLOC, sid, n, category, module or self._module(), self.phase, self.step, gpu))
 
-    def _alloc_event(self, event: tuple) -> None:
+    def _alloc_event(self, event: Event) -> None:
         """Append an ALLOC event, with its Python stack when ``record_stacks``."""
         self.log.events.append(event)
         if self.record_stacks:
@@ -813,11 +813,11 @@ class MemoryTracer(TorchDispatchMode):
         category = self._cats.pop(sid)
         self._refs.pop(sid, None)
         self.live_bytes -= n
-        self.log.events.append((FREE, sid, n, category, None, self.phase, self.step, self._gpu.pop(sid, 0)))
+        self.log.events.append(Event(FREE, sid, n, category, None, self.phase, self.step, self._gpu.pop(sid, 0)))
 
     def _recat(self, sid, category, module):
         self._cats[sid] = category
-        self.log.events.append((RECAT, sid, 0, category, module, self.phase, self.step, self._gpu.get(sid, 0)))
+        self.log.events.append(Event(RECAT, sid, 0, category, module, self.phase, self.step, self._gpu.get(sid, 0)))
 
     # ---- the dispatch hook -------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -210,7 +210,7 @@ def test_other_bitsandbytes_optimizers_allocate_nothing_in_a_cuda_step(monkeypat
             scratches.append(nbytes)
             return super().scratch(*nbytes)
 
-    monkeypatch.setattr(sys.modules["memcheck.engine.estimate"], "MemoryTracer", Recording)
+    monkeypatch.setattr(sys.modules["memcheck.engine.setup"], "MemoryTracer", Recording)
     est = memcheck.estimate(model, x, device="cuda", optimizer=bnb.optim.Lion8bit(model.parameters()))
     assert est.optimizer == "Lion8bit (bitsandbytes)"
     assert scratches == []
@@ -285,7 +285,7 @@ def test_linear8bit_takes_the_path_bitsandbytes_takes_on_the_target(device, monk
             seen.append(st.nbytes())
             return super()._alloc(sid, st, category, module)
 
-    monkeypatch.setattr(sys.modules["memcheck.engine.estimate"], "MemoryTracer", Recording)
+    monkeypatch.setattr(sys.modules["memcheck.engine.setup"], "MemoryTracer", Recording)
     est = memcheck.estimate(model, x, device=device, optimizer="sgd")
     if device is Device.CPU:
         assert 1_048_576 in seen and 32_768 not in seen

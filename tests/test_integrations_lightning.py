@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import memcheck
 from memcheck.enums import StepOrder
 from memcheck.errors import UsageError
-from memcheck.engine.estimate import meta_twin
+from memcheck.engine.setup import meta_twin
 from memcheck.integrations.lightning import LIGHTNING_PRECISION, MemcheckCallback, _precision
 from memcheck.measure.local import measure_cpu
 

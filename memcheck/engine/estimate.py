@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import re
-import time
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from memcheck import compat
-from memcheck.compat import tree_flatten, tree_map_only
-from memcheck.choices import ANSWERS, NO_PADDING, PADDING, Choices, point_of
-from memcheck.cuda.allocator import AllocatorConfig
-from memcheck.cuda.gpus import GpuSpec, local_library_versions, resolve_gpu
-from memcheck.cuda.overhead import context_bytes, context_source, module_loading
-from memcheck.cuda.replay import allocator_life, device_events, device_totals, growing_life
-from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Event, Padding, Phase, Precision, StepOrder
+from memcheck.compat import tree_map_only
+from memcheck.choices import ANSWERS, NO_PADDING, PADDING, Choices
+from memcheck.cuda.gpus import GpuSpec, resolve_gpu
+from memcheck.engine.branches import traced_branches
+from memcheck.engine.setup import TracedRun, check_packed, set_up, with_step_precision
+from memcheck.engine.summary import result, summarise
+from memcheck.enums import Device, Padding, Phase, StepOrder
 from memcheck.errors import (
     MemcheckError,
     TraceError,
@@ -33,70 +29,15 @@ from memcheck.errors import (
     model_frame,
     require_int,
 )
-from memcheck.job import Job, SettingError, as_job, escape, limit_bytes
-from memcheck.report.results import (
-    BatchInfo,
-    Branch,
-    Branches,
-    Breakdown,
-    DeviceMemory,
-    Estimate,
-    InputSpec,
-    ModuleMemory,
-    Work,
-)
+from memcheck.job import Job, SettingError, as_job, escape
+from memcheck.report.results import Estimate
 from memcheck.rules import extensions
-from memcheck.rules.autocast import MetaAutocast, MetaGradScaler, UserAutocast, meta_autocast_queries
+from memcheck.rules.autocast import UserAutocast, meta_autocast_queries
 from memcheck.trace.device_redirect import reads_meta_data, redirect_cuda, tracing_globals
-from memcheck.trace.tracer import ForwardDone, MemoryTracer, TraceLog
-from memcheck.training.adapters import apply_adapters, quantize_4bit
-from memcheck.training.checkpointing import apply_checkpointing
-from memcheck.training.loop import LossFn, default_loss, run_eval, to_precision
-from memcheck.training.optimizers import resolve_optimizer
+from memcheck.trace.tracer import ForwardDone
+from memcheck.training.loop import LossFn, default_loss, run_eval
 from memcheck.training.strategies import train
 from memcheck.training.strategies.layout import Role, roles
-
-_STATE = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER, Category.COMMUNICATION)
-
-
-def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose parameters and buffers are meta tensors; no weights are copied.
-    A ``torch.compile``'d model's copy is the copy of the module it compiled, uncompiled."""
-    model = compat.eager_module(model)
-    memo: dict[int, Any] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) in memo:
-            continue
-        empty = torch.empty_like(t, device="meta")
-        memo[id(t)] = (
-            torch.nn.Parameter(empty, requires_grad=t.requires_grad)
-            if isinstance(t, torch.nn.Parameter)
-            else empty
-        )
-    extensions.twin_memo(model, memo)  # quantized weights keep their classes (bitsandbytes)
-    twin = copy.deepcopy(model, memo)
-    compat.uncompile_copy(twin)  # module.compile()'s call is bound to the original module
-    return twin
-
-
-def meta_batch(batch: Any) -> Any:
-    """The batch with every tensor replaced by an empty meta tensor of the same shape and dtype."""
-    return tree_map_only(
-        torch.Tensor, lambda t: t if t.device.type == "meta" else torch.empty_like(t, device="meta"), batch
-    )
-
-
-def describe_batch(batch: Any, batch_size: int | None, max_len: int | None, target_len: int | None) -> BatchInfo:
-    """Summarise the tensors of a batch for the report."""
-    if isinstance(batch, dict):
-        items = [(k, v) for k, v in batch.items() if isinstance(v, torch.Tensor)]
-    else:
-        leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
-        items = [(f"input{i}", t) for i, t in enumerate(leaves)]
-    inputs = tuple(InputSpec(k, tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in items)
-    if batch_size is None:
-        batch_size = items[0][1].shape[0] if items and items[0][1].dim() else 1
-    return BatchInfo(batch_size, max_len, target_len, inputs)
 
 
 # How torch says an op has no meta kernel: the dispatcher's message for an op without a Meta
@@ -306,8 +247,8 @@ def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, ro
         if role.layout.cp > 1 and NO_PADDING not in job.assume:  # torch's context_parallel takes no mask
             job = job.replace(assume=(*job.assume, NO_PADDING))  # (_check_layout refused a pinned padding)
 
-    def traced(choices: Choices, forward_only: bool = False) -> tuple[_Run, list[int] | None]:
-        run = _set_up(model, batch, eval_batch, job, target, name, progress, choices, role)
+    def traced(choices: Choices, forward_only: bool = False) -> tuple[TracedRun, list[int] | None]:
+        run = set_up(model, batch, eval_batch, job, target, name, progress, choices, role)
         if train_step is not None and role is None:
             run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
                               "(model, batch, optimizer), traced as it is")
@@ -321,15 +262,15 @@ def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, ro
             return run, None
 
     run, gpu_map = traced(Choices(job.assume))
-    (run, gpu_map, devices), branches = _branches(run, gpu_map, traced, job, target, name, top_modules)
-    job = _with_step_precision(run, job)
+    (run, gpu_map, devices), branches = traced_branches(run, gpu_map, traced, job, target, name, top_modules)
+    job = with_step_precision(run, job)
     taken = job if branches is None else job.replace(assume=tuple(sorted(
         set(job.assume) | set(branches.taken), key=ANSWERS.index)))  # shorter traces take the same branch
     shorter = _shorter_traces(model, batch, taken, target, loss_fn or default_loss, name, run.tracer.assume,
                               train_step, role)
     if devices is None or shorter is not None:
-        devices = _summarise(run, gpu_map, job, target, name, top_modules, shorter)
-    return _result(run, gpu_map, devices, job, target, name, timeline, branches)
+        devices = summarise(run, gpu_map, job, target, name, top_modules, shorter)
+    return result(run, gpu_map, devices, job, target, name, timeline, branches)
 
 
 def _check_layout(job: Job, train_step, eval_batch) -> None:
@@ -356,114 +297,6 @@ def _merge_roles(ranks: list[Estimate], traced: list[Role]) -> Estimate:
                                assumptions=tuple(assumptions))
 
 
-def _branches(run: _Run, gpu_map: list[int], traced: Callable, job: Job, target: GpuSpec | None,
-              name: str, top_modules: int) -> tuple[tuple[_Run, list[int], list | None], Branches | None]:
-    """The trace whose data-dependent answers give the larger peak (``memcheck.choices``).
-
-    The first trace answers every choice point with its first answer and notes the points
-    whose answer decided something; the whole step is then traced again with each other
-    combination of answers at those points (the job's pinned ones stay). An unpadded batch is
-    first traced to the end of its first forward only, and not further when that is bounded
-    by the first trace (``_bounded_by``). The trace with the largest device total (peak on
-    the CPU) wins; ties keep the first. Returns the winner's run, GPU map and summaries."""
-    others = run.tracer.choices.alternatives()
-    if not others:
-        return (run, gpu_map, None), None
-    first = run.tracer.choices
-    names = list(first.consulted)
-    start = time.perf_counter()
-    candidates, bounded = [(run, gpu_map)], []
-    for answers in others:
-        if _only_padding_differs(first, answers) and first.in_forwards_only(PADDING):
-            prefix, done = traced(Choices(job.assume, forced=answers), forward_only=True)
-            if done is None and _bounded_by(run.tracer.log, prefix.tracer.log):
-                bounded.append(answers)
-                continue
-        candidates.append(traced(Choices(job.assume, forced=answers)))
-        names += [n for n in candidates[-1][0].tracer.choices.consulted if n not in names]
-    seconds = time.perf_counter() - start
-    totals, summaries = [], []
-    for r, g in candidates:
-        devices = _summarise(r, g, _with_step_precision(r, job), target, name, top_modules)
-        busiest = max(devices, key=lambda d: d.total_bytes)
-        totals.append((busiest.total_bytes, busiest.peak_bytes))
-        summaries.append(devices)
-    best = max(range(len(candidates)), key=lambda i: (totals[i][0], -i))
-    mine = candidates[best][0].tracer.log.assumptions
-    traces = []
-    for i, (r, _) in enumerate(candidates):
-        own = tuple(a for a in r.tracer.log.assumptions if a not in mine) if i != best else tuple(
-            a for a in mine if len(candidates) > 1
-            and all(a not in c[0].tracer.log.assumptions for j, c in enumerate(candidates) if j != best))
-        answers = r.tracer.choices.taken(names)
-        traces.append(Branch(answers=tuple(a for a in answers if a not in job.assume), total_bytes=totals[i][0],
-                             peak_bytes=totals[i][1], only_here=own))
-    for answers in bounded:  # traced to the end of step 1's forward only
-        traces.append(Branch(answers=tuple(a for a in answers if a not in job.assume), total_bytes=None,
-                             peak_bytes=None, only_here=(), bounded=True))
-    winner = traces[best]
-    branches = Branches(taken=winner.answers, traces=(winner, *traces[:best], *traces[best + 1:]),
-                        seconds=round(seconds, 3))
-    return (*candidates[best], summaries[best]), branches
-
-
-def _only_padding_differs(first: Choices, answers: tuple[str, ...]) -> bool:
-    """Whether the alternative ``answers`` change only the ``padding`` point, to ``no-padding``."""
-    changed = [a for a in answers if a != first.answer(point_of(a).name)]
-    return changed == [NO_PADDING]
-
-
-def _forward_prefix(log: TraceLog) -> list[Event]:
-    """The events of step 1 before its backward begins: the setup and the first forward and loss."""
-    out = []
-    for ev in log.events:
-        if ev.step > 0 or ev.phase in (Phase.BACKWARD, Phase.OPTIMIZER, Phase.ZERO_GRAD, Phase.EVAL):
-            break
-        out.append(ev)
-    return out
-
-
-def _bounded_by(base: TraceLog, alt: TraceLog) -> bool:
-    """Whether the trace ``alt`` (stopped where step 1's backward begins) is bounded by ``base``
-    over the whole step: its first forward made no assumption ``base`` did not (the same
-    kernels), allocated a subsequence of ``base``'s allocations (same size, module and GPU,
-    in order: the same ops, some skipped, as an unpadded batch skips its attention mask),
-    and ends it with no more live bytes, per category and in all, than ``base`` held at the
-    same point, never peaking above ``base``'s forward peak. The backward then runs the
-    same kernels over no more saved tensors."""
-    if any(a not in base.assumptions for a in alt.assumptions):
-        return False
-    mine, theirs = _forward_prefix(base), _forward_prefix(alt)
-    if not mine or len(theirs) != len(alt.events):
-        return False
-    allocs = iter((ev.nbytes, ev.module, ev.gpu) for ev in mine if ev.kind == ALLOC)
-    if not all(any(sig == other for other in allocs) for sig in ((ev.nbytes, ev.module, ev.gpu) for ev in theirs
-                                                                 if ev.kind == ALLOC)):
-        return False
-    (base_live, base_peak), (alt_live, alt_peak) = _live_by_category(mine), _live_by_category(theirs)
-    return alt_peak <= base_peak and all(n <= base_live.get(c, 0) for c, n in alt_live.items())
-
-
-def _live_by_category(events: list[Event]) -> tuple[dict, int]:
-    """The bytes live at the end of ``events`` by category, and the peak of their sum."""
-    sizes, cats, live, peak = {}, {}, 0, 0
-    for ev in events:
-        kind, sid, n, cat = ev.kind, ev.sid, ev.nbytes, ev.category
-        if kind == ALLOC:
-            sizes[sid], cats[sid] = n, cat
-            live += n
-            peak = max(peak, live)
-        elif kind == FREE and sid in sizes:
-            live -= sizes.pop(sid)
-            cats.pop(sid)
-        elif kind == RECAT and sid in cats:
-            cats[sid] = cat
-    by_cat: dict = defaultdict(int)
-    for sid, n in sizes.items():
-        by_cat[cats[sid]] += n
-    return by_cat, peak
-
-
 def _validate(model, batch, job: Job, eval_batch, top_modules) -> GpuSpec | None:
     """What the job alone cannot check (the call's other arguments); returns the CUDA target."""
     target = target_gpu(job)
@@ -476,7 +309,7 @@ def _validate(model, batch, job: Job, eval_batch, top_modules) -> GpuSpec | None
             raise SettingError("padding", f"{{name}} longest shortens the batch's dimensions of max_len={job.max_len}, "
                                           "but no tensor of the batch has one")
     if job.packing:
-        _check_packed(batch)
+        check_packed(batch)
     if job.eval_accumulate_predictions and eval_batch is None:
         raise UsageError("eval_accumulate_predictions needs an eval batch (eval_batch= / --eval-batch-size)")
     require_int(top_modules, "top_modules", minimum=0,
@@ -484,175 +317,6 @@ def _validate(model, batch, job: Job, eval_batch, top_modules) -> GpuSpec | None
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     return target
-
-
-def _check_packed(batch) -> None:
-    """A packed batch is a dict with ``position_ids`` and no attention mask: transformers reads the
-    packed sequences' boundaries from ``position_ids`` only when ``attention_mask`` is None
-    (masking_utils.py, ``_preprocess_mask_arguments``), as ``DataCollatorWithFlattening`` gives it."""
-    if not isinstance(batch, dict):
-        raise SettingError("packing", "{name} needs a dict batch holding input_ids and position_ids (as "
-                                      f"DataCollatorWithFlattening gives it), got {escape(type(batch).__name__)}")
-    if batch.get("attention_mask") is not None:
-        raise SettingError("packing", "{name} needs a batch without attention_mask: with one, transformers ignores "
-                                      "the position ids and the packed sequences attend to each other; drop it")
-    if not isinstance(batch.get("position_ids"), torch.Tensor):
-        raise SettingError("packing", "{name} needs position_ids in the batch, restarting at 0 for each packed "
-                                      f"sequence; its keys are {escape(', '.join(map(str, batch)) or 'none')}")
-
-
-def packing_note(job: Job, info: BatchInfo, model: torch.nn.Module, batch: Any) -> list[str]:
-    """The report's lines on a packed batch: its layout, what attention does with it, and a cache
-    that would keep transformers from seeing the packing."""
-    if not job.packing:
-        return []
-    ids = next((i for i in info.inputs if i.name == "position_ids"), None)
-    tokens = ids.shape[-1] if ids is not None and ids.shape else None
-    if job.batch_size and job.max_len and tokens == job.batch_size * job.max_len:
-        layout = (f"{job.batch_size} sample slot(s) of {job.max_len} tokens flattened into one row of {tokens} "
-                  "(DataCollatorWithFlattening, TRL padding_free)")
-    else:
-        layout = "the batch's rows hold packed sequences"
-    rows, t = (ids.shape[0] if ids is not None and len(ids.shape) == 2 else "B"), tokens or "T"
-    head = f"packing: {layout}, position ids restarting at 0 for each sequence, no attention mask"
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_dict"):  # not a transformers model: its own code reads the ids
-        return [head]
-    cache = getattr(config, "use_cache", False)
-    if cache and not (isinstance(batch, dict) and batch.get("use_cache") is False):
-        return [head + "; the model's config has use_cache=True and the batch does not pass use_cache=False, so "
-                "transformers builds a cache and skips its packed-sequence check: the sequences attend across "
-                "their boundaries, as traced (the HF Trainer and TRL's SFTTrainer train with use_cache=False)"]
-    return [head + f"; transformers' sdpa and eager attention keep the sequences apart with a ({rows}, 1, {t}, {t}) "
-            "block-diagonal mask, the trace taking every row as holding two or more sequences (a real row of one "
-            "sequence needs no mask); flash_attention_2's varlen kernels, which need none, are not modelled for "
-            "transformers models"]
-
-
-@dataclass
-class _Run:
-    """What one estimate traces: the meta twin, its batches, the tracer and the optimizer."""
-
-    twin: torch.nn.Module
-    wrapped: tuple[str, ...]  # the modules wrapped in torch.utils.checkpoint
-    batch: Any
-    eval_batch: Any
-    info: BatchInfo
-    tracer: MemoryTracer
-    arch: tuple[int, int]
-    optimizer_label: str
-    make_optimizer: Callable
-    autocast: Any = None
-    scaler: Any = None
-    weights_dtype: str = "float32"  # the floating dtype of the traced weights (most bytes)
-    user_autocast: UserAutocast | None = None  # a train_step's own torch.autocast regions, once traced
-    rank_context: Callable | None = None  # a layout rank's context for its steps (cp's ring attention)
-
-
-def model_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The floating dtype holding most of ``model``'s parameter bytes (float32 if none)."""
-    by_dtype: dict = defaultdict(int)
-    for p in model.parameters():
-        if p.is_floating_point():
-            by_dtype[p.dtype] += p.numel() * p.element_size()
-    return max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def resolve_weights_dtype(model: torch.nn.Module, job: Job) -> tuple[torch.dtype, bool, str]:
-    """The dtype of the traced weights, whether the model's weights are cast to it, and a
-    line for the report when that is not plain.
-
-    fp32 training casts to float32 and pure bf16/fp16 to that dtype, whatever the model was
-    built in; under autocast the weights stay in the model's own dtype (``auto``: what
-    ``from_pretrained`` loads by default, config.json's ``dtype`` on transformers 5) unless
-    ``weights_dtype`` names one. A contradiction between the two is refused when the Job is made.
-    """
-    own = model_dtype(model)
-    precision, asked = job.precision, job.weights_dtype.torch_dtype
-    if precision is Precision.FP32:
-        target = torch.float32
-    elif precision.weights_dtype is not None:
-        target = precision.weights_dtype
-    else:
-        target = asked or own
-    if target == own:
-        if precision.autocast_dtype is not None and job.weights_dtype.value == "auto" and own != torch.float32:
-            return own, False, (f"{precision.value} over the model's own {_dtype_name(own)} weights (weights_dtype "
-                                "auto, as from_pretrained loads config.json's dtype); give weights_dtype fp32 for "
-                                "fp32 master weights")
-        return own, False, ""
-    return target, True, (f"weights cast from the model's {_dtype_name(own)} to {_dtype_name(target)} for "
-                          f"{precision.value}" + ("" if precision.autocast_dtype is None
-                                                  else f" (weights_dtype {job.weights_dtype.value})"))
-
-
-def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: str, progress,
-            choices: Choices | None = None, role: Role | None = None) -> _Run:
-    """The meta twin (checkpointed, cast; cut to one rank's share under a layout), the meta
-    batches, the optimizer and the tracer."""
-    device, precision = job.device, job.precision
-    opt_label, make_optimizer = resolve_optimizer(job.optimizer, device)
-    if not any(p.requires_grad for p in model.parameters()):
-        raise UsageError(f"{name} has no trainable parameters (none with requires_grad=True); nothing to train")
-    twin = meta_twin(model)
-    weights, cast, how = resolve_weights_dtype(model, job)
-    if cast:
-        twin = twin.to(weights)
-    if job.qlora:  # 4-bit linear layers, then a twin of those: bitsandbytes' quantized sizes (twin_memo)
-        twin = meta_twin(quantize_4bit(twin))
-    twin, adapted = apply_adapters(twin, job.lora, job.qlora, job.recipe)  # LoRA / QLoRA over the cast base
-    wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
-    rank_context = None
-    if role is not None:  # what one rank of the layout holds: its experts, shards, stage and tokens
-        twin, batch, noted, rank_context = role.view(twin, meta_batch(batch), job.device.value)
-        adapted = [*adapted, *noted]
-    dtype = precision.weights_dtype  # pure bf16/fp16: float inputs in that dtype too
-
-    def prepare(b):
-        return to_precision(meta_batch(b), dtype)
-
-    mbatch = prepare(batch)
-    ebatch = prepare(eval_batch) if eval_batch is not None else None
-    info = describe_batch(mbatch, job.batch_size, job.max_len, job.target_len)
-
-    arch = target.arch if target is not None else DEFAULT_ARCH
-    tracer = MemoryTracer(device, arch=arch, choices=choices if choices is not None else Choices(job.assume))
-    if progress is not None:
-        tracer.on_phase = lambda step, phase: progress(
-            f"tracing {name}: " + ("evaluation" if phase is Phase.EVAL
-                                   else f"step {step + 1} of {job.steps}, {phase.value}"))
-    for key, value in local_library_versions().items():  # the CUDA/cuDNN this torch would use
-        setattr(tracer, key, value)
-    if device is Device.CUDA and target is None:
-        tracer.assume(
-            f"no GPU named (gpu=/--gpu): kernels chosen as on sm{arch[0]}{arch[1]} and a generic CUDA context"
-        )
-    if job.qlora:
-        # prepare_model_for_kbit_training casts every fp16/bf16 weight but the 4-bit ones to fp32
-        # (peft/utils/other.py:204-209), so the model's own dtype is not what trains (apply_adapters' note)
-        weights, how = torch.float32, ""
-    if how:
-        tracer.assume(how)
-    for note in packing_note(job, info, model, batch):
-        tracer.assume(note)
-    for note in adapted:
-        tracer.assume(note)
-    run = _Run(twin, wrapped, mbatch, ebatch, info, tracer, arch, opt_label, make_optimizer,
-               weights_dtype=_dtype_name(weights), rank_context=rank_context)
-    if precision.autocast_dtype is not None:
-        tracer.autocast = MetaAutocast(device, precision.autocast_dtype)
-        run.autocast = tracer.autocast.region
-        if precision is Precision.AMP_FP16:
-            run.scaler = MetaGradScaler()
-            tracer.assume("amp-fp16: a GradScaler scales the loss; no overflow, so every step is taken")
-    if job.accumulate > 2 and (role is None or role.layout.pp == 1):
-        tracer.assume(f"accumulate={job.accumulate}: 2 micro-steps per step traced; "
-                      f"micro-steps 3 to {job.accumulate} repeat the second")
-    return run
 
 
 def _check_train_step(train_step, job: Job) -> None:
@@ -672,7 +336,7 @@ def _check_train_step(train_step, job: Job) -> None:
                                          "train_step runs in the order it is written: drop {name}")
 
 
-def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: str,
+def _trace(run: TracedRun, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: str,
            train_step: Callable | None = None) -> list[int]:
     """Run the traced steps under the job's strategy; for each real GPU, the traced GPU it matches."""
     tracer, steps = run.tracer, job.steps
@@ -708,19 +372,6 @@ def _trace(run: _Run, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: s
         raise TraceError(exited) from exc
 
 
-def _with_step_precision(run: _Run, job: Job) -> Job:
-    """The job as traced: a train_step's own ``torch.autocast`` regions make it amp-bf16/amp-fp16."""
-    precision = run.user_autocast.precision(job.precision) if run.user_autocast is not None else job.precision
-    if precision is job.precision:
-        return job
-    run.tracer.assume(f"the train_step's own torch.autocast ({precision.value}) emulated on the target's autocast "
-                      "lists; a GradScaler it uses is traced as torch runs it on meta tensors")
-    try:
-        return job.replace(precision=precision)
-    except SettingError:  # e.g. autocast to fp16 over fp16 weights: reported as the job was given
-        return job
-
-
 def _shorter_traces(model, batch, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: str,
                     assume: Callable[[str], None], train_step: Callable | None = None,
                     role: Role | None = None) -> list | None:
@@ -741,7 +392,7 @@ def _shorter_traces(model, batch, job: Job, target: GpuSpec | None, loss_fn: Los
     for short in lengths[1:]:
         shortened, _ = _at_length(batch, length, short)  # _validate checked it has such a dimension
         sub = job.replace(padding=Padding.MAX_LENGTH, max_len=short, eval_batch_size=None, eval_accumulate_predictions=0)
-        again = _set_up(model, shortened, None, sub, target, name, None, role=role)
+        again = set_up(model, shortened, None, sub, target, name, None, role=role)
         try:
             _trace(again, sub, target, loss_fn, name, train_step)
         except MemcheckError as exc:  # the batch at max_len traced; only the shortened one fails
@@ -771,70 +422,6 @@ def _at_length(batch: Any, length: int, short: int) -> tuple[Any, bool]:
     return tree_map_only(torch.Tensor, cut, batch), bool(cut_to)
 
 
-def _summarise(run: _Run, gpu_map: list[int], job: Job, target: GpuSpec | None, name: str,
-               top_modules: int, shorter: list | None = None) -> list[DeviceMemory]:
-    """Each real GPU's memory; ranks that look alike are summarised once."""
-    traced_summaries: dict[int, DeviceMemory] = {}
-    devices = []
-    for index, traced in enumerate(gpu_map):
-        if traced not in traced_summaries:
-            traced_summaries[traced] = _device_summary(
-                run.tracer.log, traced, index, job.device, run.arch, target, root=type(run.twin).__name__,
-                name=name, top_modules=top_modules, shorter=shorter, margin=job.effective_margin,
-                assume=run.tracer.assume,
-            )
-        devices.append(dataclasses.replace(traced_summaries[traced], index=index))
-    if job.device is Device.CUDA:
-        loading = module_loading()
-        run.tracer.assume(f"CUDA context for {loading} module loading"
-                          + (" (CUDA_MODULE_LOADING=EAGER: the measured eager-minus-lazy difference of "
-                             "pytorch#86509 added)" if loading == "eager" else
-                             " (torch's default; CUDA_MODULE_LOADING=EAGER adds every library kernel)")
-                          + f", {context_source(target)}")
-    return devices
-
-
-def _result(run: _Run, gpu_map: list[int], devices: list[DeviceMemory], job: Job, target: GpuSpec | None,
-            name: str, timeline: bool, branches: Branches | None = None) -> Estimate:
-    """The busiest GPU's figures (and every GPU's, under a multi-GPU strategy) as an Estimate."""
-    busiest = max(devices, key=lambda d: (d.total_bytes, -d.index))
-    budget = job.budget_bytes
-    if budget is None and target is not None and target.capacity_bytes:
-        budget = target.capacity_bytes
-    return Estimate(
-        model=name, job=job, optimizer=run.optimizer_label, batch=run.info, devices=tuple(devices),
-        busiest_gpu=busiest.index, assumptions=tuple(run.tracer.log.assumptions), budget_bytes=budget, gpu=target,
-        checkpointing=run.wrapped, work=_work(run.tracer.log, step=job.steps - 1, micro_steps=min(job.accumulate, 2)),
-        weights_dtype=run.weights_dtype, module_loading=module_loading() if job.device is Device.CUDA else None,
-        context_source=context_source(target) if job.device is Device.CUDA else None,
-        timeline=_timeline(run.tracer.log, gpu_map[busiest.index], busiest, job.device, run.arch,
-                           root=type(run.twin).__name__) if timeline else None,
-        branches=branches,
-    )
-
-
-_MICRO_PHASES = (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD)
-
-
-def _work(log: TraceLog, *, step: int, micro_steps: int) -> Work:
-    """The last traced step's compute on its busiest GPU (by FLOPs), per micro-step."""
-    per_gpu: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
-    for (s, phase, gpu), (flops, low, kernels) in log.work.items():
-        if s != step:
-            continue
-        if phase in _MICRO_PHASES:
-            per_gpu[gpu][0] += flops
-            per_gpu[gpu][1] += low
-            per_gpu[gpu][2] += kernels
-        elif phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
-            per_gpu[gpu][3] += kernels
-    flops, low, kernels, opt = max(per_gpu.values(), default=[0, 0, 0, 0])
-    return Work(flops // micro_steps, low // micro_steps, kernels // micro_steps, opt)
-
-
-DEFAULT_ARCH = (8, 0)  # A100-class, when no GPU is named and none is local
-
-
 def target_gpu(job: Job) -> GpuSpec | None:
     """The CUDA target's GpuSpec: the job's GPU (a name, a size or a spec, checked by the
     Job, which also refuses one on the CPU target), else the local GPU; None on the CPU."""
@@ -843,117 +430,3 @@ def target_gpu(job: Job) -> GpuSpec | None:
     return job.gpu if isinstance(job.gpu, GpuSpec) else resolve_gpu(job.gpu)
 
 
-def _top_modules(rows: list[ModuleMemory], top: int) -> list[ModuleMemory]:
-    """The rows of the ``top`` largest groups, a group being the rows of one repeated block that
-    hold exactly the same bytes (``model.layers.7.mlp`` beside ``model.layers.3.mlp``,
-    ``ModuleMemory.repeat_key``) or a row alone, so the report can show each group whole
-    (``memcheck.report.text`` draws a group as one row)."""
-    keys: list = []
-    for m in rows:
-        if m.repeat_key not in keys:
-            if len(keys) == top:
-                break
-            keys.append(m.repeat_key)
-    kept = set(keys)
-    return [m for m in rows if m.repeat_key in kept]
-
-
-def _short(module: str | None, root: str) -> str:
-    if not module or module == "Global":
-        return "(outside modules)"
-    if module.startswith("("):
-        return module
-    if module == root:
-        return "(model)"
-    return module.split(".", 1)[1] if module.startswith(root + ".") else module
-
-
-def _timeline(log: TraceLog, traced: int, busiest: DeviceMemory, device: Device, arch, *, root: str):
-    """The busiest GPU's memory event by event (``estimate(timeline=True)``)."""
-    from memcheck.report.timeline import build_timeline
-
-    events, start = device_events(log, traced, device, arch)
-    return build_timeline(events, start, device=device, gpu=busiest.index, context_bytes=busiest.context_bytes,
-                          config=AllocatorConfig.from_env(), module_label=lambda m: _short(m, root),
-                          stacks=log.stacks)
-
-
-def _device_summary(log: TraceLog, traced: int, index: int, device: Device, arch, gpu: GpuSpec | None, *,
-                    root: str, name: str, top_modules: int, shorter: list | None = None,
-                    margin: float = 0.0, assume: Callable[[str], None] = lambda text: None) -> DeviceMemory:
-    """The steady-state peak of one traced GPU (or the CPU), what was live at it, and on CUDA
-    what the caching allocator reserves and the device shows in use.
-
-    ``shorter``: ``(length, log)`` traces of the same job at shorter lengths, and the
-    traced length first, for a run whose batch lengths vary (``padding="longest"``)."""
-    events, start = device_events(log, traced, device, arch)
-    eval_start = next((i for i, ev in enumerate(events) if ev.phase is Phase.EVAL), len(events))
-    cuda = None
-    if device is Device.CUDA:
-        sim = allocator_life(events, start, eval_start, gpu)
-        sizes, life, life_events = sim.granted, sim, events
-        room = None if gpu is None else limit_bytes(gpu.capacity_bytes, margin) - context_bytes(gpu)
-        grown = None if shorter is None else growing_life(events, start, eval_start, gpu, shorter, traced, arch,
-                                                          room, margin, assume)
-        if grown is not None:
-            life, life_events = grown
-        cuda = (life, life_events, context_bytes(gpu))
-    else:
-        sizes = [ev.nbytes for ev in events]
-
-    live = 0
-    best = train_best = eval_best = -1
-    best_at = 0
-    granted: dict = {}
-    for i, ev in enumerate(events):
-        kind = ev.kind
-        if kind == ALLOC:
-            granted[ev.sid] = sizes[i]
-            live += sizes[i]
-            if i >= start:
-                if i < eval_start:
-                    train_best = max(train_best, live)
-                else:
-                    eval_best = max(eval_best, live)
-                if live > best:
-                    best, best_at = live, i
-        elif kind == FREE:
-            live -= granted.pop(ev.sid, ev.nbytes)
-    if best < 0:
-        raise TraceError(f"tracing {name} recorded no memory after step 1")
-
-    # Replay up to the peak to see what was live and why.
-    # Categories set just after the peak's allocation (a buffer created, then registered)
-    # belong to it too, so the replay runs on through those RECAT events.
-    end = best_at + 1
-    while end < len(events) and events[end].kind == RECAT:
-        end += 1
-    state: dict = {}
-    for i, ev in enumerate(events[:end]):
-        kind, sid, cat, module = ev.kind, ev.sid, ev.category, ev.module
-        if kind == ALLOC:
-            state[sid] = [sizes[i], cat, module]
-        elif kind == FREE:
-            state.pop(sid, None)
-        elif sid in state:
-            state[sid][1] = cat
-            if module is not None:
-                state[sid][2] = module
-    by_cat: dict[Category, int] = defaultdict(int)
-    by_mod: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # state, not state, saved for backward
-    for n, cat, module in state.values():
-        by_cat[cat] += n
-        row = by_mod[_short(module, root)]
-        row[0 if cat in _STATE else 1] += n
-        if cat is Category.ACTIVATION:
-            row[2] += n
-    modules = _top_modules(
-        sorted((ModuleMemory(m, st, act, saved) for m, (st, act, saved) in by_mod.items()), key=lambda m: -m.total),
-        top_modules)
-    peak_event = events[best_at]
-    return DeviceMemory(
-        index=index, peak_bytes=best, breakdown_at_peak=Breakdown.from_categories(by_cat),
-        peak_phase=peak_event.phase, peak_module=_short(peak_event.module, root), peak_step=peak_event.step + 1,
-        modules=tuple(modules), train_peak_bytes=max(train_best, 0),
-        eval_peak_bytes=eval_best if eval_best >= 0 else None, **device_totals(best, cuda),
-    )

@@ -31,16 +31,15 @@ The search, for ``gpus`` GPUs in nodes of ``gpus_per_node``:
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from memcheck.engine.estimate import _estimate_rank, estimate, target_gpu
-from memcheck.enums import Device, Precision, Schedule
-from memcheck.errors import MemcheckError, UsageError, require_int
+from memcheck.enums import Precision, Schedule
+from memcheck.errors import UsageError, require_int
 from memcheck.job import Job, as_job, limit_bytes
 from memcheck.report.results import LayoutCandidate, LayoutPlan
 from memcheck.cuda.gpus import rates_for
@@ -272,7 +271,7 @@ class _Search:
         if tp == 1:
             return None
         if tp not in self._tp_ok:
-            from memcheck.engine.estimate import meta_twin
+            from memcheck.engine.setup import meta_twin
             from memcheck.training.strategies import tp as tensor_parallel
 
             try:
@@ -294,7 +293,7 @@ class _Search:
         transformers model, ``num_hidden_layers`` set to match on the copy's own config): every probe
         copies three blocks, not all of them."""
         if self._probe_model is None:
-            from memcheck.engine.estimate import meta_twin
+            from memcheck.engine.setup import meta_twin
 
             twin = meta_twin(self.model)
             container, _, _ = self.shape.first_block.rpartition(".")

@@ -59,18 +59,9 @@ from torch.overrides import TorchFunctionMode
 from memcheck import compat
 from memcheck.compat import tree_map_only
 from memcheck.choices import Choices
-from memcheck.engine.estimate import (
-    DEFAULT_ARCH,
-    _dtype_name,
-    _result,
-    _Run,
-    _summarise,
-    _translate,
-    compiled_note,
-    describe_batch,
-    model_dtype,
-    target_gpu,
-)
+from memcheck.engine.estimate import _translate, compiled_note, target_gpu
+from memcheck.engine.setup import DEFAULT_ARCH, TracedRun, describe_batch, dtype_name, model_dtype
+from memcheck.engine.summary import result, summarise
 from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.engine import launch as launches
 from memcheck.enums import Strategy
@@ -494,16 +485,16 @@ def run_script(argv: list[str], job: Job | None = None, *, progress=None, **sett
     if session.ddp is not None:
         job = job.replace(strategy=Strategy.DDP, gpus=max(2, launch.world_size),
                           bucket_view=bool(session.ddp["bucket_view"]), bucket_cap_mb=session.ddp["bucket_cap_mb"])
-    run = _Run(session.root, (), session.batch, None, info, tracer, arch, session.label(), None,
-               weights_dtype=_dtype_name(dtype))
+    run = TracedRun(session.root, (), session.batch, None, info, tracer, arch, session.label(), None,
+               weights_dtype=dtype_name(dtype))
     gpu_map = [0]
     choices = tracer.choices
     for other in choices.alternatives():  # a script runs once: the other branches are not traced
         taken = choices.taken(choices.consulted)
         tracer.assume(f"data-dependent answers: {', '.join(taken)} traced; a script runs once, so "
                       f"{', '.join(other)} was not (assume= pins either)")
-    devices = _summarise(run, gpu_map, job, target, name, 8)
-    return _result(run, gpu_map, devices, job, target, name, False)
+    devices = summarise(run, gpu_map, job, target, name, 8)
+    return result(run, gpu_map, devices, job, target, name, False)
 
 
 _STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep

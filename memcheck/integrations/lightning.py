@@ -38,7 +38,7 @@ except ImportError:
 
 import torch
 
-from memcheck.engine.estimate import meta_twin
+from memcheck.engine.setup import meta_twin
 from memcheck.engine.preflight import check, leading_size, resizer
 from memcheck.errors import TraceError, UsageError, require_int
 from memcheck.integrations._common import (

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from memcheck.engine.estimate import meta_twin
+from memcheck.engine.setup import meta_twin
 from memcheck.engine.preflight import check
 from memcheck.enums import FsdpSharding, Task
 from memcheck.errors import UsageError, require_int

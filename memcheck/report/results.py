@@ -184,7 +184,7 @@ class Branch:
     peak_bytes: int | None  # its allocated peak; None when bounded
     only_here: tuple[str, ...] = ()  # what this trace assumed and the taken one did not (the kernel it ran)
     # traced to the end of the first forward only: the same kernels, a subset of the reported trace's
-    # allocations and no more live bytes, so bounded by it (memcheck.engine.estimate._bounded_by)
+    # allocations and no more live bytes, so bounded by it (memcheck.engine.branches._bounded_by)
     bounded: bool = False
 
     def to_dict(self) -> dict:

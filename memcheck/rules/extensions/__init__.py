@@ -30,7 +30,7 @@ from memcheck.rules.extensions import bitsandbytes, flash_attn, triton, trl
 
 def twin_memo(model, memo: dict) -> None:
     """Add meta stand-ins for extension parameters to ``memo``, the ``copy.deepcopy`` memo
-    from which ``memcheck.engine.estimate.meta_twin`` builds a model's meta twin (see
+    from which ``memcheck.engine.setup.meta_twin`` builds a model's meta twin (see
     ``memcheck.rules.extensions.bitsandbytes.twin_memo``)."""
     bitsandbytes.twin_memo(model, memo)
 

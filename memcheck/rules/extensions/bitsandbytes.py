@@ -8,7 +8,7 @@ their fake kernels), ``backends/default/ops.py``, ``backends/cpu/ops.py`` and
 ``backends/cuda/ops.py`` (what each kernel allocates), ``autograd/_functions.py``
 (MatMul4Bit, MatMul8bitLt, MatMul8bitFp).
 
-Weights. ``memcheck.engine.estimate.meta_twin`` keeps bitsandbytes' parameter classes
+Weights. ``memcheck.engine.setup.meta_twin`` keeps bitsandbytes' parameter classes
 (``twin_memo``): the quantized weight and its statistics become meta tensors of the sizes
 quantization gives. A layer not yet quantized (built on meta, or on the CPU before
 ``.cuda()``) is taken as quantized, as moving it to a device does. For n = out*in weights:

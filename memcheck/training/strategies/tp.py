@@ -290,7 +290,7 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
     Column-wise ``nn.Linear`` keep ``out/T`` output features, row-wise ones ``in/T`` input
     features (bias whole); hooks add the collectives' copies (see the module docstring).
     ``plan`` is ``{glob: "colwise" | "rowwise"}``; by default the transformers config's
-    ``base_model_tp_plan``. Pass a meta copy (``memcheck.engine.estimate.meta_twin(model)``)
+    ``base_model_tp_plan``. Pass a meta copy (``memcheck.engine.setup.meta_twin(model)``)
     and hand the result to ``memcheck.estimate`` as a one-GPU model.
 
     Raises:
@@ -316,7 +316,7 @@ def shard(model: nn.Module, degree: int, *, plan: dict[str, str] | None = None,
                       if t.device.type != "meta"), None)
     if on_device is not None:
         raise UsageError(f"shard() changes the model in place and needs it on the meta device, but {on_device!r} "
-                         "is not; pass a meta copy (memcheck.engine.estimate.meta_twin(model))")
+                         "is not; pass a meta copy (memcheck.engine.setup.meta_twin(model))")
     target = base_of(model)  # under PEFT, the transformers model that the plan names
     resolved = resolve_plan(target, plan)
     matched = match_plan(target, resolved)

@@ -130,6 +130,7 @@ class Spelling:
     hf: str | None = None  # transformers' TrainingArguments name for exactly this value
     lightning: str | None = None  # Lightning's Trainer argument for exactly this value
     kept: bool = False  # plan's recommendation repeats it (flags and TOML) where the job changes it
+    loop: str | None = None  # the keyword of memcheck.training.loop.run_steps it is handed down as (Job.loop)
 
     def name(self, vocabulary: str) -> str:
         """This field's name in ``vocabulary``: "python", "flag", "config" or "json"."""
@@ -141,16 +142,17 @@ class Spelling:
 
 def setting(default, *, section: str, check, option: Option | None = None, flag: Any = _UNSET,
             config: Any = _UNSET, json: str | None = None, aliases: tuple[str, ...] = (), hf: str | None = None,
-            lightning: str | None = None, kept: bool = False):
+            lightning: str | None = None, kept: bool = False, loop: str | None = None):
     """A ``Job`` field declared once: ``default``, its ``section``, its ``check`` and its spellings
     (flag ``--field-name``, config key and JSON key ``field_name`` unless given; ``None``: not
     spelled there). ``hf`` and ``lightning`` are the trainers' names for exactly this value, read
-    as aliases too. ``SPELLINGS``, the checks, the CLI's options and the outputs' flags and keys
+    as aliases too; ``loop`` names the keyword of memcheck's training loop it goes down as, unchanged
+    (``Job.loop``), so that its consumer there is the only other place it is written. ``SPELLINGS``, the checks, the CLI's options and the outputs' flags and keys
     are all read from it."""
     assert section in SECTIONS, section
     return dataclasses.field(default=default, metadata={"setting": dict(
         section=section, check=check, option=option, flag=flag, config=config, json=json, aliases=aliases, hf=hf,
-        lightning=lightning, kept=kept)})
+        lightning=lightning, kept=kept, loop=loop)})
 
 
 def _spelling(field: str, spec: dict) -> Spelling:
@@ -382,14 +384,14 @@ class Job:
     """The QLoRA recipe: linear layers in 4-bit NF4 (bitsandbytes), ``prepare_model_for_kbit_training``,
     and ``lora`` (PEFT's defaults when None)."""
     max_grad_norm: float | None = setting(
-        None, section="training", check=_one(lambda v: _max_grad_norm(v)), kept=True,
+        None, section="training", check=_one(lambda v: _max_grad_norm(v)), kept=True, loop="max_grad_norm",
         hf="max_grad_norm", lightning="gradient_clip_val",  # HF TrainingArguments' own name; Lightning's Trainer
         option=Option("Clip gradients before each step (clip_grad_norm_); 0: no clipping. Default: the HF "
                       "Trainer's 1.0 for hf: models, none for model files.", type=float, metavar="NORM"))
     """Gradient clipping before each optimizer step (``clip_grad_norm_``); None or 0: none. For
     ``hf:`` models the installed Trainer's default (1.0)."""
     step_order: StepOrder = setting(
-        StepOrder.HF, section="training", check=_choices(StepOrder), kept=True,  # the callbacks set it
+        StepOrder.HF, section="training", check=_choices(StepOrder), kept=True, loop="order",  # the callbacks set it
         option=Option("Where each step zeroes the gradients, after the loop that runs it: hf and accelerate after "
                       "the optimizer step (memcheck's own loop), plain before the forward, lightning between the "
                       "forward and the backward (automatic optimization: the last step's gradients are alive "
@@ -631,6 +633,12 @@ class Job:
                                         mixed_precision=mixed_precision)
         except UsageError as exc:
             raise SettingError("strategy", escape(str(exc))) from None
+
+    @property
+    def loop(self) -> dict[str, Any]:
+        """The settings memcheck's own training loop takes, as ``memcheck.training.loop.run_steps``'s
+        keywords (each declared with ``loop=``), handed down through the strategy unchanged."""
+        return {s.loop: getattr(self, s.field) for s in SPELLINGS if s.loop is not None}
 
     @property
     def mixed_precision(self) -> MixedPrecision:

@@ -401,6 +401,16 @@ class Job:
     (the same), ``plain`` (zero_grad first) or ``lightning`` (zero_grad between the forward and the
     backward, so the previous step's gradients are alive through the forward; the Lightning callback
     sets it). A ``train_step`` runs in its own order."""
+    set_to_none: bool = setting(
+        True, section="training", check=_flag, kept=True, loop="set_to_none",
+        option=Option("optimizer.zero_grad(set_to_none=...): --no-set-to-none zeroes the gradients in place, so "
+                      "they stay allocated through the next forward (torch's default, and the HF Trainer's, is "
+                      "set_to_none=True).", negatable=True, show_default=True))
+    """``optimizer.zero_grad(set_to_none=...)`` in memcheck's loop (torch/optim/optimizer.py, ``zero_grad``):
+    True (torch's default since 2.0; the HF Trainer always passes it) drops the gradients; False (a loop
+    that calls ``zero_grad(set_to_none=False)``, or a Lightning ``optimizer_zero_grad`` override that does)
+    fills them with zeros, so they stay allocated through the next forward and the next backward
+    accumulates into them in place. A ``train_step`` zeroes as it is written."""
     strategy: Strategy = setting(
         Strategy.SINGLE, section="parallelism", check=_choices(Strategy),
         option=Option("single, dp, dp-balanced, ddp, fsdp (FSDP2), fsdp1 (FullyShardedDataParallel), zero1, zero2, "

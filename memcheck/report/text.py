@@ -419,7 +419,7 @@ def render_branches(est: Estimate) -> list[str]:
         lines.append(f"  {_answers(other.answers)}: {sign}{format_bytes(abs(delta))} "
                      f"({format_bytes(other.total_bytes)})")
         lines.extend(f"    - only in it: {a}" for a in other.only_here)
-    lines.append("  (--assume ANSWER pins one: " + ", ".join(ANSWERS) + ")")
+    lines.append(f"  ({flag('assume', 'ANSWER')} pins one: " + ", ".join(ANSWERS) + ")")
     return lines
 
 
@@ -480,7 +480,8 @@ def render_comparison(cmp: Comparison) -> str:
         headers.append(f"vs\n{format_bytes(first.budget_bytes)}")
     lines.extend(table(headers, rows))
     lines.append("")
-    lines.extend(_prose("figures are each strategy's busiest GPU; run one with --strategy NAME --gpus N for its "
+    lines.extend(_prose(f"figures are each strategy's busiest GPU; run one with {flag('strategy', 'NAME')} "
+                        f"{flag('gpus', 'N')} for its "
                         "breakdown"))
     return "\n".join(lines)
 
@@ -807,7 +808,7 @@ def render_plan(plan: Plan) -> str:
                                 f"{plan.longest_fitting_length}" + (
                                     " (the model's position limit)"
                                     if plan.longest_fitting_length == plan.position_limit
-                                    else " (searched up to --max-len)" if limit == plan.max_len else
+                                    else f" (searched up to {flag('max_len')})" if limit == plan.max_len else
                                     f" (in multiples of 8, up to the position limit {limit})")))
     if plan.verification is not None:
         lines.append("")
@@ -1107,7 +1108,7 @@ def render_layout_plan(plan: "LayoutPlan") -> str:
     r, job = plan.recommended, plan.job
     if r is not None and job is not None and plan.estimate is not None:
         lines.extend(_prose(
-            f"RECOMMENDED: --layout {r.layout} ({job.strategy_config.label} inside), micro-batch "
+            f"RECOMMENDED: {flag('layout', r.layout)} ({job.strategy_config.label} inside), micro-batch "
             f"{r.micro_batch_size} x {r.microbatches} micro-batches a step, checkpointing {r.checkpointing}, "
             f"{job.precision.value}, {optimizer_name(job.optimizer)}"))
         lines.extend(continued("  memcheck flags:", [

@@ -147,9 +147,10 @@ def setting(default, *, section: str, check, option: Option | None = None, flag:
     (flag ``--field-name``, config key and JSON key ``field_name`` unless given; ``None``: not
     spelled there). ``hf`` and ``lightning`` are the trainers' names for exactly this value, read
     as aliases too; ``loop`` names the keyword of memcheck's training loop it goes down as, unchanged
-    (``Job.loop``), so that its consumer there is the only other place it is written. ``SPELLINGS``, the checks, the CLI's options and the outputs' flags and keys
-    are all read from it."""
-    assert section in SECTIONS, section
+    (``Job.loop``), so that its consumer there is the only other place it is written. ``SPELLINGS``,
+    the checks, the CLI's options and the outputs' flags and keys are all read from it."""
+    if section not in SECTIONS:
+        raise ValueError(f"section must be one of {', '.join(SECTIONS)}, got {section!r}")
     return dataclasses.field(default=default, metadata={"setting": dict(
         section=section, check=check, option=option, flag=flag, config=config, json=json, aliases=aliases, hf=hf,
         lightning=lightning, kept=kept, loop=loop)})

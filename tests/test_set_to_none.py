@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 from torch.utils.data import DataLoader
 
 import memcheck
@@ -74,7 +73,6 @@ def test_set_to_none_is_a_flag_a_config_key_and_a_json_key():
 
 
 PROBE_FILE = """
-import torch
 
 
 class M(torch.nn.Module):

@@ -931,8 +931,8 @@ def fix_line(v: Verdict, style: str = "python") -> str:
         "memcheck": flags,
         "trainer": args,
         "lightning": f"batch_size={r.micro_batch_size} in the DataLoader, Trainer("
-                     f"{lightning_argument('accumulate', r.accumulation_steps)}" + (f', precision="{LIGHTNING_NAMES.get(precision, precision)}"'
-                                                   if precision else "") + ")"
+                     f"{lightning_argument('accumulate', r.accumulation_steps)}"
+                     + (f', precision="{LIGHTNING_NAMES.get(precision, precision)}"' if precision else "") + ")"
                      + ("" if r.checkpointing == "none" else ", gradient checkpointing on "
                         + _checkpointing_label(plan, r)) + (f", optimizer {optimizer}" if optimizer else ""),
         "config": ", ".join(key(field, value) for field, value in {

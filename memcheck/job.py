@@ -21,20 +21,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from memcheck.choices import parse_assume
-from memcheck.cuda.gpus import GpuSpec, resolve_gpu
 from memcheck.enums import (Attention, Device, Dtype, FsdpSharding, Offload, Padding, Precision, StepOrder, Strategy, Task,
                             WeightsDtype)
 from memcheck.errors import UsageError, closest
-from memcheck.training.adapters import Lora, qlora_recipe
-from memcheck.training.checkpointing import parse_checkpointing
-from memcheck.training.optimizers import OPTIMIZERS, hf_optimizer
-from memcheck.training.strategies import StrategyConfig
-from memcheck.training.strategies.base import MixedPrecision
-from memcheck.training.strategies.layout import Layout
 from memcheck.units import MAX_BYTES, parse_size, short_repr
+
+# The value types below the job (the GPU table, LoRA, the checkpointing spec, optimizer names, the strategy
+# and layout values) are imported where a job is built, checked or read, not here: the command line reads
+# the settings' declarations to build its options, and must not import torch to show --help or to fork
+# ``memcheck check``'s child (cli._in_child forks only while torch is not loaded).
+if TYPE_CHECKING:
+    from memcheck.cuda.gpus import GpuSpec
+    from memcheck.training.adapters import Lora
+    from memcheck.training.strategies import StrategyConfig
+    from memcheck.training.strategies.base import MixedPrecision
+    from memcheck.training.strategies.layout import Layout
 
 # The fraction of the capacity a plan, a check and the callbacks hold back by default. Derived
 # from the published GPU runs (benchmarks/published/, README "Against published GPU measurements"):
@@ -191,7 +195,7 @@ def _hf_flag(value: str):
 # activation_checkpointing=True or gradient_checkpointing=True (every repeated block), TRL's padding_free=True
 # (packing). Accepted in configs and the Python API.
 VALUE_ALIASES: dict[str, tuple[str, Any]] = {
-    "optim": ("optimizer", hf_optimizer),
+    "optim": ("optimizer", lambda value: _hf_optimizer(value)),
     "bf16": ("precision", _hf_flag("amp-bf16")),
     "fp16": ("precision", _hf_flag("amp-fp16")),
     "activation_checkpointing": ("checkpointing", _hf_flag("full")),  # False says nothing: none is the default
@@ -201,6 +205,12 @@ VALUE_ALIASES: dict[str, tuple[str, Any]] = {
     # requires padding-free mode"); its worst case, every sample max_len tokens, is packing's. False says nothing.
     "padding_free": ("packing", _hf_flag(True)),
 }
+
+
+def _hf_optimizer(value):
+    from memcheck.training.optimizers import hf_optimizer
+
+    return hf_optimizer(value)
 
 
 def translate_alias(key: str, value) -> tuple[str, Any] | None:
@@ -612,7 +622,12 @@ class Job:
         unset = [name for name in _DEFAULTED if getattr(self, name) is None]
         # what a copy (replace) carries over: the defaults it still holds
         kept = {k: v for k, v in self.defaulted if k not in unset and _CHECKS[k](v) == getattr(self, k)}
-        recipe = qlora_recipe(_target_arch(self)) if self.qlora and unset else {}
+        if self.qlora and unset:
+            from memcheck.training.adapters import qlora_recipe
+
+            recipe = qlora_recipe(_target_arch(self))
+        else:
+            recipe = {}
         filled = {name: recipe.get(name, _DEFAULTED[name]) for name in unset}
         for name, value in filled.items():
             object.__setattr__(self, name, _CHECKS[name](value))
@@ -629,6 +644,8 @@ class Job:
     def strategy_config(self) -> StrategyConfig:
         """The strategy with its GPUs (resolved: 2 for a multi-GPU strategy by default) and settings;
         under a ``layout``, the strategy over the layout's ``dp * cp`` ranks."""
+        from memcheck.training.strategies import StrategyConfig
+
         strategy, gpus = self.strategy, self.gpus
         if self.layout is not None:
             strategy, gpus = _layout_strategy(self.layout, strategy, gpus)
@@ -654,6 +671,8 @@ class Job:
     @property
     def mixed_precision(self) -> MixedPrecision:
         """The job's FSDP mixed-precision policy (all fields default: none)."""
+        from memcheck.training.strategies.base import MixedPrecision
+
         return MixedPrecision(self.param_dtype, self.reduce_dtype, self.output_dtype, self.cast_forward_inputs)
 
     @property
@@ -716,6 +735,10 @@ class Job:
 
     def to_dict(self) -> dict:
         """The job as the JSON's ``"job"`` object, keyed by ``Spelling.json``."""
+        from memcheck.cuda.gpus import GpuSpec
+        from memcheck.training.adapters import Lora
+        from memcheck.training.strategies.layout import Layout
+
         out = {}
         for s in SPELLINGS:
             value = getattr(self, s.field)
@@ -746,11 +769,15 @@ def _target_arch(job: "Job") -> tuple[int, int] | None:
     None on the CPU target."""
     if job.device is not Device.CUDA:
         return None
+    from memcheck.cuda.gpus import resolve_gpu
+
     spec = resolve_gpu(job.gpu)
     return spec.arch if spec is not None else (8, 0)
 
 
 def _gpu(value):
+    from memcheck.cuda.gpus import GpuSpec, resolve_gpu
+
     if value is None or isinstance(value, GpuSpec):
         return value
     if not isinstance(value, str):
@@ -775,6 +802,8 @@ def _budget(value):
 
 
 def _optimizer(value):
+    from memcheck.training.optimizers import OPTIMIZERS
+
     if isinstance(value, str):
         key = value.strip().lower()
         if key not in OPTIMIZERS:
@@ -790,12 +819,16 @@ def _checkpointing(value):
     if value is None:  # unset: the default (Job._fill_defaults)
         return None
     try:
+        from memcheck.training.checkpointing import parse_checkpointing
+
         return parse_checkpointing(value)
     except UsageError as exc:
         raise SettingError("checkpointing", escape(str(exc))) from None
 
 
 def _lora(value):
+    from memcheck.training.adapters import Lora
+
     try:
         return Lora.parse(value)
     except UsageError as exc:
@@ -858,6 +891,8 @@ def _check_weights(precision: Precision, weights: WeightsDtype) -> None:
 def _layout(value):
     if value is None:
         return None
+    from memcheck.training.strategies.layout import Layout
+
     try:
         layout = Layout.parse(value)
     except UsageError as exc:

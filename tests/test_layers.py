@@ -362,3 +362,15 @@ def test_a_command_with_a_thirteenth_parameter_added_on_purpose_fails_the_check(
         pass
 
     assert parameter_problems(plan) and not parameter_problems(lambda model, **options: None)
+
+
+def test_the_command_line_reads_the_declarations_without_importing_torch():
+    # cli builds estimate's and plan's options from memcheck.job at import; that must not load torch:
+    # --help stays fast, and memcheck check forks its child only while torch is not loaded (cli._in_child)
+    import subprocess
+    import sys
+
+    code = "import sys, memcheck.cli, memcheck.job; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent, env={**__import__("os").environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert out.stdout.strip() == "False", out.stderr

@@ -73,6 +73,7 @@ def test_set_to_none_is_a_flag_a_config_key_and_a_json_key():
 
 
 PROBE_FILE = """
+import torch
 
 
 class M(torch.nn.Module):

@@ -286,173 +286,154 @@ def main():
     """
 
 
-_WORKLOAD_OPTIONS = [
-    click.argument("model", metavar="MODEL"),
-    click.option("--max-len", type=int, default=None,
-                 help="Pad every sequence to this length (the worst case). Default for hf: models: the position limit; "
-                      "for raw-audio models (Wav2Vec2, HuBERT) it is samples, with no default."),
-    click.option("--target-len", type=int, default=None, help="Label length for seq2seq and ctc models."),
-    click.option("--task", default=None, metavar="TASK",
-                 help="Override the architecture's task: causal-lm, masked-lm, seq2seq (text or speech, as "
-                      "Whisper), classification (text or audio), image-classification, ctc (Wav2Vec2, HuBERT: "
-                      "--max-len in audio samples) or contrastive (CLIP, SigLIP: text and image, the model's "
-                      "own loss)."),
-    click.option("--attn", default=None, metavar="IMPL", help="transformers attention implementation: eager or sdpa."),
-    click.option("--packing", is_flag=True,
-                 help="Packed, padding-free batches (DataCollatorWithFlattening, TRL's packing / padding_free): each "
-                      "sample slot --max-len tokens of packed sequences, all flattened into one row with position "
-                      "ids. Causal LMs only."),
-    click.option("--assume", default=None, metavar="ANSWER,ANSWER",
-                 help="Pin data-dependent answers instead of tracing both and reporting the larger: padding or "
-                      "no-padding (attention masks all ones), routing=worst or routing=balanced (MoE experts)."),
-    click.option("--device", default="cuda", show_default=True, metavar="DEVICE",
-                 help="Target device of the estimate: cpu or cuda."),
-    click.option("--optimizer", default=None, metavar="NAME",
-                 help="adamw (default), adamw-foreach, adamw-fused, adam, adam-fused, adafactor, adamw-8bit, "
-                      "paged-adamw-8bit, paged-adamw-32bit, sgd, sgd-momentum; a model file's make_optimizer wins "
-                      "unless this is given."),
-    click.option("--steps", default=2, show_default=True, type=int,
-                 help="Training steps to trace; the peak is taken from step 2 on."),
-    click.option("--gpu", default=None, metavar="NAME|SIZE",
-                 help="Target GPU: a name (H100-80GB, A100-40GB, RTX-4090, T4, ...; see `memcheck gpus`) or a "
-                      "capacity such as 24GiB. Default: the local GPU, if any. Exit code 1 when it does not fit."),
-    click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE",
-                 help="A memory budget such as 24GiB, checked against the device total (the peak on cpu)."),
-    click.option("--strategy", default="single", show_default=True, metavar="NAME",
-                 help="single, dp, dp-balanced, ddp, fsdp (FSDP2), fsdp1 (FullyShardedDataParallel), zero1, zero2, zero3 "
-                      "(multi-GPU ones need --gpus)."),
-    click.option("--gpus", type=int, default=None, help="GPUs for a multi-GPU strategy (default 2; 1 for single)."),
-    click.option("--reentrant", is_flag=True, help="Checkpoint with use_reentrant=True (default False)."),
-    click.option("--bucket-view/--no-bucket-view", default=False, show_default=True,
-                 help="ddp: gradient_as_bucket_view."),
-    click.option("--bucket-cap-mb", type=float, default=None, help="ddp: bucket_cap_mb (DDP's default: 25)."),
-    click.option("--offload", default="none", show_default=True, metavar="none|optimizer|params",
-                 help="fsdp / fsdp1 / zero: move the optimizer state or the parameters to CPU memory."),
-    click.option("--layout", default=None, metavar="dp=D,tp=T,pp=P,...",
-                 help="Several kinds of parallelism at once: dp, dp_replicate, tp, pp, cp, ep degrees, and "
-                      "schedule= (gpipe, 1f1b, interleaved-1f1b, zero-bubble), virtual=, sp=true, loss_parallel=true "
-                      "(torchtitan's loss parallelism: sharded logits). --strategy runs "
-                      "over dp*cp (fsdp by default); one column per pipeline stage."),
-    click.option("--fsdp-sharding", default=None, metavar="full_shard|shard_grad_op|no_shard|hybrid_shard",
-                 help="fsdp1: FullyShardedDataParallel's sharding_strategy (default full_shard)."),
-    click.option("--gpus-per-node", type=int, default=None,
-                 help="GPUs a node: fsdp1 hybrid_shard's shard group (default: all of --gpus); for plan --gpus N "
-                      "with no --strategy, where tensor parallelism stays (default 8)."),
-    click.option("--tp-plan", "tp_plan", default=None, metavar="GLOB=STYLE,...",
-                 help="With a layout's tp: the modules to shard and transformers' style for each (colwise, "
-                      "rowwise, colwise_gather_output, embedding_rowwise, ...); default: the model's own plan as "
-                      "transformers applies it (tp_plan=\"auto\")."),
-    click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table."),
-    click.option("--allow-download", is_flag=True, help="Let hf: names be fetched from the hub (offline otherwise)."),
-    click.option("--trust-remote-code", is_flag=True,
-                 help="hf: models: let transformers run the Python files config.json's auto_map names (only code "
-                      "you would run yourself); without it such a config is refused."),
-    click.option("--debug", is_flag=True, help="Show the full traceback of errors."),
-    click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True, metavar="SECONDS",
-                 help="Stop with exit 2 when loading the model, or tracing, takes longer than this (each; 0: no "
-                      "limit)."),
-]
+def _setting_option(spelling, command: str):
+    """The click option of one job setting, generated from its declaration (``memcheck.job.setting``):
+    its flag, its help for ``command``, its metavar, type and default; the parameter is the field."""
+    option = spelling.option
+    flag = f"{spelling.flag}/--no-{spelling.flag[2:]}" if option.negatable else spelling.flag
+    kwargs = dict(help=option.help_for(command), default=_cli_default(spelling))
+    if option.metavar is not None:
+        kwargs["metavar"] = option.metavar
+    if option.type is not None:
+        kwargs["type"] = option.type
+    if option.show_default:
+        kwargs["show_default"] = True
+    if isinstance(kwargs["default"], bool) and not option.negatable:
+        kwargs["is_flag"] = True
+    return click.option(*filter(None, (option.short, flag, spelling.field)), **kwargs)
 
 
-# The job settings estimate and plan both take (plan: for every configuration it traces), beside
-# the workload's; one list, so that a setting estimate gains reaches plan too (test_plan_cli walks Job's fields).
-_JOB_OPTIONS = [
-    click.option("--weights-dtype", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16",
-                 help="The weights' dtype under amp-*: auto keeps the model's own (for hf: config.json's dtype, as "
-                      "from_pretrained loads it); fp32 and bf16/fp16 precisions name their own."),
-    click.option("--lora", default=None, metavar="r=R,alpha=A,targets=T,dropout=D",
-                 help="Fine-tune LoRA adapters (PEFT) over the frozen model: settings as key=value (targets: module "
-                      "names or all-linear); 'default' for PEFT's defaults."),
-    click.option("--dora", is_flag=True, help="DoRA: LoRA with use_dora=True (with --lora's settings, if given)."),
-    click.option("--qlora", is_flag=True,
-                 help="The QLoRA recipe: linear layers in 4-bit NF4 (double quantization, bf16 compute), "
-                      "prepare_model_for_kbit_training, LoRA adapters (--lora's settings, else PEFT's defaults)."),
-    click.option("--max-grad-norm", type=float, default=None, metavar="NORM",
-                 help="Clip gradients before each step (clip_grad_norm_); 0: no clipping. Default: the HF Trainer's "
-                      "1.0 for hf: models, none for model files."),
-    click.option("--step-order", "step_order", default="hf", show_default=True, metavar="hf|accelerate|plain|lightning",
-                 help="Where each step zeroes the gradients, after the loop that runs it: hf and accelerate after "
-                      "the optimizer step (memcheck's own loop), plain before the forward, lightning between the "
-                      "forward and the backward (automatic optimization: the last step's gradients are alive "
-                      "through the forward)."),
-    click.option("--padding", default="max_length", show_default=True, metavar="max_length|longest",
-                 help="longest: batches padded to their longest sample (padding=True), so lengths vary up to "
-                      "--max-len; on cuda the caching allocator replays a run of growing lengths."),
-    click.option("--eval-batch-size", type=int, default=None,
-                 help="Also trace an evaluation pass (no_grad) at this batch size; the peak is the larger."),
-    click.option("--eval-accumulate-predictions", type=int, default=0, show_default=True, metavar="N",
-                 help="Keep N eval batches of predictions on the GPU (HF Trainer without eval_accumulation_steps)."),
-    click.option("--reduce-bucket-size", type=int, default=None, metavar="ELEMENTS",
-                 help="zero1-3: DeepSpeed's reduce_bucket_size, the gradient bucket (default 5e8 elements)."),
-    click.option("--prefetch-bucket-size", type=int, default=None, metavar="ELEMENTS",
-                 help="zero3: DeepSpeed's stage3_prefetch_bucket_size (default 5e7 elements; 0: no prefetch)."),
-    click.option("--max-live-parameters", type=int, default=None, metavar="ELEMENTS",
-                 help="zero3: DeepSpeed's stage3_max_live_parameters (default 1e9 elements)."),
-    click.option("--param-dtype", default=None, metavar="fp32|bf16|fp16",
-                 help="fsdp: MixedPrecisionPolicy.param_dtype, the dtype parameters are all-gathered and computed "
-                      "in (torchtitan's mixed_precision_param, bf16 there); shards and optimizer keep the weights'."),
-    click.option("--reduce-dtype", default=None, metavar="fp32|bf16|fp16",
-                 help="fsdp: MixedPrecisionPolicy.reduce_dtype, the gradients' reduce-scatter dtype (torchtitan's "
-                      "mixed_precision_reduce, fp32 there). Default: --param-dtype's."),
-    click.option("--output-dtype", default=None, metavar="fp32|bf16|fp16",
-                 help="fsdp: MixedPrecisionPolicy.output_dtype, each fully_shard module's outputs cast to it."),
-    click.option("--cast-forward-inputs/--no-cast-forward-inputs", default=None,
-                 help="fsdp: MixedPrecisionPolicy.cast_forward_inputs, module inputs cast to --param-dtype "
-                      "(default: the wrapper's, FSDP2's on)."),
-]
+def _cli_default(spelling):
+    """A setting's default as its flag takes it: the option's own, else the field's (an enum by value)."""
+    from memcheck.job import _UNSET, Job
+
+    if spelling.option.default is not _UNSET:
+        return spelling.option.default
+    default = Job.__dataclass_fields__[spelling.field].default
+    return default.value if hasattr(default, "value") else default
 
 
-def _job_option_settings(*, weights_dtype, lora, dora, qlora, max_grad_norm, padding, eval_batch_size,
-                         eval_accumulate_predictions, reduce_bucket_size, prefetch_bucket_size,
-                         max_live_parameters, param_dtype=None, reduce_dtype=None, output_dtype=None,
-                         cast_forward_inputs=None, step_order="hf") -> dict:
-    """``_JOB_OPTIONS``' values as ``Job`` keywords (--dora folded into --lora's settings)."""
-    return dict(weights_dtype=weights_dtype, lora=_lora(lora, dora), qlora=qlora, max_grad_norm=max_grad_norm,
-                padding=padding, eval_batch_size=eval_batch_size,
-                eval_accumulate_predictions=eval_accumulate_predictions, reduce_bucket_size=reduce_bucket_size,
-                prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
-                param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype,
-                cast_forward_inputs=cast_forward_inputs, step_order=step_order)
+def _section(name: str):
+    """The decorator that gives a command (estimate, plan: by its function's name) the options of
+    the job settings of section ``name``, generated from their declarations, in the fields' order."""
+
+    def decorate(command):
+        from memcheck.job import SPELLINGS
+
+        for spelling in reversed(SPELLINGS):
+            if spelling.section == name and spelling.option is not None \
+                    and command.__name__ in spelling.option.commands:
+                command = _setting_option(spelling, command.__name__)(command)
+        return command
+
+    return decorate
 
 
-def _workload_options(command):
-    """The options every command that traces a model takes (estimate, plan)."""
-    for decorator in reversed(_WORKLOAD_OPTIONS + _JOB_OPTIONS):
-        command = decorator(command)
+target_options, batch_options, training_options, parallelism_options, evaluation_options, plan_options = (
+    _section(name) for name in ("target", "batch", "training", "parallelism", "evaluation", "plan"))
+
+
+def _settings_options(command):
+    """Every section's options (memcheck.job.SECTIONS), in the sections' order."""
+    for decorate in reversed((target_options, batch_options, training_options, parallelism_options,
+                              evaluation_options, plan_options)):
+        command = decorate(command)
     return command
 
 
+# The options of estimate and plan that are not job settings: the command line's own, declared here
+# once (tests/test_layers.py: every other option of the two is generated from a setting's declaration).
+# The common ones each command's function takes in its mapping of options (``_front_end``).
+FRONT_END_OPTIONS = {
+    "dora": click.option("--dora", is_flag=True,
+                         help="DoRA: LoRA with use_dora=True (with --lora's settings, if given)."),
+    "as_json": click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table."),
+    "allow_download": click.option("--allow-download", is_flag=True,
+                                   help="Let hf: names be fetched from the hub (offline otherwise)."),
+    "debug": click.option("--debug", is_flag=True, help="Show the full traceback of errors."),
+    "timeout": click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True, metavar="SECONDS",
+                            help="Stop with exit 2 when loading the model, or tracing, takes longer than this (each; "
+                                 "0: no limit)."),
+}
+# Each command's own (named parameters of its function)
+COMMAND_OPTIONS = {
+    "estimate": {
+        "compare": click.option("--compare", is_flag=True, help="One table of every strategy that applies to --gpus."),
+        "top": click.option("--top", default=8, show_default=True, type=int,
+                            help="Modules to list in the table (identical copies of a repeated block count as one)."),
+        "snapshot_path": click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
+                                      help="Write the simulated allocator trace for PyTorch's memory viewer "
+                                           "(pytorch.org/memory_viz)."),
+        "plot_path": click.option("--plot", "plot_path", default=None, metavar="FILE.png",
+                                  help="Draw memory over the steady-state training step, by category (needs "
+                                       "matplotlib)."),
+    },
+    "plan": {
+        "precision_options": click.option(
+            "--precision-options", default=None, metavar="PREC,PREC",
+            help="Precisions you accept (fp32,amp-bf16,...); the fastest that fits wins. Overrides --precision."),
+        "checkpointing_options": click.option(
+            "--checkpointing-options", default="none,half,full", show_default=True, metavar="OPT,OPT",
+            help="Gradient checkpointing to consider: none, half (every second block), full."),
+        "length_profile": click.option(
+            "--length-profile", is_flag=True,
+            help="Also trace the recommendation at 25-75% of --max-len and search the longest length that fits "
+                 "(up to 7 more traces)."),
+        "measure": click.option(
+            "--measure", is_flag=True,
+            help="Then run the recommendation for real (20 steps at the worst-case batch) on this machine's "
+                 "GPU (or the CPU for --device cpu) and report measured vs predicted."),
+        "measure_steps": click.option("--measure-steps", type=int, default=20, show_default=True,
+                                      help="Optimizer steps --measure runs."),
+        "snapshot_path": click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
+                                      help="Write the simulated allocator trace for PyTorch's memory viewer "
+                                           "(pytorch.org/memory_viz)."),
+        "plot_path": click.option("--plot", "plot_path", default=None, metavar="FILE.png",
+                                  help="Draw memory over the recommendation's steady-state step, by category (needs "
+                                       "matplotlib)."),
+    },
+}
+
+
+def _command_options(command):
+    """The front-end's options of ``command`` (by its function's name): the common ones, then its own."""
+    for decorate in reversed([*FRONT_END_OPTIONS.values(), *COMMAND_OPTIONS[command.__name__].values()]):
+        command = decorate(command)
+    return command
+
+
+class _FrontEnd:
+    """The common front-end options a command took in its mapping (``FRONT_END_OPTIONS``)."""
+
+    def __init__(self, options: dict):
+        for name in FRONT_END_OPTIONS:
+            setattr(self, name, options.pop(name))
+
+
+def _job_settings(settings: dict, dora: bool) -> tuple[dict, str | None]:
+    """The command's settings as ``Job`` keywords: --gpu-memory parsed as a size, --dora folded into
+    --lora's settings, and --optimizer's default (None: a model file's make_optimizer wins, else adamw);
+    with the optimizer as given."""
+    from memcheck.units import parse_size
+
+    budget, optimizer = settings.get("budget_bytes"), settings.get("optimizer")
+    return {**settings, "budget_bytes": parse_size(budget, what="--gpu-memory") if budget is not None else None,
+            "lora": _lora(settings.get("lora"), dora), "optimizer": optimizer or "adamw"}, optimizer
+
+
+def _changed(settings: dict, section: str, *, but: tuple[str, ...] = ()) -> bool:
+    """Whether any setting of ``section`` (but those named) differs from its flag's default."""
+    from memcheck.job import SPELLING
+
+    return any(settings[f] != _cli_default(SPELLING[f]) for f in settings
+               if SPELLING[f].section == section and f not in but)
+
+
 @main.command()
-@_workload_options
-@click.option("-b", "--batch-size", type=int, default=1, show_default=True, help="Micro-batch size per step.")
-@click.option("--precision", default=None, metavar="PREC",
-              help="fp32 (the default); amp-bf16 / amp-fp16 (torch.autocast, fp16 with a GradScaler); or pure bf16 / "
-                   "fp16 weights. With --qlora the recipe's amp-bf16 where the GPU has bf16 (sm80+).")
-@click.option("--accumulate", type=int, default=1, show_default=True, help="Gradient accumulation steps.")
-@click.option("--checkpointing", default=None,
-              metavar="none|full|half|every:N|selective-op|LIST",
-              help="Gradient checkpointing (default none; with --qlora the recipe's full, as PEFT's "
-                   "prepare_model_for_kbit_training): full wraps every repeated block, half every second, "
-                   "every:N every "
-                   "Nth (transformers' every_n_layers), selective-op every block with torchtitan's op-level "
-                   "policy; or comma-separated module names/patterns (transformer.h.*).")
-@click.option("--margin", type=float, default=None,
-              help="Fraction of the capacity held back; the verdict is the one check and plan give (default 0.05).")
-@click.option("--compare", is_flag=True, help="One table of every strategy that applies to --gpus.")
-@click.option("--top", default=8, show_default=True, type=int, help="Modules to list in the table (identical copies of a repeated block count as one).")
-@click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
-              help="Write the simulated allocator trace for PyTorch's memory viewer (pytorch.org/memory_viz).")
-@click.option("--plot", "plot_path", default=None, metavar="FILE.png",
-              help="Draw memory over the steady-state training step, by category (needs matplotlib).")
-def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume, device, precision, optimizer, steps,
-             gpu, gpu_memory, strategy, gpus, accumulate, checkpointing, padding, weights_dtype, lora, dora, qlora,
-             max_grad_norm,
-             reentrant, bucket_view, bucket_cap_mb,
-             offload, eval_batch_size, eval_accumulate_predictions, margin, compare, top, as_json, allow_download,
-             debug, snapshot_path, plot_path, timeout, trust_remote_code=False, reduce_bucket_size=None,
-             prefetch_bucket_size=None, max_live_parameters=None, layout=None, fsdp_sharding=None, gpus_per_node=None,
-             tp_plan=None, param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=None,
-             step_order="hf"):
+@click.argument("model", metavar="MODEL")
+@_settings_options
+@_command_options
+def estimate(model, compare, top, snapshot_path, plot_path, **options):
     """Estimate the peak memory of training MODEL: a Python file or hf:NAME_OR_DIR.
 
     \b
@@ -460,50 +441,35 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
     make_batch(batch_size, max_len), compute_loss(model, batch), make_optimizer(params).
     memcheck runs the file's code (on the meta device).
     """
-    progress = _begin(as_json, allow_download)
+    front = _FrontEnd(options)  # what is left in options: the job's settings, one a field
+    progress = _begin(front.as_json, front.allow_download)
     from memcheck.engine.compare import compare as run_compare
     from memcheck.engine.estimate import estimate as run_estimate
     from memcheck.errors import UsageError
     from memcheck.job import Job, check_setting
     from memcheck.pictures import check_pictures, write_pictures
     from memcheck.report.text import render_json
-    from memcheck.units import parse_size
 
-    with _reported(progress, debug), _model_stdout():
-        _set_timeout(timeout)
-        budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
+    with _reported(progress, front.debug), _model_stdout():
+        _set_timeout(front.timeout)
+        settings, optimizer = _job_settings(options, front.dora)
         if top < 0:
             raise UsageError(f"--top must be 0 or more, got {top}")
         if compare and (snapshot_path or plot_path):
             raise UsageError("--snapshot and --plot draw one estimate; they cannot be used with --compare")
-        zero_buckets = (reduce_bucket_size, prefetch_bucket_size, max_live_parameters)
-        if compare and (strategy != "single" or bucket_view or bucket_cap_mb is not None or offload != "none"
-                        or any(b is not None for b in zero_buckets) or fsdp_sharding is not None
-                        or gpus_per_node is not None
-                        or (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs) != (None, None, None, None)):
+        if compare and _changed(options, "parallelism", but=("gpus", "layout", "tp_plan")):
             raise UsageError("--compare lists every strategy with its defaults; drop --strategy and its settings")
         check_pictures(snapshot_path, plot_path)  # before anything is traced
+        gpus = settings["gpus"]
         if compare and gpus is not None:  # --compare's GPUs, bounded before the model loads (issue 20)
             check_setting("gpus", gpus)
         # checked before the model file runs, so a bad flag is never hidden behind the model's errors
-        shared = _job_option_settings(
-            weights_dtype=weights_dtype, lora=lora, dora=dora, qlora=qlora, max_grad_norm=max_grad_norm,
-            padding=padding, eval_batch_size=eval_batch_size, eval_accumulate_predictions=eval_accumulate_predictions,
-            reduce_bucket_size=reduce_bucket_size, prefetch_bucket_size=prefetch_bucket_size,
-            max_live_parameters=max_live_parameters, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            output_dtype=output_dtype, cast_forward_inputs=cast_forward_inputs, step_order=step_order)
-        job = Job(device=device, gpu=gpu, budget_bytes=budget, batch_size=batch_size, max_len=max_len,
-                   target_len=target_len, precision=precision, optimizer=optimizer or "adamw", steps=steps,
-                   accumulate=accumulate, checkpointing=checkpointing, use_reentrant=reentrant,
-                   strategy=strategy, gpus=None if compare else gpus, bucket_view=bucket_view,
-                   bucket_cap_mb=bucket_cap_mb, offload=offload, fsdp_sharding=fsdp_sharding,
-                   gpus_per_node=gpus_per_node, task=task, attn=attn, packing=packing, assume=assume,
-                   trust_remote_code=trust_remote_code, layout=layout, tp_plan=tp_plan, margin=margin, **shared)
+        job = Job(**{**settings, "gpus": None if compare else gpus})
         if compare and job.layout is not None:
             raise UsageError("--compare lists the strategies of one kind over --gpus; drop --layout")
         if progress is not None:
             progress(f"loading {model}")
-        work, job = _load(model, job, optimizer, allow_download)
+        work, job = _load(model, job, optimizer, front.allow_download)
         eval_batch = work.batch_at(job.eval_batch_size) if job.eval_batch_size is not None else None
         runtime = dict(loss_fn=work.loss_fn, eval_batch=eval_batch, model_name=work.name, top_modules=top,
                        progress=progress)
@@ -514,40 +480,16 @@ def estimate(model, max_len, target_len, batch_size, task, attn, packing, assume
             result = run_estimate(work.model, work.batch, job, timeline=bool(snapshot_path or plot_path),
                                   train_step=work.train_step, **runtime)
             write_pictures(result, snapshot_path, plot_path, margin=job.effective_margin)
-    _print(render_json(result) if as_json else str(result))
+    _print(render_json(result) if front.as_json else str(result))
     sys.exit(EXIT_DOES_NOT_FIT if result.fits is False else EXIT_FITS)
 
 
 @main.command()
-@_workload_options
-@click.option("--global-batch", type=int, default=None,
-              help="Samples per optimizer step over all GPUs; micro-batch x accumulation x GPUs equals it. "
-                   "Without it the micro-batch is maximised.")
-@click.option("--margin", type=float, default=None,
-              help="Fraction of the capacity held back (default 0.05: the CUDA target's device-total accuracy target).")
-@click.option("--precision", default=None, metavar="PREC",
-              help="The precision to plan for. Default: the GPU's best, amp-bf16 then pure bf16 on sm80 and "
-                   "later, amp-fp16 before (fp32 on --device cpu).")
-@click.option("--precision-options", default=None, metavar="PREC,PREC",
-              help="Precisions you accept (fp32,amp-bf16,...); the fastest that fits wins. Overrides --precision.")
-@click.option("--checkpointing-options", default="none,half,full", show_default=True, metavar="OPT,OPT",
-              help="Gradient checkpointing to consider: none, half (every second block), full.")
-@click.option("--length-profile", is_flag=True,
-              help="Also trace the recommendation at 25-75% of --max-len and search the longest length that fits "
-                   "(up to 7 more traces).")
-@click.option("--measure", is_flag=True,
-              help="Then run the recommendation for real (20 steps at the worst-case batch) on this machine's "
-                   "GPU (or the CPU for --device cpu) and report measured vs predicted.")
-@click.option("--measure-steps", type=int, default=20, show_default=True, help="Optimizer steps --measure runs.")
-@click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
-              help="Write the simulated allocator trace for PyTorch's memory viewer (pytorch.org/memory_viz).")
-@click.option("--plot", "plot_path", default=None, metavar="FILE.png",
-              help="Draw memory over the recommendation's steady-state step, by category (needs matplotlib).")
-def plan(model, max_len, target_len, task, attn, packing, assume, device, optimizer, steps, gpu, gpu_memory, strategy, gpus,
-         reentrant, bucket_view, bucket_cap_mb, offload, as_json, allow_download, debug, global_batch, margin,
-         precision, precision_options, checkpointing_options, length_profile, measure, measure_steps, snapshot_path,
-         plot_path, timeout, trust_remote_code=False, layout=None, fsdp_sharding=None, gpus_per_node=None,
-         tp_plan=None, **job_options):
+@click.argument("model", metavar="MODEL")
+@_settings_options
+@_command_options
+def plan(model, precision_options, checkpointing_options, length_profile, measure, measure_steps, snapshot_path,
+         plot_path, **options):
     """Recommend the micro-batch, accumulation, checkpointing and precision that fit MODEL on --gpu.
 
     Every other setting (--lora, --qlora, --padding, --packing, --strategy, ...) is the job's,
@@ -560,16 +502,18 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
     --measure, ran without running out of memory), 1 nothing fits or --measure ran out of
     memory, 2 bad input, 3 internal error.
     """
-    progress = _begin(as_json, allow_download)
+    front = _FrontEnd(options)  # what is left in options: the job's settings, one a field
+    progress = _begin(front.as_json, front.allow_download)
     from memcheck.errors import UsageError, require_int
     from memcheck.job import Job, check_setting
     from memcheck.pictures import check_pictures
     from memcheck.report.text import render_json
-    from memcheck.units import parse_size
 
-    with _reported(progress, debug), _model_stdout():
-        _set_timeout(timeout)
-        budget = parse_size(gpu_memory, what="--gpu-memory") if gpu_memory is not None else None
+    with _reported(progress, front.debug), _model_stdout():
+        _set_timeout(front.timeout)
+        settings, optimizer = _job_settings(options, front.dora)
+        strategy, gpus, layout, gpus_per_node, precision = (
+            settings[f] for f in ("strategy", "gpus", "layout", "gpus_per_node", "precision"))
         require_int(measure_steps, "--measure-steps", minimum=2,
                     message=f"--measure-steps must be an integer of at least 2, got {measure_steps!r}")
         if measure_steps > MAX_MEASURE_STEPS:  # real steps: a bound keeps --measure from running for days
@@ -578,7 +522,7 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
         if measure:  # what --measure needs is checked before any tracing
             if strategy != "single":
                 raise UsageError("--measure runs one process on one device; it cannot run a multi-GPU strategy")
-            if device == "cuda":
+            if settings["device"] == "cuda":
                 import torch
 
                 if not torch.cuda.is_available():
@@ -601,18 +545,13 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
             raise UsageError("--gpus-per-node applies to fsdp1's hybrid_shard and to the layout search of memcheck "
                              "plan --gpus N (no --strategy)")
         # checked before the model file runs, so a bad flag is never hidden behind the model's errors
-        job = Job(device=device, gpu=gpu, budget_bytes=budget, max_len=max_len, target_len=target_len,
-                   precision=precision if precision and not precision_options else "fp32",  # plan checks options
-                   optimizer=optimizer or "adamw", steps=steps, use_reentrant=reentrant, strategy=strategy,
-                   gpus=gpus, bucket_view=bucket_view, bucket_cap_mb=bucket_cap_mb, offload=offload, margin=margin,
-                   fsdp_sharding=fsdp_sharding, gpus_per_node=None if spread is not None else gpus_per_node,
-                   global_batch=global_batch, task=task, attn=attn, packing=packing,
-                   assume=assume, trust_remote_code=trust_remote_code, tp_plan=tp_plan,
-                   **_job_option_settings(**job_options))
+        job = Job(**{**settings, "gpus": gpus, "gpus_per_node": None if spread is not None else gpus_per_node,
+                     # plan checks the precision options itself
+                     "precision": precision if precision and not precision_options else "fp32"})
         if spread is not None and (job.eval_batch_size is not None or job.eval_accumulate_predictions):
             raise UsageError("the layout search (memcheck plan --gpus N or --layout) traces no evaluation pass yet; "
                              "drop --eval-batch-size and --eval-accumulate-predictions, or give --strategy")
-        work, job = _load(model, job.replace(batch_size=1), optimizer, allow_download)
+        work, job = _load(model, job.replace(batch_size=1), optimizer, front.allow_download)
         _no_train_step(work, "memcheck plan")
         if spread is not None:  # --gpus N with no strategy: search the layouts of N GPUs
             from memcheck.engine.plan_layout import plan_layout
@@ -626,10 +565,10 @@ def plan(model, max_len, target_len, task, attn, packing, assume, device, optimi
                                  loss_fn=work.loss_fn, model_name=work.name, progress=progress)
             _clear(progress)
         else:
-            result = _plan_one(work, job, model, progress, as_json, allow_download, precision, precision_options,
-                               optimizer, checkpointing_options, length_profile, measure, measure_steps,
-                               snapshot_path, plot_path)
-    _print(render_json(result) if as_json else str(result))
+            result = _plan_one(work, job, model, progress, front.as_json, front.allow_download, precision,
+                               precision_options, optimizer, checkpointing_options, length_profile, measure,
+                               measure_steps, snapshot_path, plot_path)
+    _print(render_json(result) if front.as_json else str(result))
     failed = getattr(result, "verification", None) is not None and (
         result.verification.out_of_memory or result.verification.measured_bytes > result.capacity_bytes)
     sys.exit(EXIT_DOES_NOT_FIT if not result.fits or failed else EXIT_FITS)

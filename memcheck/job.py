@@ -19,21 +19,26 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from memcheck.choices import parse_assume
-from memcheck.cuda.gpus import GpuSpec, resolve_gpu
 from memcheck.enums import (Attention, Device, Dtype, FsdpSharding, Offload, Padding, Precision, StepOrder, Strategy, Task,
                             WeightsDtype)
 from memcheck.errors import UsageError, closest
-from memcheck.training.adapters import Lora, qlora_recipe
-from memcheck.training.checkpointing import parse_checkpointing
-from memcheck.training.optimizers import OPTIMIZERS, hf_optimizer
-from memcheck.training.strategies import StrategyConfig
-from memcheck.training.strategies.base import MixedPrecision
-from memcheck.training.strategies.layout import Layout
 from memcheck.units import MAX_BYTES, parse_size, short_repr
+
+# The value types below the job (the GPU table, LoRA, the checkpointing spec, optimizer names, the strategy
+# and layout values) are imported where a job is built, checked or read, not here: the command line reads
+# the settings' declarations to build its options, and must not import torch to show --help or to fork
+# ``memcheck check``'s child (cli._in_child forks only while torch is not loaded).
+if TYPE_CHECKING:
+    from memcheck.cuda.gpus import GpuSpec
+    from memcheck.training.adapters import Lora
+    from memcheck.training.strategies import StrategyConfig
+    from memcheck.training.strategies.base import MixedPrecision
+    from memcheck.training.strategies.layout import Layout
 
 # The fraction of the capacity a plan, a check and the callbacks hold back by default. Derived
 # from the published GPU runs (benchmarks/published/, README "Against published GPU measurements"):
@@ -82,15 +87,54 @@ MAX_ZERO_ELEMENTS = 2**40
 MAX_EVAL_KEPT = 2**16
 
 
+_UNSET = object()
+
+
+@dataclass(frozen=True)
+class Option:
+    """How ``memcheck estimate`` and ``memcheck plan`` take one setting on the command line;
+    ``memcheck.cli`` builds the click option from it (the flag is ``Spelling.flag``).
+
+    ``help`` is the option's help, or ``{command: help}`` where the commands word it apart;
+    ``default`` is the flag's default where it is not the field's (the field's enum by value,
+    ``None`` for a flag a job resolves later, such as ``--optimizer``); ``negatable`` gives the
+    flag a ``--no-`` twin; ``commands`` are the commands that take it."""
+
+    help: str | Mapping[str, str]
+    metavar: str | None = None
+    type: type | None = None  # int or float; None: text, or an on/off flag for a bool field
+    default: Any = _UNSET  # _UNSET: the field's default, as the command line spells it
+    show_default: bool = False
+    short: str | None = None  # a one-letter twin, such as -b
+    negatable: bool = False  # --x/--no-x
+    commands: tuple[str, ...] = ("estimate", "plan")
+
+    def help_for(self, command: str) -> str:
+        return self.help if isinstance(self.help, str) else self.help[command]
+
+
+# The sections the settings are grouped in, in the order the command line lists them
+# (torchtitan's JobConfig groups its own the same way, one dataclass a section).
+SECTIONS = ("target", "batch", "training", "parallelism", "evaluation", "plan")
+
+
 @dataclass(frozen=True)
 class Spelling:
-    """How one ``Job`` field is written in each place a user writes it."""
+    """One ``Job`` field's declaration: how it is written in each place a user writes it, its
+    section, its check and its command-line option. Built from the field's metadata (``setting``)."""
 
     field: str  # the Job field and the Python keyword of estimate(), plan(), check(), preflight()
     flag: str | None  # the CLI flag (None: not a flag)
     config: str | None  # the key in a memcheck config (None: not a config key)
     json: str  # the key in the JSON's "job" object
     aliases: tuple[str, ...] = ()  # HF TrainingArguments / Lightning names for exactly this value
+    section: str = "target"  # one of SECTIONS
+    check: Any = None  # (field, value) -> the value checked and normalised (idempotent); SettingError naming field
+    option: Option | None = None  # the command line's option (None: no estimate/plan flag)
+    hf: str | None = None  # transformers' TrainingArguments name for exactly this value
+    lightning: str | None = None  # Lightning's Trainer argument for exactly this value
+    kept: bool = False  # plan's recommendation repeats it (flags and TOML) where the job changes it
+    loop: str | None = None  # the keyword of memcheck.training.loop.run_steps it is handed down as (Job.loop)
 
     def name(self, vocabulary: str) -> str:
         """This field's name in ``vocabulary``: "python", "flag", "config" or "json"."""
@@ -99,64 +143,42 @@ class Spelling:
         return getattr(self, vocabulary) or self.field
 
 
-# One row a field, in the order the docs list them.
-SPELLINGS: tuple[Spelling, ...] = (
-    Spelling("device", "--device", "device", "device"),
-    Spelling("gpu", "--gpu", "gpu", "gpu"),
-    Spelling("budget_bytes", "--gpu-memory", "gpu_memory", "budget_bytes"),
-    Spelling("batch_size", "--batch-size", "micro_batch", "micro_batch_size",
-             aliases=("per_device_train_batch_size",)),  # HF TrainingArguments
-    Spelling("max_len", "--max-len", "max_len", "max_len", aliases=("max_seq_length",)),  # TRL's SFTConfig
-    Spelling("target_len", "--target-len", "target_len", "target_len"),
-    Spelling("padding", "--padding", "padding", "padding"),
-    Spelling("packing", "--packing", "packing", "packing"),  # TRL's SFTConfig name too (padding_free: VALUE_ALIASES)
-    Spelling("precision", "--precision", "precision", "precision"),
-    Spelling("weights_dtype", "--weights-dtype", "weights_dtype", "weights_dtype"),
-    Spelling("optimizer", "--optimizer", "optimizer", "optimizer"),
-    Spelling("steps", "--steps", None, "steps"),
-    Spelling("accumulate", "--accumulate", "accumulation", "accumulation_steps",
-             aliases=("gradient_accumulation_steps", "accumulate_grad_batches")),  # HF, Lightning
-    Spelling("checkpointing", "--checkpointing", "checkpointing", "checkpointing"),
-    Spelling("use_reentrant", "--reentrant", "reentrant", "use_reentrant"),
-    Spelling("lora", "--lora", "lora", "lora"),
-    Spelling("qlora", "--qlora", "qlora", "qlora"),
-    Spelling("max_grad_norm", "--max-grad-norm", "max_grad_norm", "max_grad_norm",
-             aliases=("gradient_clip_val",)),  # HF TrainingArguments' own name; Lightning's Trainer
-    Spelling("step_order", "--step-order", "step_order", "step_order"),  # no trainer names it: the callbacks set it
-    Spelling("strategy", "--strategy", "strategy", "strategy"),
-    Spelling("gpus", "--gpus", "gpus", "gpus"),
-    Spelling("bucket_view", "--bucket-view", "bucket_view", "bucket_view",
-             aliases=("gradient_as_bucket_view",)),  # DistributedDataParallel's keyword
-    Spelling("bucket_cap_mb", "--bucket-cap-mb", "bucket_cap_mb", "bucket_cap_mb"),
-    Spelling("offload", "--offload", "offload", "offload"),
-    # DeepSpeed ZeRO's buffers, in elements, under DeepSpeed's own names (zero_optimization's keys)
-    Spelling("reduce_bucket_size", "--reduce-bucket-size", "reduce_bucket_size", "reduce_bucket_size"),
-    Spelling("prefetch_bucket_size", "--prefetch-bucket-size", "prefetch_bucket_size", "prefetch_bucket_size",
-             aliases=("stage3_prefetch_bucket_size",)),
-    Spelling("max_live_parameters", "--max-live-parameters", "max_live_parameters", "max_live_parameters",
-             aliases=("stage3_max_live_parameters",)),
-    Spelling("layout", "--layout", "layout", "layout"),
-    Spelling("tp_plan", "--tp-plan", "tp_plan", "tp_plan"),
-    Spelling("fsdp_sharding", "--fsdp-sharding", "fsdp_sharding", "fsdp_sharding"),
-    Spelling("gpus_per_node", "--gpus-per-node", "gpus_per_node", "gpus_per_node"),
-    # FSDP2's MixedPrecisionPolicy under its own field names (also Accelerate's mixed_precision_policy keys and
-    # FSDP1's MixedPrecision, which Lightning's FSDPStrategy takes); torchtitan's [training] keys as aliases
-    Spelling("param_dtype", "--param-dtype", "param_dtype", "param_dtype", aliases=("mixed_precision_param",)),
-    Spelling("reduce_dtype", "--reduce-dtype", "reduce_dtype", "reduce_dtype", aliases=("mixed_precision_reduce",)),
-    Spelling("output_dtype", "--output-dtype", "output_dtype", "output_dtype"),
-    Spelling("cast_forward_inputs", "--cast-forward-inputs", "cast_forward_inputs", "cast_forward_inputs"),
-    Spelling("eval_batch_size", "--eval-batch-size", "eval_batch", "eval_batch_size",
-             aliases=("per_device_eval_batch_size",)),  # HF TrainingArguments
-    Spelling("eval_accumulate_predictions", "--eval-accumulate-predictions", "eval_accumulate_predictions",
-             "eval_accumulate_predictions"),
-    Spelling("margin", "--margin", "margin", "margin"),
-    Spelling("global_batch", "--global-batch", "global_batch", "global_batch"),
-    Spelling("task", "--task", "task", "task"),
-    Spelling("attn", "--attn", "attn", "attn", aliases=("attn_implementation",)),  # transformers
-    Spelling("assume", "--assume", "assume", "assume"),
-    Spelling("trust_remote_code", "--trust-remote-code", "trust_remote_code", "trust_remote_code"),  # transformers
-)
-SPELLING = {s.field: s for s in SPELLINGS}
+
+def setting(default, *, section: str, check, option: Option | None = None, flag: Any = _UNSET,
+            config: Any = _UNSET, json: str | None = None, aliases: tuple[str, ...] = (), hf: str | None = None,
+            lightning: str | None = None, kept: bool = False, loop: str | None = None):
+    """A ``Job`` field declared once: ``default``, its ``section``, its ``check`` and its spellings
+    (flag ``--field-name``, config key and JSON key ``field_name`` unless given; ``None``: not
+    spelled there). ``hf`` and ``lightning`` are the trainers' names for exactly this value, read
+    as aliases too; ``loop`` names the keyword of memcheck's training loop it goes down as, unchanged
+    (``Job.loop``), so that its consumer there is the only other place it is written. ``SPELLINGS``,
+    the checks, the CLI's options and the outputs' flags and keys are all read from it."""
+    if section not in SECTIONS:
+        raise ValueError(f"section must be one of {', '.join(SECTIONS)}, got {section!r}")
+    return dataclasses.field(default=default, metadata={"setting": dict(
+        section=section, check=check, option=option, flag=flag, config=config, json=json, aliases=aliases, hf=hf,
+        lightning=lightning, kept=kept, loop=loop)})
+
+
+def _spelling(field: str, spec: dict) -> Spelling:
+    spec = dict(spec)
+    flag, config = spec.pop("flag"), spec.pop("config")
+    aliases = tuple(dict.fromkeys(a for a in (spec["hf"], spec["lightning"], *spec.pop("aliases")) if a and a != field))
+    return Spelling(field, "--" + field.replace("_", "-") if flag is _UNSET else flag,
+                    field if config is _UNSET else config, spec.pop("json") or field, aliases, **spec)
+
+
+def _ints(**limits):
+    return lambda field, value: _int(field, value, **limits)
+
+
+def _choices(cls, **how):
+    return lambda field, value: _choice(field, cls, value, **how)
+
+
+def _one(check):
+    """A check of the value alone (it names its field itself)."""
+    return lambda field, value: check(value)
 
 
 def _hf_flag(value: str):
@@ -173,7 +195,7 @@ def _hf_flag(value: str):
 # activation_checkpointing=True or gradient_checkpointing=True (every repeated block), TRL's padding_free=True
 # (packing). Accepted in configs and the Python API.
 VALUE_ALIASES: dict[str, tuple[str, Any]] = {
-    "optim": ("optimizer", hf_optimizer),
+    "optim": ("optimizer", lambda value: _hf_optimizer(value)),
     "bf16": ("precision", _hf_flag("amp-bf16")),
     "fp16": ("precision", _hf_flag("amp-fp16")),
     "activation_checkpointing": ("checkpointing", _hf_flag("full")),  # False says nothing: none is the default
@@ -183,6 +205,12 @@ VALUE_ALIASES: dict[str, tuple[str, Any]] = {
     # requires padding-free mode"); its worst case, every sample max_len tokens, is packing's. False says nothing.
     "padding_free": ("packing", _hf_flag(True)),
 }
+
+
+def _hf_optimizer(value):
+    from memcheck.training.optimizers import hf_optimizer
+
+    return hf_optimizer(value)
 
 
 def translate_alias(key: str, value) -> tuple[str, Any] | None:
@@ -254,126 +282,303 @@ class Job:
     model's position limit) are resolved when the job is traced.
     """
 
-    device: Device = Device.CUDA
+    device: Device = setting(
+        Device.CUDA, section="target", check=_choices(Device),
+        option=Option("Target device of the estimate: cpu or cuda.", metavar="DEVICE", show_default=True))
     """The target: ``cuda`` (default) or ``cpu``. Tracing always runs on the meta device."""
-    gpu: str | GpuSpec | None = None
+    gpu: str | GpuSpec | None = setting(
+        None, section="target", check=_one(lambda v: _gpu(v)),
+        option=Option("Target GPU: a name (H100-80GB, A100-40GB, RTX-4090, T4, ...; see `memcheck gpus`) or a "
+                      "capacity such as 24GiB. Default: the local GPU, if any. Exit code 1 when it does not fit.",
+                      metavar="NAME|SIZE"))
     """The CUDA target: a name (``H100-80GB``), a size (``24GiB``) or a GpuSpec; None: the local GPU, if any."""
-    budget_bytes: int | None = None
+    budget_bytes: int | None = setting(
+        None, section="target", check=_one(lambda v: _budget(v)), flag="--gpu-memory", config="gpu_memory",
+        option=Option("A memory budget such as 24GiB, checked against the device total (the peak on cpu).",
+                      metavar="SIZE"))
     """A memory budget in bytes (or a size such as ``"24GiB"``); by default the GPU's capacity."""
-    batch_size: int | None = None
+    batch_size: int | None = setting(
+        None, section="batch", check=_ints(maximum=MAX_BATCH, why=" (2**24 rows)"), config="micro_batch",
+        json="micro_batch_size", hf="per_device_train_batch_size",
+        option=Option("Micro-batch size per step.", type=int, default=1, show_default=True, short="-b",
+                      commands=("estimate",)))
     """The micro-batch per GPU and step (the batch's own first dimension when None)."""
-    max_len: int | None = None
+    max_len: int | None = setting(
+        None, section="batch", check=_ints(maximum=MAX_LEN, why=" (2**24 tokens)"),
+        aliases=("max_seq_length",),  # TRL's SFTConfig
+        option=Option("Pad every sequence to this length (the worst case). Default for hf: models: the position "
+                      "limit; for raw-audio models (Wav2Vec2, HuBERT) it is samples, with no default.", type=int))
     """Every sequence padded to this length: the worst case."""
-    target_len: int | None = None
+    target_len: int | None = setting(
+        None, section="batch", check=_ints(maximum=MAX_LEN, why=" (2**24 tokens)"),
+        option=Option("Label length for seq2seq and ctc models.", type=int))
     """The label length of seq2seq models."""
-    padding: Padding = Padding.MAX_LENGTH
+    padding: Padding = setting(
+        Padding.MAX_LENGTH, section="batch", check=_choices(Padding), kept=True,
+        option=Option("longest: batches padded to their longest sample (padding=True), so lengths vary up to "
+                      "--max-len; on cuda the caching allocator replays a run of growing lengths.",
+                      metavar="max_length|longest", show_default=True))
     """``max_length``: every batch padded to ``max_len``; ``longest`` (``padding=True``): each batch
     to its longest sample, so on the CUDA target the allocator replays a run whose lengths grow
     to ``max_len``. The peak is ``max_len``'s either way."""
-    packing: bool = False
+    packing: bool = setting(
+        False, section="batch", check=_flag,  # TRL's SFTConfig name too (padding_free: VALUE_ALIASES)
+        option=Option("Packed, padding-free batches (DataCollatorWithFlattening, TRL's packing / padding_free): "
+                      "each sample slot --max-len tokens of packed sequences, all flattened into one row with "
+                      "position ids. Causal LMs only."))
     """Packed, padding-free batches (transformers' ``DataCollatorWithFlattening``, TRL's ``packing`` /
     ``padding_free``): each of ``batch_size`` sample slots is ``max_len`` tokens of packed sequences, all
     flattened into one row of ``batch_size * max_len`` tokens with position ids restarting at 0 for each
     sequence and no attention mask. Causal language models only."""
-    precision: Precision | None = None
+    precision: Precision | None = setting(
+        None, section="training", check=_choices(Precision, optional=True),
+        option=Option({"estimate": "fp32 (the default); amp-bf16 / amp-fp16 (torch.autocast, fp16 with a "
+                                   "GradScaler); or pure bf16 / fp16 weights. With --qlora the recipe's amp-bf16 "
+                                   "where the GPU has bf16 (sm80+).",
+                       "plan": "The precision to plan for. Default: the GPU's best, amp-bf16 then pure bf16 on "
+                               "sm80 and later, amp-fp16 before (fp32 on --device cpu)."}, metavar="PREC"))
     """``fp32``; ``amp-bf16``/``amp-fp16`` (torch.autocast); pure ``bf16``/``fp16`` weights. None (unset):
     ``fp32``, or for a ``qlora`` job the QLoRA recipe's ``amp-bf16`` where the GPU has bf16
     (``memcheck.training.adapters.qlora_recipe``); the job always holds the resolved value."""
-    weights_dtype: WeightsDtype = WeightsDtype.AUTO
+    weights_dtype: WeightsDtype = setting(
+        WeightsDtype.AUTO, section="training", check=_choices(WeightsDtype), kept=True,
+        option=Option("The weights' dtype under amp-*: auto keeps the model's own (for hf: config.json's dtype, "
+                      "as from_pretrained loads it); fp32 and bf16/fp16 precisions name their own.",
+                      metavar="auto|fp32|bf16|fp16", show_default=True))
     """The weights' dtype: ``auto`` follows the precision (fp32 weights for ``fp32``, bf16/fp16 for
     pure ``bf16``/``fp16``) and, under autocast, the model's own dtype (``from_pretrained``'s default:
     config.json's ``dtype``); or ``fp32``/``bf16``/``fp16`` for autocast over weights of that dtype."""
-    optimizer: Any = "adamw"
+    optimizer: Any = setting(
+        "adamw", section="training", check=_one(lambda v: _optimizer(v)),
+        option=Option("adamw (default), adamw-foreach, adamw-fused, adam, adam-fused, adafactor, adamw-8bit, "
+                      "paged-adamw-8bit, paged-adamw-32bit, sgd, sgd-momentum; a model file's make_optimizer wins "
+                      "unless this is given.", metavar="NAME", default=None))
     """A name from ``memcheck.training.optimizers.OPTIMIZERS``, a factory ``params -> Optimizer`` or an Optimizer."""
-    steps: int = 2
+    steps: int = setting(
+        2, section="training", config=None,
+        check=_ints(minimum=2, optional=False, text="{name} must be an integer of at least 2 (step 1 has no "
+                                                    "optimizer state)",
+                    maximum=MAX_STEPS, why=" (the peak is steady from step 2 on, and every step is one more trace "
+                                           "of the model)"),
+        option=Option("Training steps to trace; the peak is taken from step 2 on.", type=int, show_default=True))
     """Training steps to trace; the peak is taken from step 2 on (step 1 has no optimizer state)."""
-    accumulate: int = 1
+    accumulate: int = setting(
+        1, section="batch", check=_ints(optional=False), config="accumulation", json="accumulation_steps",
+        hf="gradient_accumulation_steps", lightning="accumulate_grad_batches",
+        option=Option("Gradient accumulation steps.", type=int, show_default=True, commands=("estimate",)))
     """Gradient accumulation steps; the peak is the steady-state micro-step's."""
-    checkpointing: str | tuple[str, ...] | None = None
+    checkpointing: str | tuple[str, ...] | None = setting(
+        None, section="training", check=_one(lambda v: _checkpointing(v)),
+        option=Option("Gradient checkpointing (default none; with --qlora the recipe's full, as PEFT's "
+                      "prepare_model_for_kbit_training): full wraps every repeated block, half every second, "
+                      "every:N every Nth (transformers' every_n_layers), selective-op every block with torchtitan's "
+                      "op-level policy; or comma-separated module names/patterns (transformer.h.*).",
+                      metavar="none|full|half|every:N|selective-op|LIST", commands=("estimate",)))
     """``none``, ``full`` (every repeated block) or module names/patterns. None (unset): ``none``, or
     for a ``qlora`` job the recipe's ``full`` (PEFT's ``prepare_model_for_kbit_training`` turns it on);
     the job always holds the resolved value."""
-    use_reentrant: bool = False
+    use_reentrant: bool = setting(
+        False, section="training", check=_flag, flag="--reentrant", config="reentrant",
+        option=Option("Checkpoint with use_reentrant=True (default False)."))
     """torch.utils.checkpoint's implementation."""
-    lora: Lora | None = None
+    lora: Lora | None = setting(
+        None, section="training", check=_one(lambda v: _lora(v)), kept=True,
+        option=Option("Fine-tune LoRA adapters (PEFT) over the frozen model: settings as key=value (targets: "
+                      "module names or all-linear); 'default' for PEFT's defaults.",
+                      metavar="r=R,alpha=A,targets=T,dropout=D"))
     """LoRA adapters set up by PEFT (``"r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05"``, ``all-linear``
     targets, ``dora=true``; True: PEFT's defaults), the base frozen; None: full fine-tuning."""
-    qlora: bool = False
+    qlora: bool = setting(
+        False, section="training", check=_flag, kept=True,
+        option=Option("The QLoRA recipe: linear layers in 4-bit NF4 (double quantization, bf16 compute), "
+                      "prepare_model_for_kbit_training, LoRA adapters (--lora's settings, else PEFT's defaults)."))
     """The QLoRA recipe: linear layers in 4-bit NF4 (bitsandbytes), ``prepare_model_for_kbit_training``,
     and ``lora`` (PEFT's defaults when None)."""
-    max_grad_norm: float | None = None
+    max_grad_norm: float | None = setting(
+        None, section="training", check=_one(lambda v: _max_grad_norm(v)), kept=True, loop="max_grad_norm",
+        hf="max_grad_norm", lightning="gradient_clip_val",  # HF TrainingArguments' own name; Lightning's Trainer
+        option=Option("Clip gradients before each step (clip_grad_norm_); 0: no clipping. Default: the HF "
+                      "Trainer's 1.0 for hf: models, none for model files.", type=float, metavar="NORM"))
     """Gradient clipping before each optimizer step (``clip_grad_norm_``); None or 0: none. For
     ``hf:`` models the installed Trainer's default (1.0)."""
-    step_order: StepOrder = StepOrder.HF
+    step_order: StepOrder = setting(
+        StepOrder.HF, section="training", check=_choices(StepOrder), kept=True, loop="order",  # the callbacks set it
+        option=Option("Where each step zeroes the gradients, after the loop that runs it: hf and accelerate after "
+                      "the optimizer step (memcheck's own loop), plain before the forward, lightning between the "
+                      "forward and the backward (automatic optimization: the last step's gradients are alive "
+                      "through the forward).", metavar="hf|accelerate|plain|lightning", show_default=True))
     """Where a step zeroes the gradients, named after the loop that does it (``StepOrder``): ``hf``
     (the default, memcheck's own loop: forward, backward, clip, step, zero_grad), ``accelerate``
     (the same), ``plain`` (zero_grad first) or ``lightning`` (zero_grad between the forward and the
     backward, so the previous step's gradients are alive through the forward; the Lightning callback
     sets it). A ``train_step`` runs in its own order."""
-    strategy: Strategy = Strategy.SINGLE
+    set_to_none: bool = setting(
+        True, section="training", check=_flag, kept=True, loop="set_to_none",
+        option=Option("optimizer.zero_grad(set_to_none=...): --no-set-to-none zeroes the gradients in place, so "
+                      "they stay allocated through the next forward (torch's default, and the HF Trainer's, is "
+                      "set_to_none=True).", negatable=True, show_default=True))
+    """``optimizer.zero_grad(set_to_none=...)`` in memcheck's loop (torch/optim/optimizer.py, ``zero_grad``):
+    True (torch's default since 2.0; the HF Trainer always passes it) drops the gradients; False (a loop
+    that calls ``zero_grad(set_to_none=False)``, or a Lightning ``optimizer_zero_grad`` override that does)
+    fills them with zeros, so they stay allocated through the next forward and the next backward
+    accumulates into them in place. A ``train_step`` zeroes as it is written."""
+    strategy: Strategy = setting(
+        Strategy.SINGLE, section="parallelism", check=_choices(Strategy),
+        option=Option("single, dp, dp-balanced, ddp, fsdp (FSDP2), fsdp1 (FullyShardedDataParallel), zero1, zero2, "
+                      "zero3 (multi-GPU ones need --gpus).", metavar="NAME", show_default=True))
     """``single``, ``dp``, ``dp-balanced``, ``ddp``, ``fsdp`` (FSDP2), ``fsdp1``, ``zero1``, ``zero2``, ``zero3``."""
-    gpus: int | None = None
+    gpus: int | None = setting(
+        None, section="parallelism",
+        check=_ints(maximum=MAX_GPUS, why=" (2**16, above the largest training clusters' data-parallel groups)"),
+        option=Option("GPUs for a multi-GPU strategy (default 2; 1 for single).", type=int))
     """GPUs of a multi-GPU strategy (None: 2 for those, 1 for single)."""
-    bucket_view: bool = False
+    bucket_view: bool = setting(
+        False, section="parallelism", check=_flag, aliases=("gradient_as_bucket_view",),  # DDP's keyword
+        option=Option("ddp: gradient_as_bucket_view.", negatable=True, show_default=True))
     """ddp: ``gradient_as_bucket_view``."""
-    bucket_cap_mb: float | None = None
+    bucket_cap_mb: float | None = setting(
+        None, section="parallelism", check=_one(lambda v: _bucket_cap(v)),
+        option=Option("ddp: bucket_cap_mb (DDP's default: 25).", type=float))
     """ddp: ``bucket_cap_mb`` (None: DDP's default, 25)."""
-    offload: Offload = Offload.NONE
+    offload: Offload = setting(
+        Offload.NONE, section="parallelism", check=lambda field, v: _choice(field, Offload, "none" if v is None else v),
+        option=Option("fsdp / fsdp1 / zero: move the optimizer state or the parameters to CPU memory.",
+                      metavar="none|optimizer|params", show_default=True))
     """fsdp / fsdp1 / zero: ``optimizer`` or ``params`` moved to CPU memory."""
-    reduce_bucket_size: int | None = None
+    # DeepSpeed ZeRO's buffers, in elements, under DeepSpeed's own names (zero_optimization's keys)
+    reduce_bucket_size: int | None = setting(
+        None, section="parallelism", kept=True,
+        check=_ints(text="{name} must be a positive integer (elements)", maximum=MAX_ZERO_ELEMENTS,
+                    why=" elements (2**40)"),
+        option=Option("zero1-3: DeepSpeed's reduce_bucket_size, the gradient bucket (default 5e8 elements).",
+                      type=int, metavar="ELEMENTS"))
     """zero1-3: DeepSpeed's ``reduce_bucket_size``, the IPG gradient bucket in elements (None: DeepSpeed's 5e8)."""
-    prefetch_bucket_size: int | None = None
+    prefetch_bucket_size: int | None = setting(
+        None, section="parallelism", kept=True, aliases=("stage3_prefetch_bucket_size",),
+        check=_ints(minimum=0, text="{name} must be an integer of 0 or more (elements)", maximum=MAX_ZERO_ELEMENTS,
+                    why=" elements (2**40)"),
+        option=Option("zero3: DeepSpeed's stage3_prefetch_bucket_size (default 5e7 elements; 0: no prefetch).",
+                      type=int, metavar="ELEMENTS"))
     """zero3: DeepSpeed's ``stage3_prefetch_bucket_size``, parameters gathered ahead, in elements (None: 5e7;
     0: no prefetch)."""
-    max_live_parameters: int | None = None
+    max_live_parameters: int | None = setting(
+        None, section="parallelism", kept=True, aliases=("stage3_max_live_parameters",),
+        check=_ints(minimum=0, text="{name} must be an integer of 0 or more (elements)", maximum=MAX_ZERO_ELEMENTS,
+                    why=" elements (2**40)"),
+        option=Option("zero3: DeepSpeed's stage3_max_live_parameters (default 1e9 elements).", type=int,
+                      metavar="ELEMENTS"))
     """zero3: DeepSpeed's ``stage3_max_live_parameters``, the gathered parameters above which nothing more is
     prefetched, in elements (None: 1e9)."""
-    layout: Layout | None = None
+    layout: Layout | None = setting(
+        None, section="parallelism", check=_one(lambda v: _layout(v)),
+        option=Option("Several kinds of parallelism at once: dp, dp_replicate, tp, pp, cp, ep degrees, and "
+                      "schedule= (gpipe, 1f1b, interleaved-1f1b, zero-bubble), virtual=, sp=true, "
+                      "loss_parallel=true (torchtitan's loss parallelism: sharded logits). --strategy runs over "
+                      "dp*cp (fsdp by default); one column per pipeline stage.", metavar="dp=D,tp=T,pp=P,..."))
     """Several kinds of parallelism at once (``"dp=8,tp=4,pp=2"``, see
     ``memcheck.training.strategies.layout``): ``strategy`` then runs over the layout's ``dp * cp``
     ranks (``fsdp`` when not given), ``gpus`` is the whole world, and under ``pp`` ``accumulate``
     is the pipeline's micro-batches per step. None: one kind, ``strategy`` over ``gpus``."""
-    tp_plan: tuple[tuple[str, str], ...] | None = None
+    tp_plan: tuple[tuple[str, str], ...] | None = setting(
+        None, section="parallelism", check=_one(lambda v: _tp_plan(v)),
+        option=Option("With a layout's tp: the modules to shard and transformers' style for each (colwise, "
+                      "rowwise, colwise_gather_output, embedding_rowwise, ...); default: the model's own plan as "
+                      "transformers applies it (tp_plan=\"auto\").", metavar="GLOB=STYLE,..."))
     """The layout's tensor-parallel plan, ``{module glob: style}`` with transformers' style names
     (``colwise``, ``rowwise``, ``colwise_gather_output``, ``embedding_rowwise``, ...;
     ``"layers.*.attn.q_proj=colwise,..."`` on the command line); None: the model's own plan as
     transformers applies it (``tp_plan="auto"``)."""
-    fsdp_sharding: FsdpSharding | None = None
+    fsdp_sharding: FsdpSharding | None = setting(
+        None, section="parallelism", check=_choices(FsdpSharding, optional=True),
+        option=Option("fsdp1: FullyShardedDataParallel's sharding_strategy (default full_shard).",
+                      metavar="full_shard|shard_grad_op|no_shard|hybrid_shard"))
     """fsdp1: ``full_shard`` (None: torch's default), ``shard_grad_op``, ``no_shard`` or ``hybrid_shard``.
     HF ``TrainingArguments.fsdp`` is not an alias: it is a list of options (``"full_shard offload
     auto_wrap"``); the transformers integration reads it."""
-    gpus_per_node: int | None = None
+    gpus_per_node: int | None = setting(
+        None, section="parallelism", check=_ints(maximum=MAX_GPUS, why=" (2**16)"),
+        option=Option("GPUs a node: fsdp1 hybrid_shard's shard group (default: all of --gpus); for plan --gpus N "
+                      "with no --strategy, where tensor parallelism stays (default 8).", type=int))
     """fsdp1 ``hybrid_shard``: GPUs per node, the group a rank shards over (None: every GPU on one node)."""
-    param_dtype: Dtype | None = None
+    # FSDP2's MixedPrecisionPolicy under its own field names (also Accelerate's mixed_precision_policy keys and
+    # FSDP1's MixedPrecision, which Lightning's FSDPStrategy takes); torchtitan's [training] keys as aliases
+    param_dtype: Dtype | None = setting(
+        None, section="parallelism", check=lambda field, v: _dtype(field, v), kept=True,
+        aliases=("mixed_precision_param",),
+        option=Option("fsdp: MixedPrecisionPolicy.param_dtype, the dtype parameters are all-gathered and computed "
+                      "in (torchtitan's mixed_precision_param, bf16 there); shards and optimizer keep the weights'.",
+                      metavar="fp32|bf16|fp16"))
     """fsdp: ``MixedPrecisionPolicy.param_dtype``, the dtype FSDP2 all-gathers the parameters in and so
     the forward and backward compute in (``bf16``: torchtitan's default, ``mixed_precision_param``); the
     shards and the optimizer keep the weights' own dtype. None: no cast."""
-    reduce_dtype: Dtype | None = None
+    reduce_dtype: Dtype | None = setting(
+        None, section="parallelism", check=lambda field, v: _dtype(field, v), kept=True,
+        aliases=("mixed_precision_reduce",),
+        option=Option("fsdp: MixedPrecisionPolicy.reduce_dtype, the gradients' reduce-scatter dtype (torchtitan's "
+                      "mixed_precision_reduce, fp32 there). Default: --param-dtype's.", metavar="fp32|bf16|fp16"))
     """fsdp: ``MixedPrecisionPolicy.reduce_dtype``, the gradients' reduce-scatter dtype (``fp32``:
     torchtitan's ``mixed_precision_reduce``). None: the gradients' own (``param_dtype``'s)."""
-    output_dtype: Dtype | None = None
+    output_dtype: Dtype | None = setting(
+        None, section="parallelism", check=lambda field, v: _dtype(field, v), kept=True,
+        option=Option("fsdp: MixedPrecisionPolicy.output_dtype, each fully_shard module's outputs cast to it.",
+                      metavar="fp32|bf16|fp16"))
     """fsdp: ``MixedPrecisionPolicy.output_dtype``, each ``fully_shard`` module's floating outputs cast to it.
     None: no cast."""
-    cast_forward_inputs: bool | None = None
+    cast_forward_inputs: bool | None = setting(
+        None, section="parallelism", check=lambda field, v: None if v is None else _flag(field, v), kept=True,
+        option=Option("fsdp: MixedPrecisionPolicy.cast_forward_inputs, module inputs cast to --param-dtype "
+                      "(default: the wrapper's, FSDP2's on).", negatable=True))
     """fsdp: ``MixedPrecisionPolicy.cast_forward_inputs``, each ``fully_shard`` module's floating inputs cast
     to ``param_dtype``; None: the wrapper's default (FSDP2's True)."""
-    eval_batch_size: int | None = None
+    eval_batch_size: int | None = setting(
+        None, section="evaluation", check=_ints(maximum=MAX_BATCH, why=" (2**24 rows)"), kept=True,
+        config="eval_batch", hf="per_device_eval_batch_size",
+        option=Option("Also trace an evaluation pass (no_grad) at this batch size; the peak is the larger.",
+                      type=int))
     """Also trace an evaluation pass at this batch size."""
-    eval_accumulate_predictions: int = 0
+    eval_accumulate_predictions: int = setting(
+        0, section="evaluation", kept=True,
+        check=_ints(minimum=0, optional=False, text="{name} must be an integer of 0 or more", maximum=MAX_EVAL_KEPT,
+                    why=" (2**16 eval batches)"),
+        option=Option("Keep N eval batches of predictions on the GPU (HF Trainer without eval_accumulation_steps).",
+                      type=int, metavar="N", show_default=True))
     """Evaluation batches whose predictions stay on the device."""
-    margin: float | None = None
+    margin: float | None = setting(
+        None, section="target", check=_one(lambda v: _margin(v)),
+        option=Option({"estimate": "Fraction of the capacity held back; the verdict is the one check and plan give "
+                                   "(default 0.05).",
+                       "plan": "Fraction of the capacity held back (default 0.05: the CUDA target's device-total "
+                               "accuracy target)."}, type=float))
     """The fraction of the capacity held back by plan and check (None: ``DEFAULT_MARGIN``)."""
-    global_batch: int | None = None
+    global_batch: int | None = setting(
+        None, section="plan",
+        check=_ints(maximum=MAX_GLOBAL_BATCH, why=" (2**24 samples, far above the largest published global batches)"),
+        option=Option("Samples per optimizer step over all GPUs; micro-batch x accumulation x GPUs equals it. "
+                      "Without it the micro-batch is maximised.", type=int, commands=("plan",)))
     """plan: samples per optimizer step over all GPUs."""
-    task: Task | None = None
+    task: Task | None = setting(
+        None, section="target", check=_choices(Task, optional=True),
+        option=Option("Override the architecture's task: causal-lm, masked-lm, seq2seq (text or speech, as "
+                      "Whisper), classification (text or audio), image-classification, ctc (Wav2Vec2, HuBERT: "
+                      "--max-len in audio samples) or contrastive (CLIP, SigLIP: text and image, the model's own "
+                      "loss).", metavar="TASK"))
     """transformers models: what the model is trained for (decides the worst-case batch)."""
-    attn: Attention | None = None
+    attn: Attention | None = setting(
+        None, section="target", check=_choices(Attention, optional=True), aliases=("attn_implementation",),
+        option=Option("transformers attention implementation: eager or sdpa.", metavar="IMPL"))
     """transformers models: the attention implementation."""
-    assume: tuple[str, ...] = ()
+    assume: tuple[str, ...] = setting(
+        (), section="target", check=_one(lambda v: _assume(v)),
+        option=Option("Pin data-dependent answers instead of tracing both and reporting the larger: padding or "
+                      "no-padding (attention masks all ones), routing=worst or routing=balanced (MoE experts).",
+                      metavar="ANSWER,ANSWER", default=None))
     """Pinned answers at the data-dependent choice points (``memcheck.choices``): ``padding`` or
     ``no-padding``, ``routing=worst`` or ``routing=balanced`` (``"no-padding,routing=balanced"``).
     (): every answer a real batch can give is traced and the larger peak reported."""
-    trust_remote_code: bool = False
+    trust_remote_code: bool = setting(
+        False, section="target", check=_flag,  # transformers
+        option=Option("hf: models: let transformers run the Python files config.json's auto_map names (only code "
+                      "you would run yourself); without it such a config is refused."))
     """``hf:`` models: let transformers run the Python files a config.json's ``auto_map`` names
     (``trust_remote_code=True``); False: a config that needs them is refused, and transformers
     is never left to ask on stdin. ``memcheck check`` accepts it only for code inside the
@@ -417,7 +622,12 @@ class Job:
         unset = [name for name in _DEFAULTED if getattr(self, name) is None]
         # what a copy (replace) carries over: the defaults it still holds
         kept = {k: v for k, v in self.defaulted if k not in unset and _CHECKS[k](v) == getattr(self, k)}
-        recipe = qlora_recipe(_target_arch(self)) if self.qlora and unset else {}
+        if self.qlora and unset:
+            from memcheck.training.adapters import qlora_recipe
+
+            recipe = qlora_recipe(_target_arch(self))
+        else:
+            recipe = {}
         filled = {name: recipe.get(name, _DEFAULTED[name]) for name in unset}
         for name, value in filled.items():
             object.__setattr__(self, name, _CHECKS[name](value))
@@ -434,6 +644,8 @@ class Job:
     def strategy_config(self) -> StrategyConfig:
         """The strategy with its GPUs (resolved: 2 for a multi-GPU strategy by default) and settings;
         under a ``layout``, the strategy over the layout's ``dp * cp`` ranks."""
+        from memcheck.training.strategies import StrategyConfig
+
         strategy, gpus = self.strategy, self.gpus
         if self.layout is not None:
             strategy, gpus = _layout_strategy(self.layout, strategy, gpus)
@@ -451,8 +663,16 @@ class Job:
             raise SettingError("strategy", escape(str(exc))) from None
 
     @property
+    def loop(self) -> dict[str, Any]:
+        """The settings memcheck's own training loop takes, as ``memcheck.training.loop.run_steps``'s
+        keywords (each declared with ``loop=``), handed down through the strategy unchanged."""
+        return {s.loop: getattr(self, s.field) for s in SPELLINGS if s.loop is not None}
+
+    @property
     def mixed_precision(self) -> MixedPrecision:
         """The job's FSDP mixed-precision policy (all fields default: none)."""
+        from memcheck.training.strategies.base import MixedPrecision
+
         return MixedPrecision(self.param_dtype, self.reduce_dtype, self.output_dtype, self.cast_forward_inputs)
 
     @property
@@ -515,6 +735,10 @@ class Job:
 
     def to_dict(self) -> dict:
         """The job as the JSON's ``"job"`` object, keyed by ``Spelling.json``."""
+        from memcheck.cuda.gpus import GpuSpec
+        from memcheck.training.adapters import Lora
+        from memcheck.training.strategies.layout import Layout
+
         out = {}
         for s in SPELLINGS:
             value = getattr(self, s.field)
@@ -545,11 +769,15 @@ def _target_arch(job: "Job") -> tuple[int, int] | None:
     None on the CPU target."""
     if job.device is not Device.CUDA:
         return None
+    from memcheck.cuda.gpus import resolve_gpu
+
     spec = resolve_gpu(job.gpu)
     return spec.arch if spec is not None else (8, 0)
 
 
 def _gpu(value):
+    from memcheck.cuda.gpus import GpuSpec, resolve_gpu
+
     if value is None or isinstance(value, GpuSpec):
         return value
     if not isinstance(value, str):
@@ -574,6 +802,8 @@ def _budget(value):
 
 
 def _optimizer(value):
+    from memcheck.training.optimizers import OPTIMIZERS
+
     if isinstance(value, str):
         key = value.strip().lower()
         if key not in OPTIMIZERS:
@@ -589,12 +819,16 @@ def _checkpointing(value):
     if value is None:  # unset: the default (Job._fill_defaults)
         return None
     try:
+        from memcheck.training.checkpointing import parse_checkpointing
+
         return parse_checkpointing(value)
     except UsageError as exc:
         raise SettingError("checkpointing", escape(str(exc))) from None
 
 
 def _lora(value):
+    from memcheck.training.adapters import Lora
+
     try:
         return Lora.parse(value)
     except UsageError as exc:
@@ -630,7 +864,6 @@ def _bucket_cap(value):
     return value
 
 
-# field -> the function that checks a value and returns it normalised (idempotent)
 def _assume(value):
     try:
         return parse_assume(value)
@@ -658,6 +891,8 @@ def _check_weights(precision: Precision, weights: WeightsDtype) -> None:
 def _layout(value):
     if value is None:
         return None
+    from memcheck.training.strategies.layout import Layout
+
     try:
         layout = Layout.parse(value)
     except UsageError as exc:
@@ -802,65 +1037,12 @@ def _check_packing(packing: bool, padding: Padding, task: Task | None, strategy:
                                       "(DataParallel, scattering rows over its GPUs) cannot split; use ddp")
 
 
-_CHECKS = {
-    "device": lambda v: _choice("device", Device, v),
-    "gpu": _gpu,
-    "budget_bytes": _budget,
-    "batch_size": lambda v: _int("batch_size", v, maximum=MAX_BATCH, why=" (2**24 rows)"),
-    "max_len": lambda v: _int("max_len", v, maximum=MAX_LEN, why=" (2**24 tokens)"),
-    "target_len": lambda v: _int("target_len", v, maximum=MAX_LEN, why=" (2**24 tokens)"),
-    "padding": lambda v: _choice("padding", Padding, v),
-    "packing": lambda v: _flag("packing", v),
-    "precision": lambda v: _choice("precision", Precision, v, optional=True),
-    "weights_dtype": lambda v: _choice("weights_dtype", WeightsDtype, v),
-    "optimizer": _optimizer,
-    "steps": lambda v: _int("steps", v, minimum=2, optional=False,
-                            text="{name} must be an integer of at least 2 (step 1 has no optimizer state)",
-                            maximum=MAX_STEPS, why=" (the peak is steady from step 2 on, and every step is one "
-                                                   "more trace of the model)"),
-    "accumulate": lambda v: _int("accumulate", v, optional=False),
-    "checkpointing": _checkpointing,
-    "use_reentrant": lambda v: _flag("use_reentrant", v),
-    "lora": _lora,
-    "qlora": lambda v: _flag("qlora", v),
-    "max_grad_norm": _max_grad_norm,
-    "step_order": lambda v: _choice("step_order", StepOrder, v),
-    "strategy": lambda v: _choice("strategy", Strategy, v),
-    "gpus": lambda v: _int("gpus", v, maximum=MAX_GPUS, why=" (2**16, above the largest training clusters' "
-                                                         "data-parallel groups)"),
-    "bucket_view": lambda v: _flag("bucket_view", v),
-    "bucket_cap_mb": _bucket_cap,
-    "offload": lambda v: _choice("offload", Offload, "none" if v is None else v),
-    "reduce_bucket_size": lambda v: _int("reduce_bucket_size", v, text="{name} must be a positive integer (elements)",
-                                         maximum=MAX_ZERO_ELEMENTS, why=" elements (2**40)"),
-    "prefetch_bucket_size": lambda v: _int("prefetch_bucket_size", v, minimum=0,
-                                           text="{name} must be an integer of 0 or more (elements)",
-                                           maximum=MAX_ZERO_ELEMENTS, why=" elements (2**40)"),
-    "max_live_parameters": lambda v: _int("max_live_parameters", v, minimum=0,
-                                          text="{name} must be an integer of 0 or more (elements)",
-                                          maximum=MAX_ZERO_ELEMENTS, why=" elements (2**40)"),
-    "layout": lambda v: _layout(v),
-    "tp_plan": lambda v: _tp_plan(v),
-    "fsdp_sharding": lambda v: _choice("fsdp_sharding", FsdpSharding, v, optional=True),
-    "gpus_per_node": lambda v: _int("gpus_per_node", v, maximum=MAX_GPUS, why=" (2**16)"),
-    "param_dtype": lambda v: _dtype("param_dtype", v),
-    "reduce_dtype": lambda v: _dtype("reduce_dtype", v),
-    "output_dtype": lambda v: _dtype("output_dtype", v),
-    "cast_forward_inputs": lambda v: None if v is None else _flag("cast_forward_inputs", v),
-    "eval_batch_size": lambda v: _int("eval_batch_size", v, maximum=MAX_BATCH, why=" (2**24 rows)"),
-    "eval_accumulate_predictions": lambda v: _int("eval_accumulate_predictions", v, minimum=0, optional=False,
-                                                  text="{name} must be an integer of 0 or more",
-                                                  maximum=MAX_EVAL_KEPT, why=" (2**16 eval batches)"),
-    "margin": _margin,
-    "global_batch": lambda v: _int("global_batch", v, maximum=MAX_GLOBAL_BATCH,
-                                   why=" (2**24 samples, far above the largest published global batches)"),
-    "task": lambda v: _choice("task", Task, v, optional=True),
-    "attn": lambda v: _choice("attn", Attention, v, optional=True),
-    "assume": _assume,
-    "trust_remote_code": lambda v: _flag("trust_remote_code", v),
-}
-assert tuple(_CHECKS) == tuple(s.field for s in SPELLINGS) == tuple(f.name for f in dataclasses.fields(Job)
-                                                                  if f.name != "defaulted")
+# One row a field, in the order the docs list them: read from each field's declaration (``setting``)
+SPELLINGS: tuple[Spelling, ...] = tuple(_spelling(f.name, f.metadata["setting"]) for f in dataclasses.fields(Job)
+                                        if "setting" in f.metadata)
+SPELLING = {s.field: s for s in SPELLINGS}
+# field -> the function that checks a value and returns it normalised (idempotent)
+_CHECKS = {s.field: functools.partial(s.check, s.field) for s in SPELLINGS}
 
 
 def as_job(job: "Job | None", settings: Mapping[str, Any], *, caller: str) -> Job:

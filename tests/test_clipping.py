@@ -79,7 +79,8 @@ def test_on_cuda_clipping_adds_foreach_norms_partial_sums():
         with tracer:
             tracer.watch(model=model, batch=x)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            run = Run(StrategyConfig.parse("single", None), tracer, model, x, _loss, None, 1, max_grad_norm=1.0)
+            run = Run(StrategyConfig.parse("single", None), tracer, model, x, _loss, None, 1,
+                      loop={"max_grad_norm": 1.0})
             run.run_steps(_loss, opt, tracer.set_phase)
         return [e[2] for e in tracer.log.events
                 if e[0] == ALLOC and e[3] is Category.TEMPORARY and e[5] is Phase.OPTIMIZER]

@@ -241,10 +241,11 @@ _VALUES = st.one_of(
     st.lists(st.sampled_from(["l", "a.b", "*", "", "h.*"]), max_size=3),
     st.just(object()), st.just({"r": 8}), st.just(b"bytes"),
 )
-# The fields the CLI fuzz gives a value to, as flags (the rest have no flag, or take no value).
+# The fields the CLI fuzz gives a value to, as estimate's flags (the rest have no flag there, or take no
+# value: on/off flags, read from their declarations).
 _FLAGS = {s.field: s.flag for s in SPELLINGS
-          if s.flag and s.field not in ("packing", "use_reentrant", "qlora", "bucket_view", "margin", "global_batch",
-                                        "cast_forward_inputs")}
+          if s.option is not None and "estimate" in s.option.commands and not s.option.negatable
+          and not isinstance(Job.__dataclass_fields__[s.field].default, bool) and s.field != "margin"}
 
 
 def _settings(ci_examples: int):

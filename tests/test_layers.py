@@ -267,3 +267,110 @@ def test_a_private_torch_import_added_on_purpose_fails_the_check(fake_package):
         "memcheck.rules.registry:5: from torch.autograd.graph import _MultiHandle",
         "memcheck.rules.registry:8: torch._C._current_graph_task_id",
     ]
+
+
+# ---- the command line is generated from the settings' declarations (issue 33, items 3 and 7) ---------
+
+MAX_COMMAND_PARAMETERS = 12  # named parameters of cli.estimate and cli.plan; the settings come as one mapping
+
+
+def _declared(decorate):
+    """The click parameter a decorator adds, built on a throwaway function."""
+
+    def command():
+        pass
+
+    decorate(command)
+    return command.__click_params__[-1]
+
+
+def option_problems(command) -> list[str]:
+    """Each option of ``command`` (a click command of memcheck.cli) that is neither generated from a
+    job setting's declaration (``memcheck.job.setting``) nor one of the front-end options declared
+    once in ``cli.FRONT_END_OPTIONS`` / ``cli.COMMAND_OPTIONS``; and each declared one it lacks."""
+    import click
+
+    from memcheck import cli
+    from memcheck.job import SPELLING
+
+    own = {**cli.FRONT_END_OPTIONS, **cli.COMMAND_OPTIONS[command.name]}
+    problems, seen = [], set()
+    for param in command.params:
+        if isinstance(param, click.Argument):
+            continue
+        seen.add(param.name)
+        if param.name in own:
+            expected = _declared(own[param.name])
+        elif param.name in SPELLING and SPELLING[param.name].option is not None:
+            expected = _declared(cli._setting_option(SPELLING[param.name], command.name))
+        else:
+            problems.append(f"{command.name} {'/'.join(param.opts)}: not generated from a setting's declaration "
+                            "(memcheck.job.setting) nor a front-end option of cli.FRONT_END_OPTIONS")
+            continue
+        if (param.to_info_dict(), param.help) != (expected.to_info_dict(), expected.help):
+            problems.append(f"{command.name} {'/'.join(param.opts)}: written by hand, not as its declaration "
+                            "generates it")
+    problems += [f"{command.name}: lacks the front-end option {name}" for name in own if name not in seen]
+    return problems
+
+
+def parameter_problems(function) -> list[str]:
+    import inspect
+
+    named = [p for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    if len(named) > MAX_COMMAND_PARAMETERS:
+        return [f"{function.__name__} has {len(named)} named parameters (at most {MAX_COMMAND_PARAMETERS}: the "
+                "settings come as one mapping, **options)"]
+    return []
+
+
+@pytest.mark.parametrize("name", ["estimate", "plan"])
+def test_every_option_of_estimate_and_plan_is_generated_from_a_declaration(name):
+    from memcheck import cli
+
+    assert option_problems(getattr(cli, name)) == []
+
+
+@pytest.mark.parametrize("name", ["estimate", "plan"])
+def test_estimate_and_plan_take_at_most_twelve_named_parameters(name):
+    from memcheck import cli
+
+    assert parameter_problems(getattr(cli, name).callback) == []
+
+
+def test_a_hand_written_option_added_on_purpose_fails_the_check():
+    import click
+
+    from memcheck import cli
+
+    @click.command("estimate")
+    @click.argument("model")
+    @cli._settings_options
+    @cli._command_options
+    @click.option("--max-len", "max_len", type=int, help="written by hand, a second time")
+    @click.option("--warp-speed", is_flag=True, help="a flag no setting declares")
+    def estimate(model, compare, top, snapshot_path, plot_path, **options):
+        pass
+
+    problems = option_problems(estimate)
+    assert any("--warp-speed: not generated" in p for p in problems), problems
+    assert any("--max-len: written by hand" in p for p in problems), problems
+
+
+def test_a_command_with_a_thirteenth_parameter_added_on_purpose_fails_the_check():
+    def plan(model, a, b, c, d, e, f, g, h, i, j, k, m, **options):
+        pass
+
+    assert parameter_problems(plan) and not parameter_problems(lambda model, **options: None)
+
+
+def test_the_command_line_reads_the_declarations_without_importing_torch():
+    # cli builds estimate's and plan's options from memcheck.job at import; that must not load torch:
+    # --help stays fast, and memcheck check forks its child only while torch is not loaded (cli._in_child)
+    import subprocess
+    import sys
+
+    code = "import sys, memcheck.cli, memcheck.job; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent, env={**__import__("os").environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert out.stdout.strip() == "False", out.stderr

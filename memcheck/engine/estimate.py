@@ -357,7 +357,7 @@ def _trace(run: TracedRun, job: Job, target: GpuSpec | None, loss_fn: LossFn, na
             return train(job.strategy_config, tracer, run.twin, run.batch, loss_fn, run.make_optimizer, steps,
                          autocast=run.autocast, scaler=run.scaler, accumulate=min(job.accumulate, 2),
                          evaluate=evaluate if run.eval_batch is not None else None, train_step=train_step,
-                         max_grad_norm=job.max_grad_norm, order=job.step_order)
+                         loop=job.loop)
     except MemcheckError:
         raise
     except Exception as exc:  # the model's own code failed under the trace

@@ -17,7 +17,7 @@ from tabulate import tabulate
 
 from memcheck.choices import ANSWERS, words
 from memcheck.enums import PRECISION_ALIASES, Phase
-from memcheck.job import SPELLING, Job, Spelling
+from memcheck.job import SPELLING, SPELLINGS, Spelling
 from memcheck.training.checkpointing import half_of
 from memcheck.training.optimizers import HF_OPTIMIZERS, optimizer_name
 from memcheck.workloads.hf import checkpointing_argument
@@ -52,6 +52,45 @@ _CATEGORY_LABELS = {
 
 
 WIDTH = 80  # every table and line fits 80 columns, whatever the terminal (issue 19)
+
+
+# A job setting as each output writes it, through its declaration (memcheck.job.SPELLINGS): the flag
+# with its value, the config (TOML) key, a Python keyword, and the trainers' own names.
+def flag(field: str, value: Any = None) -> str:
+    """``--flag value`` (the bare flag for None; ``--no-flag`` for False on an on/off flag)."""
+    name = SPELLING[field].flag
+    if value is None or value is True:
+        return name
+    return f"--no-{name[2:]}" if value is False else f"{name} {value}"
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as a TOML value: true/false, a quoted string, a number, or a list of them."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return f'"{value}"' if isinstance(value, str) else f"{value}"
+
+
+def key(field: str, value: Any) -> str:
+    """``config_key = value``, as a ``memcheck check`` config writes the setting."""
+    return f"{SPELLING[field].config} = {toml_value(value)}"
+
+
+def keyword(field: str, value: Any) -> str:
+    """``field=value`` (the value's repr), as the Python API takes the setting."""
+    return f"{field}={value!r}"
+
+
+def hf_argument(field: str, value: Any) -> str:
+    """``name=value`` in transformers' TrainingArguments' words."""
+    return f"{SPELLING[field].hf}={value}"
+
+
+def lightning_argument(field: str, value: Any) -> str:
+    """``name=value`` in Lightning's Trainer's words."""
+    return f"{SPELLING[field].lightning}={value}"
 
 
 def wrap(line: str, hang: int = 2, indent: str | None = None) -> list[str]:
@@ -380,7 +419,7 @@ def render_branches(est: Estimate) -> list[str]:
         lines.append(f"  {_answers(other.answers)}: {sign}{format_bytes(abs(delta))} "
                      f"({format_bytes(other.total_bytes)})")
         lines.extend(f"    - only in it: {a}" for a in other.only_here)
-    lines.append("  (--assume ANSWER pins one: " + ", ".join(ANSWERS) + ")")
+    lines.append(f"  ({flag('assume', 'ANSWER')} pins one: " + ", ".join(ANSWERS) + ")")
     return lines
 
 
@@ -441,7 +480,8 @@ def render_comparison(cmp: Comparison) -> str:
         headers.append(f"vs\n{format_bytes(first.budget_bytes)}")
     lines.extend(table(headers, rows))
     lines.append("")
-    lines.extend(_prose("figures are each strategy's busiest GPU; run one with --strategy NAME --gpus N for its "
+    lines.extend(_prose(f"figures are each strategy's busiest GPU; run one with {flag('strategy', 'NAME')} "
+                        f"{flag('gpus', 'N')} for its "
                         "breakdown"))
     return "\n".join(lines)
 
@@ -474,24 +514,24 @@ def _flags(plan: Plan, r: PlanOption) -> tuple[str, str]:
 def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
     """The recommendation as memcheck flags (each with its value) and as transformers
     TrainingArguments (each ``key=value``)."""
-    flags = [f"--batch-size {r.micro_batch_size}"]
-    args = [f"per_device_train_batch_size={r.micro_batch_size}"]
+    flags = [flag("batch_size", r.micro_batch_size)]
+    args = [hf_argument("batch_size", r.micro_batch_size)]
     if r.accumulation_steps > 1:
-        flags.append(f"--accumulate {r.accumulation_steps}")
-    args.append(f"gradient_accumulation_steps={r.accumulation_steps}")
+        flags.append(flag("accumulate", r.accumulation_steps))
+    args.append(hf_argument("accumulate", r.accumulation_steps))
     if r.checkpointing == "full":
-        flags.append("--checkpointing full")
+        flags.append(flag("checkpointing", "full"))
         args.append(f"{checkpointing_argument()}=True")
     elif r.checkpointing == "half":
         # memcheck's "half" wraps half_of(repeated_blocks(model)), the blocks the plan traced
         # (memcheck.training.checkpointing.apply_checkpointing); the table lists them
-        flags.append("--checkpointing half")
+        flags.append(flag("checkpointing", "half"))
         # transformers' every_n_layers checkpoints layers 0, n, 2n, ... (modeling_utils.py
         # _set_gradient_checkpointing): with n = 2 the blocks half_of() names.
         name = checkpointing_argument()
         args.extend((f"{name}=True", f"{name}_kwargs={{'every_n_layers': 2}}"))
     if r.precision != "fp32":
-        flags.append(f"--precision {r.precision}")
+        flags.append(flag("precision", r.precision))
     if _deepspeed(plan, r):  # the Trainer's bf16=True turns on DeepSpeed's bf16 mode (bf16.enabled)
         args.append(_DEEPSPEED_PRECISION.get(r.precision, "fp32 (neither bf16 nor fp16)"))
     else:
@@ -500,7 +540,7 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
                     .get(r.precision, "fp32 (neither bf16 nor fp16)"))
     optimizer = plan.job.optimizer if plan.job is not None else None
     if isinstance(optimizer, str):  # every setting traced, the optimizer too (issue 17)
-        flags.append(f"--optimizer {optimizer}")
+        flags.append(flag("optimizer", optimizer))
         hf = {v: k for k, v in reversed(list(HF_OPTIMIZERS.items()))}.get(optimizer)
         args.append(f'optim="{hf}"' if hf else f"an optimizer built as memcheck's {optimizer!r} "
                     "(Trainer(optimizers=(optimizer, None)))")
@@ -508,24 +548,23 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
         name = getattr(optimizer, "__name__", type(optimizer).__name__)
         args.append(f"the optimizer {name} builds (Trainer(optimizers=(optimizer, None)))")
     if _packed(plan):
-        flags.append("--packing")
+        flags.append(flag("packing"))
         args.append("packing=True (TRL's SFTConfig; or DataCollatorWithFlattening)")
     if plan.job is not None and plan.job.assume:  # the data-dependent answers the plan pinned, or the user's
-        flags.append(f"--assume {','.join(plan.job.assume)}")
+        flags.append(flag("assume", ",".join(plan.job.assume)))
     for spelling, value in _kept_settings(plan):  # the user's own settings the plan traced with
-        flags.append(spelling.flag if value is True else f"--no-{spelling.flag[2:]}" if value is False
-                     else f"{spelling.flag} {shlex.quote(str(value))}")
+        flags.append(flag(spelling.field, value if isinstance(value, bool) else shlex.quote(str(value))))
     args.extend(_trainer_words(plan))
     if r.offload == "optimizer":  # DeepSpeed's ZeRO-Offload on this one GPU
-        flags.extend(("--strategy zero2", "--gpus 1", "--offload optimizer"))
+        flags.extend((flag("strategy", "zero2"), flag("gpus", 1), flag("offload", "optimizer")))
         args.append('deepspeed= a ZeRO stage 2 config with "offload_optimizer": {"device": "cpu"}')
     elif plan.strategy != "single":
-        flags.extend((f"--strategy {plan.strategy}", f"--gpus {plan.gpus}"))
+        flags.extend((flag("strategy", plan.strategy), flag("gpus", plan.gpus)))
         sharding = _fsdp1_sharding(plan)
         if plan.strategy == "fsdp1" and sharding != "full_shard":
-            flags.append(f"--fsdp-sharding {sharding}")
+            flags.append(flag("fsdp_sharding", sharding))
         if plan.job is not None and plan.job.gpus_per_node is not None:
-            flags.append(f"--gpus-per-node {plan.job.gpus_per_node}")
+            flags.append(flag("gpus_per_node", plan.job.gpus_per_node))
         args.append({"fsdp": 'fsdp="full_shard"', "fsdp1": f'fsdp="{sharding}", fsdp_config={{"version": 1}}',
                      "zero3": "deepspeed= a ZeRO stage 3 config",
                      "zero2": "deepspeed= a ZeRO stage 2 config", "zero1": "deepspeed= a ZeRO stage 1 config"}
@@ -533,12 +572,10 @@ def _flag_parts(plan: Plan, r: PlanOption) -> tuple[list[str], list[str]]:
     return flags, args
 
 
-# The job settings plan takes from the user and traces every option with (cli._JOB_OPTIONS), echoed in
-# the recommendation's flags and TOML when they differ from the Job's defaults, so that pasting them
-# back traces the plan's own job.
-KEPT_SETTINGS = ("weights_dtype", "lora", "qlora", "max_grad_norm", "padding", "eval_batch_size",
-                 "eval_accumulate_predictions", "reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters",
-                 "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs", "step_order")
+# The job settings plan takes from the user and traces every option with, echoed in the recommendation's
+# flags and TOML when they differ from the Job's defaults, so that pasting them back traces the plan's own
+# job: those declared kept (memcheck.job.setting).
+KEPT_SETTINGS = tuple(s.field for s in SPELLINGS if s.kept)
 
 
 def _kept_settings(plan: Plan) -> list[tuple[Spelling, Any]]:
@@ -546,7 +583,7 @@ def _kept_settings(plan: Plan) -> list[tuple[Spelling, Any]]:
     default; values as a flag or config key takes them (enums by value, LoRA settings as text)."""
     if plan.job is None:
         return []
-    defaults = {f.name: f.default for f in dataclasses.fields(Job) if f.name in SPELLING}
+    defaults = {f.name: f.default for f in dataclasses.fields(plan.job) if f.name in SPELLING}
     out = []
     for field in KEPT_SETTINGS:
         value = getattr(plan.job, field)
@@ -568,9 +605,9 @@ def _trainer_words(plan: Plan) -> list[str]:
     if job.lora is not None or job.qlora:
         words.append(f"PEFT LoraConfig({job.lora or 'defaults'})")
     if job.max_grad_norm is not None:
-        words.append(f"max_grad_norm={job.max_grad_norm}")
+        words.append(hf_argument("max_grad_norm", job.max_grad_norm))
     if job.eval_batch_size is not None:
-        words.append(f"per_device_eval_batch_size={job.eval_batch_size}")
+        words.append(hf_argument("eval_batch_size", job.eval_batch_size))
     return words
 
 
@@ -611,7 +648,7 @@ def _lightning_parts(plan: Plan, r: PlanOption) -> list[str]:
     autocast = _deepspeed(plan, r) and r.precision.startswith("amp-")  # bf16-mixed: DeepSpeed's bf16 mode
     parts = [f'precision="{"32-true" if autocast else LIGHTNING_NAMES.get(r.precision, r.precision)}"']
     if r.accumulation_steps > 1:
-        parts.append(f"accumulate_grad_batches={r.accumulation_steps}")
+        parts.append(lightning_argument("accumulate", r.accumulation_steps))
     if autocast:  # fp32 weights under torch.autocast: the DeepSpeed config's torch_autocast section
         stage = 2 if r.offload == "optimizer" else int(plan.strategy[-1])
         offload = ', "offload_optimizer": {"device": "cpu"}' if r.offload == "optimizer" else ""
@@ -650,25 +687,24 @@ def _lightning_parts(plan: Plan, r: PlanOption) -> list[str]:
 
 def _toml_lines(plan: Plan, r: PlanOption) -> list[str]:
     """The recommendation as a ``memcheck check`` job (its config keys, memcheck.job.SPELLINGS)."""
-    lines = ["[jobs.recommended]", f"micro_batch = {r.micro_batch_size}", f"accumulation = {r.accumulation_steps}",
-             f'checkpointing = "{r.checkpointing}"', f'precision = "{r.precision}"']
+    lines = ["[jobs.recommended]", key("batch_size", r.micro_batch_size), key("accumulate", r.accumulation_steps),
+             key("checkpointing", r.checkpointing), key("precision", r.precision)]
     if isinstance(r.optimizer, str):  # a model file's make_optimizer: the file's own, not a config key
-        lines.append(f'optimizer = "{r.optimizer}"')
+        lines.append(key("optimizer", r.optimizer))
     if r.offload == "optimizer":
-        lines += ['strategy = "zero2"', "gpus = 1", 'offload = "optimizer"']
+        lines += [key("strategy", "zero2"), key("gpus", 1), key("offload", "optimizer")]
     elif plan.strategy != "single":
-        lines += [f'strategy = "{plan.strategy}"', f"gpus = {plan.gpus}"]
+        lines += [key("strategy", plan.strategy), key("gpus", plan.gpus)]
         if plan.strategy == "fsdp1":
-            lines.append(f'fsdp_sharding = "{_fsdp1_sharding(plan)}"')
+            lines.append(key("fsdp_sharding", _fsdp1_sharding(plan)))
         if plan.job is not None and plan.job.gpus_per_node is not None:
-            lines.append(f"gpus_per_node = {plan.job.gpus_per_node}")
+            lines.append(key("gpus_per_node", plan.job.gpus_per_node))
     if plan.job is not None and plan.job.assume:
-        lines.append("assume = [" + ", ".join(f'"{a}"' for a in plan.job.assume) + "]")
+        lines.append(key("assume", plan.job.assume))
     if plan.job is not None and plan.job.trust_remote_code:
-        lines.append("trust_remote_code = true")
+        lines.append(key("trust_remote_code", True))
     for spelling, value in _kept_settings(plan):
-        lines.append(f"{spelling.config} = " + ("true" if value is True else "false" if value is False else
-                                                f'"{value}"' if isinstance(value, str) else f"{value}"))
+        lines.append(key(spelling.field, value))
     return lines
 
 
@@ -772,7 +808,7 @@ def render_plan(plan: Plan) -> str:
                                 f"{plan.longest_fitting_length}" + (
                                     " (the model's position limit)"
                                     if plan.longest_fitting_length == plan.position_limit
-                                    else " (searched up to --max-len)" if limit == plan.max_len else
+                                    else f" (searched up to {flag('max_len')})" if limit == plan.max_len else
                                     f" (in multiples of 8, up to the position limit {limit})")))
     if plan.verification is not None:
         lines.append("")
@@ -851,14 +887,16 @@ def fix_line(v: Verdict, style: str = "python") -> str:
     if v.eval_fix is not None:
         e = v.eval_fix
         words = {
-            "python": f"eval_batch_size={e.eval_batch_size}, eval_accumulate_predictions={e.eval_accumulate_predictions}",
-            "memcheck": f"--eval-batch-size {e.eval_batch_size} --eval-accumulate-predictions "
-                        f"{e.eval_accumulate_predictions}",
-            "trainer": f"per_device_eval_batch_size={e.eval_batch_size}"
+            "python": f"{keyword('eval_batch_size', e.eval_batch_size)}, "
+                      f"{keyword('eval_accumulate_predictions', e.eval_accumulate_predictions)}",
+            "memcheck": f"{flag('eval_batch_size', e.eval_batch_size)} "
+                        f"{flag('eval_accumulate_predictions', e.eval_accumulate_predictions)}",
+            "trainer": hf_argument("eval_batch_size", e.eval_batch_size)
                        + (f", eval_accumulation_steps={e.eval_accumulate_predictions}"
                           if e.eval_accumulate_predictions else ""),
             "lightning": f"an evaluation DataLoader with batch_size={e.eval_batch_size}",
-            "config": f"eval_batch = {e.eval_batch_size}, eval_accumulate_predictions = {e.eval_accumulate_predictions}",
+            "config": f"{key('eval_batch_size', e.eval_batch_size)}, "
+                      f"{key('eval_accumulate_predictions', e.eval_accumulate_predictions)}",
             "deepspeed": f"a batch size of {e.eval_batch_size}"
                          + (f", {e.eval_accumulate_predictions} batches of predictions kept"
                             if e.eval_accumulate_predictions else ""),
@@ -882,28 +920,25 @@ def fix_line(v: Verdict, style: str = "python") -> str:
     precision = r.precision if r.precision != est.precision.value else None
     optimizer = (r.optimizer if isinstance(r.optimizer, str) and r.optimizer != est.job.optimizer else None)
     offload = r.offload == "optimizer"
-    py_more = ((f", precision={precision!r}" if precision else "") + (f", optimizer={optimizer!r}" if optimizer else "")
-               + (", strategy='zero2', gpus=1, offload='optimizer'" if offload else ""))
-    cfg_more = ((f', precision = "{precision}"' if precision else "") + (f', optimizer = "{optimizer}"' if optimizer
-                                                                         else "")
-                + (', strategy = "zero2", gpus = 1, offload = "optimizer"' if offload else ""))
+    more = {"precision": precision, "optimizer": optimizer,
+            **({"strategy": "zero2", "gpus": 1, "offload": "optimizer"} if offload else {})}
+    more = {field: value for field, value in more.items() if value}
     if r.checkpointing == "none" and est.job.checkpointing != "none":
-        flags += " --checkpointing none"  # the job's own (a QLoRA recipe's full) is not the fix's
+        flags += " " + flag("checkpointing", "none")  # the job's own (a QLoRA recipe's full) is not the fix's
     words = {
-        "python": f"batch_size={r.micro_batch_size}, accumulate={r.accumulation_steps}, checkpointing={ck!r}"
-                  + py_more,
+        "python": ", ".join(keyword(field, value) for field, value in {
+            "batch_size": r.micro_batch_size, "accumulate": r.accumulation_steps, "checkpointing": ck, **more}.items()),
         "memcheck": flags,
         "trainer": args,
-        "lightning": f"batch_size={r.micro_batch_size} in the DataLoader, Trainer(accumulate_grad_batches="
-                     f"{r.accumulation_steps}" + (f', precision="{LIGHTNING_NAMES.get(precision, precision)}"'
-                                                   if precision else "") + ")"
+        "lightning": f"batch_size={r.micro_batch_size} in the DataLoader, Trainer("
+                     f"{lightning_argument('accumulate', r.accumulation_steps)}"
+                     + (f', precision="{LIGHTNING_NAMES.get(precision, precision)}"' if precision else "") + ")"
                      + ("" if r.checkpointing == "none" else ", gradient checkpointing on "
                         + _checkpointing_label(plan, r)) + (f", optimizer {optimizer}" if optimizer else ""),
-        "config": f"micro_batch = {r.micro_batch_size}, accumulation = {r.accumulation_steps}, checkpointing = "
-                  + (f'"{ck}"' if isinstance(ck, str) else "[" + ", ".join(f'"{m}"' for m in ck) + "]") + cfg_more,
+        "config": ", ".join(key(field, value) for field, value in {
+            "batch_size": r.micro_batch_size, "accumulate": r.accumulation_steps, "checkpointing": ck, **more}.items()),
         "deepspeed": f'"train_micro_batch_size_per_gpu": {r.micro_batch_size}, "gradient_accumulation_steps": '
-                     f"{r.accumulation_steps}, --checkpointing "
-                     + (ck if isinstance(ck, str) else ",".join(ck)),
+                     f"{r.accumulation_steps}, " + flag("checkpointing", ck if isinstance(ck, str) else ",".join(ck)),
     }[style]
     return (f"fix: {words} (global batch {plan.effective_global_batch} kept; "
             f"{format_bytes(r.predicted_device_total_bytes)}, traced at exactly these settings)")
@@ -1073,13 +1108,13 @@ def render_layout_plan(plan: "LayoutPlan") -> str:
     r, job = plan.recommended, plan.job
     if r is not None and job is not None and plan.estimate is not None:
         lines.extend(_prose(
-            f"RECOMMENDED: --layout {r.layout} ({job.strategy_config.label} inside), micro-batch "
+            f"RECOMMENDED: {flag('layout', r.layout)} ({job.strategy_config.label} inside), micro-batch "
             f"{r.micro_batch_size} x {r.microbatches} micro-batches a step, checkpointing {r.checkpointing}, "
             f"{job.precision.value}, {optimizer_name(job.optimizer)}"))
         lines.extend(continued("  memcheck flags:", [
-            f"--layout {r.layout}", f"--batch-size {r.micro_batch_size}", f"--accumulate {r.microbatches}",
-            f"--checkpointing {r.checkpointing}", f"--precision {job.precision.value}",
-            f"--max-len {plan.max_len}"], shell=True))
+            flag("layout", r.layout), flag("batch_size", r.micro_batch_size), flag("accumulate", r.microbatches),
+            flag("checkpointing", r.checkpointing), flag("precision", job.precision.value),
+            flag("max_len", plan.max_len)], shell=True))
         lines.append("")
         lines.append(render_devices(plan.estimate.devices))
     else:

@@ -67,17 +67,20 @@ def run_steps(
     max_grad_norm: float | None = None,
     clip: Callable[[list, float], Any] = torch.nn.utils.clip_grad_norm_,
     order: StepOrder = StepOrder.HF,
+    set_to_none: bool = True,
 ) -> None:
     """Run ``steps`` full training steps in ``order`` (``StepOrder``): by default forward and
     loss, backward, clipping, step, zero_grad.
 
-    ``order`` moves the ``zero_grad(set_to_none=True)``: ``plain`` calls it as a step begins,
+    ``order`` moves the ``zero_grad(set_to_none=set_to_none)``: ``plain`` calls it as a step begins,
     before the forward; ``lightning`` after the first micro-step's forward and loss, before its
     backward, as Lightning's ``Closure`` does (so the previous step's gradients are alive through
     that forward), and the last step's gradients stay alive after the run; ``hf`` and
     ``accelerate`` after the optimizer step. The phase of a step's first event is always
     ``FORWARD`` (the tracer starts a step there); a ``zero_grad`` before the forward is announced
-    as ``FORWARD``, then ``ZERO_GRAD``, then ``FORWARD`` again.
+    as ``FORWARD``, then ``ZERO_GRAD``, then ``FORWARD`` again. ``set_to_none=False`` zeroes the
+    gradients in place instead of dropping them (torch/optim/optimizer.py, ``zero_grad``): they stay
+    allocated until the next backward accumulates into them.
 
     With ``accumulate`` N > 1 each step runs N micro-steps of forward and backward
     (the loss divided by N, as the HF Trainer and Lightning do), so gradients stay
@@ -98,7 +101,7 @@ def run_steps(
             on_phase(step, Phase.FORWARD)
             if order is StepOrder.PLAIN and micro == 0:
                 on_phase(step, Phase.ZERO_GRAD)
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=set_to_none)
                 on_phase(step, Phase.FORWARD)
             with region():
                 loss = loss_fn(model, batch)
@@ -111,7 +114,7 @@ def run_steps(
                 loss = loss / accumulate
             if order is StepOrder.LIGHTNING and micro == 0:
                 on_phase(step, Phase.ZERO_GRAD)
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=set_to_none)
             on_phase(step, Phase.BACKWARD)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             del loss
@@ -126,7 +129,7 @@ def run_steps(
             optimizer.step()
         if order in (StepOrder.HF, StepOrder.ACCELERATE):
             on_phase(step, Phase.ZERO_GRAD)
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=set_to_none)
 
 
 TrainStep = Callable[[torch.nn.Module, Any, torch.optim.Optimizer], Any]

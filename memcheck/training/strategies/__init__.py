@@ -24,11 +24,11 @@ strategies trace one rank, whose figures hold for every rank.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
-from memcheck.enums import StepOrder, Strategy
+from memcheck.enums import Strategy
 from memcheck.training.loop import LossFn
 from memcheck.training.strategies.base import SHARDED, Run, StrategyConfig, applicable
 
@@ -49,16 +49,16 @@ def train(
     accumulate: int = 1,
     evaluate: Callable[[torch.nn.Module], None] | None = None,
     train_step: Callable | None = None,
-    max_grad_norm: float | None = None,
-    order: StepOrder = StepOrder.HF,
+    loop: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Trace ``steps`` training steps under ``config``; return, for each real GPU, the traced GPU it matches.
 
+    ``loop``: the job's settings of memcheck's loop, ``training.loop.run_steps``'s keywords (``Job.loop``).
     ``evaluate(module)``, when given, runs after training with the module a trainer
     would evaluate: the DataParallel wrapper under ``dp``, the model otherwise.
     """
     run = Run(config, tracer, model, batch, loss_fn, make_optimizer, steps, autocast, scaler, accumulate, evaluate,
-              train_step, max_grad_norm, order)
+              train_step, loop or {})
     strategy = config.strategy
     if strategy in (Strategy.DP, Strategy.DP_BALANCED):
         from memcheck.training.strategies import data_parallel as family

@@ -24,12 +24,12 @@ index of the traced GPU whose figures hold for it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from memcheck.enums import Dtype, FsdpSharding, Offload, Phase, StepOrder, Strategy
+from memcheck.enums import Dtype, FsdpSharding, Offload, Phase, Strategy
 from memcheck.errors import UsageError, require_int, require_positive_number
 from memcheck.training.loop import LossFn, run_steps, run_train_steps
 
@@ -235,8 +235,9 @@ class Run:
     accumulate: int = 1
     evaluate: Callable[[torch.nn.Module], None] | None = None  # after training, on the module a trainer evaluates
     train_step: Callable | None = None  # the user's own train_step(model, batch, optimizer), run instead of the loop
-    max_grad_norm: float | None = None  # clip_grad_norm_ before each optimizer step
-    order: StepOrder = StepOrder.HF  # where each step's zero_grad goes (memcheck.enums.StepOrder)
+    # the job's settings of memcheck's loop, as training.loop.run_steps's keywords (memcheck.job.Job.loop):
+    # max_grad_norm (clip_grad_norm_ before each optimizer step), order (where zero_grad goes), ...
+    loop: Mapping[str, Any] = field(default_factory=dict)
 
     def run_steps(self, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                   on_phase: Callable[[int, Phase], None]) -> None:
@@ -247,7 +248,7 @@ class Run:
             return
         run_steps(self.model, self.batch, loss_fn, optimizer, self.steps, on_phase,
                   autocast=self.autocast, scaler=self.scaler, accumulate=self.accumulate,
-                  max_grad_norm=self.max_grad_norm, clip=self._clip, order=self.order)
+                  clip=self._clip, **self.loop)
 
     def _clip(self, params: list, max_norm: float):
         """``clip_grad_norm_`` through the tracer, so its op rules see the call."""

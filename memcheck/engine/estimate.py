@@ -19,7 +19,7 @@ from memcheck.choices import ANSWERS, NO_PADDING, PADDING, Choices, point_of
 from memcheck.cuda.allocator import AllocatorConfig, growing_run, simulate
 from memcheck.cuda.gpus import GpuSpec, local_library_versions, resolve_gpu
 from memcheck.cuda.overhead import context_bytes, context_source, module_loading, workspace_allocations
-from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Padding, Phase, Precision, StepOrder
+from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Padding, Phase, Precision, StepOrder, Strategy
 from memcheck.errors import (
     MemcheckError,
     TraceError,
@@ -47,6 +47,7 @@ from memcheck.report.results import (
 from memcheck.rules import extensions
 from memcheck.rules.autocast import MetaAutocast, MetaGradScaler, UserAutocast, meta_autocast_queries
 from memcheck.trace.device_redirect import reads_meta_data, redirect_cuda, tracing_globals
+from memcheck.trace.compiled import CompiledForward
 from memcheck.trace.tracer import ForwardDone, MemoryTracer, TraceLog
 from memcheck.training.adapters import apply_adapters, quantize_4bit
 from memcheck.training.checkpointing import apply_checkpointing
@@ -270,12 +271,21 @@ def estimate(
     job = as_job(job, settings, caller="estimate()")
     eager = compat.eager_module(model)
     target = _validate(eager, batch, job, eval_batch, top_modules)  # first: it refuses a model nested too deep
-    notes = compiled_note(compat.compiled_parts(model, loss_fn=loss_fn, train_step=train_step))
+    parts = compat.compiled_parts(model, loss_fn=loss_fn, train_step=train_step)
+    compiled_model = eager is not model  # torch.compile(model): its step is traced as compiled when it can be
     model, loss_fn, train_step = eager, compat.eager_function(loss_fn), compat.eager_function(train_step)
     _check_train_step(train_step, job)
     name = model_name or type(model).__name__
     kwargs = dict(loss_fn=loss_fn, eval_batch=eval_batch, top_modules=top_modules, progress=progress,
-                  timeline=timeline, train_step=train_step, notes=notes)
+                  timeline=timeline, train_step=train_step)
+    refusal = compiled_refusal(job, parts, train_step, eval_batch) if compiled_model else None
+    if compiled_model and refusal is None:
+        try:
+            with compat.eager_stance():  # a compiled helper of the user's (loss) runs eagerly; the model's
+                return _estimate_rank(model, batch, job, target, name, None, compiled=True, **kwargs)
+        except Exception as exc:  # graph breaks it cannot replay, dynamic shapes, an op it cannot partition
+            refusal = f"the compiled trace failed ({type(exc).__name__}: {_first_line(exc)})"
+    kwargs["notes"] = compiled_note(parts, refusal)
     with compat.eager_stance():
         if job.layout is None:
             return _estimate_rank(model, batch, job, target, name, None, **kwargs)
@@ -285,12 +295,44 @@ def estimate(
                             traced)
 
 
-def compiled_note(parts: list[str]) -> tuple[str, ...]:
-    """The report's line for a ``torch.compile``'d step (``compat.compiled_parts``): traced eagerly."""
+def compiled_note(parts: list[str], why: str | None = None) -> tuple[str, ...]:
+    """The report's line for a ``torch.compile``'d step (``compat.compiled_parts``) traced eagerly,
+    and ``why`` it was not traced as compiled (the model alone is: ``compiled_refusal``)."""
     if not parts:
         return ()
-    return (f"torch.compile: {', '.join(parts)} compiled; traced eagerly, as the uncompiled step runs "
-            f"({COMPILED_EVIDENCE})",)
+    return (f"torch.compile: {', '.join(parts)} compiled; traced eagerly, as the uncompiled step runs"
+            f"{'; ' + why if why else ''} ({COMPILED_EVIDENCE})",)
+
+
+def compiled_refusal(job: Job, parts: list[str], train_step, eval_batch) -> str | None:
+    """Why a ``torch.compile``'d model's step is not traced as compiled (None: it is). The compiled
+    trace (``memcheck.trace.compiled``) is checked against real compiled CPU runs
+    (benchmarks/compiled.py) only for the plain single-device fp32 step on the CPU."""
+    if len(parts) > 1:
+        return "more than the model is compiled"
+    checks = (
+        (job.device is not Device.CPU, "the compiled trace is for the cpu target only"),
+        (job.precision not in (None, Precision.FP32), f"the compiled trace is for fp32 only, not {job.precision}"),
+        (job.checkpointing not in (None, "none", ()), "the compiled trace does not combine with checkpointing"),
+        (job.lora is not None or job.qlora, "the compiled trace does not combine with adapters"),
+        (job.strategy is not Strategy.SINGLE or job.layout is not None,
+         "the compiled trace is for a single device"),
+        (train_step is not None, "the compiled trace runs memcheck's own loop, not a train_step"),
+        (eval_batch is not None, "the compiled trace has no evaluation pass"),
+    )
+    return next((why for bad, why in checks if bad), None)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return escape(text[0][:160]) if text else ""
+
+
+def compiled_trace_note(graphs: int) -> str:
+    """The report's line for a model traced as compiled."""
+    return (f"torch.compile: the model (torch.compile(model)) compiled; traced as compiled (AOTAutograd "
+            f"partition): {graphs} graph{'s' if graphs != 1 else ''} captured by TorchDynamo, split into forward "
+            "and backward by the min-cut partition TorchInductor uses; what inductor fuses is not counted")
 
 
 # What benchmarks/compiled.py measured (results/compiled-*.md): TorchInductor's compiled step against
@@ -299,7 +341,8 @@ COMPILED_EVIDENCE = "a compiled step measured 33% below to 12% above the eager o
 
 
 def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, role: Role | None, *,
-                   loss_fn, eval_batch, top_modules, progress, timeline, train_step, notes=()) -> Estimate:
+                   loss_fn, eval_batch, top_modules, progress, timeline, train_step, notes=(),
+                   compiled: bool = False) -> Estimate:
     """``estimate()`` of one rank: every GPU of a strategy, or one pipeline rank of a layout."""
     if role is not None:
         train_step = role.train_step(job)
@@ -308,6 +351,7 @@ def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, ro
 
     def traced(choices: Choices, forward_only: bool = False) -> tuple[_Run, list[int] | None]:
         run = _set_up(model, batch, eval_batch, job, target, name, progress, choices, role)
+        forward = CompiledForward(run.twin).install() if compiled else None
         if train_step is not None and role is None:
             run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
                               "(model, batch, optimizer), traced as it is")
@@ -319,6 +363,9 @@ def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, ro
             return run, _trace(run, job, target, loss_fn or default_loss, name, train_step)
         except ForwardDone:
             return run, None
+        finally:
+            if forward is not None:
+                run.tracer.assume(compiled_trace_note(forward.partitions))
 
     run, gpu_map = traced(Choices(job.assume))
     (run, gpu_map, devices), branches = _branches(run, gpu_map, traced, job, target, name, top_modules)

@@ -532,6 +532,14 @@ class MemoryTracer(TorchDispatchMode):
         self._grad_sums = _GradientSums()
         _sole_owner_counts()  # measured now, outside any backward
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """TorchDynamo compiles under the tracer, with the tracer off while it traces and on while
+        the compiled graphs run (torch/utils/_python_dispatch.py ``ignore_compile_internals``):
+        ``memcheck.trace.compiled``. An estimate otherwise runs compiled code eagerly
+        (``compat.eager_stance``), so nothing else compiles."""
+        return True
+
     # ---- context management -------------------------------------------------------
     def __enter__(self):
         self.modules.__enter__()

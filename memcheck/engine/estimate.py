@@ -365,6 +365,7 @@ def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, ro
             return run, None
         finally:
             if forward is not None:
+                forward.check()  # one graph, or the eager trace (graph breaks run eager code between graphs)
                 run.tracer.assume(compiled_trace_note(forward.partitions))
 
     run, gpu_map = traced(Choices(job.assume))

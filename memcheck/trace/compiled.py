@@ -147,6 +147,10 @@ def buffer_plan(gm: torch.fx.GraphModule, extern: frozenset) -> tuple[dict[Node,
     return root, realized, inplace
 
 
+class CompiledTraceError(Exception):
+    """The compiled step cannot be traced as compiled; the estimate traces it eagerly."""
+
+
 _CONVOLUTION = torch.ops.aten.convolution.default
 
 
@@ -201,6 +205,13 @@ class InductorBuffers(Interpreter):
                                                          device="meta")
 
 
+FUSE = True
+"""Model inductor's fusion (``buffer_plan``). False: every value of the captured graphs counts, as
+they run under AOTAutograd with no inductor (the graphs as they are, FX's generated code freeing
+each value after its last use): what tests compare with real runs of the same partition, which
+take seconds where an inductor compile takes a minute on 2 cores."""
+
+
 class CompiledForward:
     """``module.forward`` compiled by TorchDynamo with inductor's partition, each graph run by
     ``InductorBuffers``. Installed on the traced twin (``install``); its first call compiles (the
@@ -208,9 +219,9 @@ class CompiledForward:
     compile internals), later calls run the compiled graphs under the tracer, and a recompilation
     then raises (``fail_on_recompile``): the caller falls back to the eager trace."""
 
-    def __init__(self, module: torch.nn.Module, *, fused: bool = True):
+    def __init__(self, module: torch.nn.Module, *, fused: bool | None = None):
         self.module = module
-        self.fused = fused
+        self.fused = FUSE if fused is None else fused
         self.graphs: list[tuple[str, torch.fx.GraphModule]] = []
         self.calls = 0
         self._extern = compat.inductor_extern_ops() if fused else frozenset()
@@ -238,6 +249,16 @@ class CompiledForward:
         self.calls += 1
         with compat.no_global_module_hooks(), compat.no_function_modes(), torch.compiler.set_stance(stance):
             return self._compiled(*args, **kwargs)
+
+    def check(self) -> None:
+        """Raise ``CompiledTraceError`` unless TorchDynamo captured the whole forward as one graph.
+        With none it ran the model eagerly; with several (graph breaks) the code between graphs ran
+        here without the tracer's module hooks and function modes (its kernel rules), so neither
+        is the compiled step's trace."""
+        if self.partitions == 0:
+            raise CompiledTraceError("TorchDynamo captured no graph: the compiled model runs eagerly")
+        if self.partitions > 1:
+            raise CompiledTraceError(f"TorchDynamo broke the forward into {self.partitions} graphs (graph breaks)")
 
     @property
     def partitions(self) -> int:

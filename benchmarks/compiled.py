@@ -69,6 +69,9 @@ def _worker(name: str, measured_only_estimates: bool = False) -> dict:
     with torch.device("meta"):
         model, batch, loss = _builder(name)()
     est = memcheck.estimate(model, batch, device="cpu", optimizer="adamw", loss_fn=loss)
+    from memcheck.trace import compiled as compiled_trace
+
+    compiled_trace.TRACE_AS_COMPILED = True  # the compiled trace, off by default (see its docstring)
     with torch.device("meta"):
         model, batch, loss = _builder(name)()
     comp = memcheck.estimate(torch.compile(model), batch, device="cpu", optimizer="adamw", loss_fn=loss)

@@ -1,5 +1,5 @@
-"""torch.compile'd models, functions and scripts: a compiled model traced as compiled where it can
-be (``memcheck.trace.compiled``), eagerly otherwise, and the report says which.
+"""torch.compile'd models, functions and scripts: traced eagerly, and the report says so; the
+compiled trace (``memcheck.trace.compiled``, off by default: ``TRACE_AS_COMPILED``) and its fallbacks.
 
 A compiled step runs the ops of the eager step, partitioned by AOTAutograd, fused and re-ordered
 by TorchInductor; the compiled trace against real inductor runs is measured by
@@ -64,6 +64,7 @@ def test_the_compiled_trace_replays_the_min_cut_partition_of_a_real_run(monkeypa
     eager = measure_cpu(lambda: (_bn_net(), torch.randn(rows, WIDTH)), lambda p: torch.optim.AdamW(p),
                         loss_fn=_loss).steady_peak_bytes
     monkeypatch.setattr(compiled, "FUSE", False)  # the graphs' every value counts, as in this real run
+    monkeypatch.setattr(compiled, "TRACE_AS_COMPILED", True)
     est = memcheck.estimate(torch.compile(_bn_net()), torch.randn(rows, WIDTH), device="cpu", optimizer="adamw",
                             loss_fn=_loss)
     (note,) = _notes(est)
@@ -72,7 +73,11 @@ def test_the_compiled_trace_replays_the_min_cut_partition_of_a_real_run(monkeypa
     assert abs(est.peak_bytes - real) <= 0.02 * real, (est.peak_bytes, real, eager)
 
 
-def test_a_compiled_model_that_recompiles_is_traced_eagerly_and_says_why():
+def test_a_compiled_model_that_recompiles_is_traced_eagerly_and_says_why(monkeypatch):
+    from memcheck.trace import compiled
+
+    monkeypatch.setattr(compiled, "TRACE_AS_COMPILED", True)
+
     class Counting(nn.Module):  # a Python counter in forward: TorchDynamo guards on it and recompiles
         def __init__(self):
             super().__init__()
@@ -87,16 +92,17 @@ def test_a_compiled_model_that_recompiles_is_traced_eagerly_and_says_why():
     assert "traced eagerly" in note and "the compiled trace failed" in note, note
 
 
-def test_a_compiled_model_on_the_cuda_target_is_traced_eagerly_and_says_why():
+def test_a_compiled_model_on_the_cuda_target_is_traced_eagerly_and_says_why(monkeypatch):
+    from memcheck.trace import compiled
+
+    monkeypatch.setattr(compiled, "TRACE_AS_COMPILED", True)
     est = memcheck.estimate(torch.compile(_net()), torch.randn(ROWS, WIDTH), device="cuda", gpu="H100-80GB",
                             loss_fn=_loss)
     (note,) = _notes(est)
     assert "traced eagerly" in note and "for the cpu target only" in note, note
 
 
-def test_a_compiled_model_is_traced_as_compiled_and_matches_a_real_eager_run():
-    # Linear-GELU-Linear on 8 rows: the peak is at the optimizer step, where the compiled and the
-    # eager step hold the same (benchmarks/compiled.py: mlp, compiled = eager to the byte)
+def test_a_compiled_model_is_traced_eagerly_and_matches_a_real_eager_run():
     torch.manual_seed(0)
 
     def build():
@@ -111,7 +117,7 @@ def test_a_compiled_model_is_traced_as_compiled_and_matches_a_real_eager_run():
     assert est.peak_bytes >= 4 * 132_352
     assert abs(est.peak_bytes - real) <= 0.02 * real, (est.peak_bytes, real)
     assert _notes(est) == [_notes(est)[0]] and "the model (torch.compile(model))" in _notes(est)[0]
-    assert "traced as compiled" in _notes(est)[0]
+    assert "traced eagerly" in _notes(est)[0]
     assert est.devices[0].peak_bytes == est.peak_bytes
 
 

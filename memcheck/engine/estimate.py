@@ -47,6 +47,7 @@ from memcheck.report.results import (
 from memcheck.rules import extensions
 from memcheck.rules.autocast import MetaAutocast, MetaGradScaler, UserAutocast, meta_autocast_queries
 from memcheck.trace.device_redirect import reads_meta_data, redirect_cuda, tracing_globals
+from memcheck.trace import compiled as compiled_trace
 from memcheck.trace.compiled import CompiledForward
 from memcheck.trace.tracer import ForwardDone, MemoryTracer, TraceLog
 from memcheck.training.adapters import apply_adapters, quantize_4bit
@@ -272,7 +273,9 @@ def estimate(
     eager = compat.eager_module(model)
     target = _validate(eager, batch, job, eval_batch, top_modules)  # first: it refuses a model nested too deep
     parts = compat.compiled_parts(model, loss_fn=loss_fn, train_step=train_step)
-    compiled_model = eager is not model  # torch.compile(model): its step is traced as compiled when it can be
+    # torch.compile(model): its step is traced as compiled where it can be, once that is switched on
+    # (memcheck.trace.compiled.TRACE_AS_COMPILED: off until it is closer to real compiled runs in every case)
+    compiled_model = eager is not model and compiled_trace.TRACE_AS_COMPILED
     model, loss_fn, train_step = eager, compat.eager_function(loss_fn), compat.eager_function(train_step)
     _check_train_step(train_step, job)
     name = model_name or type(model).__name__

@@ -205,6 +205,13 @@ class InductorBuffers(Interpreter):
                                                          device="meta")
 
 
+TRACE_AS_COMPILED = False
+"""Whether ``memcheck.estimate`` traces a ``torch.compile``'d model as compiled (this module) or
+eagerly. Off: against real inductor runs (benchmarks/results/compiled-estimates-2026-12-02.md,
+torch 2.13 CPU) the compiled trace is closer than the eager one on cnn_bn (-2.3% against +49.6%)
+and as close on mlp, but further on bert-narrow (-13.4% against +6.2%), and TorchDynamo captured
+no graph under the tracer for gpt2-narrow and lstm. Turned on by the benchmark and the tests."""
+
 FUSE = True
 """Model inductor's fusion (``buffer_plan``). False: every value of the captured graphs counts, as
 they run under AOTAutograd with no inductor (the graphs as they are, FX's generated code freeing

@@ -331,11 +331,15 @@ def _first_line(exc: BaseException) -> str:
     return escape(text[0][:160]) if text else ""
 
 
-def compiled_trace_note(graphs: int) -> str:
+def compiled_trace_note(forward: CompiledForward) -> str:
     """The report's line for a model traced as compiled."""
+    fused = ("pointwise values inductor fuses not counted" if forward.fused
+             else "every value of the graphs counted, inductor's fusion not modelled")
+    again = ", compiled again at step 2 as TorchDynamo's guards asked" if forward.recompiled else ""
     return (f"torch.compile: the model (torch.compile(model)) compiled; traced as compiled (AOTAutograd "
-            f"partition): {graphs} graph{'s' if graphs != 1 else ''} captured by TorchDynamo, split into forward "
-            "and backward by the min-cut partition TorchInductor uses; what inductor fuses is not counted")
+            f"partition): the forward captured by TorchDynamo as one graph{again}, split into forward and "
+            f"backward by the min-cut partition TorchInductor uses, convolutions channels-last as inductor "
+            f"lays them out on the CPU; {fused}")
 
 
 # What benchmarks/compiled.py measured (results/compiled-*.md): TorchInductor's compiled step against
@@ -363,13 +367,13 @@ def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, ro
         run.tracer.stop_at_backward = forward_only
         run.tracer.record_stacks = timeline  # the snapshot's frames
         try:
-            return run, _trace(run, job, target, loss_fn or default_loss, name, train_step)
+            gpu_map = _trace(run, job, target, loss_fn or default_loss, name, train_step)
         except ForwardDone:
-            return run, None
-        finally:
-            if forward is not None:
-                forward.check()  # one graph, or the eager trace (graph breaks run eager code between graphs)
-                run.tracer.assume(compiled_trace_note(forward.partitions))
+            gpu_map = None
+        if forward is not None:
+            forward.check()  # one graph, or the eager trace (graph breaks run eager code between graphs)
+            run.tracer.assume(compiled_trace_note(forward))
+        return run, gpu_map
 
     run, gpu_map = traced(Choices(job.assume))
     (run, gpu_map, devices), branches = _branches(run, gpu_map, traced, job, target, name, top_modules)

@@ -165,9 +165,10 @@ class InductorBuffers(Interpreter):
     allocated; a stored one is computed under them. Without a plan every value counts
     (AOTAutograd's graphs run as they are: the ``aot_eager`` backend)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, plan: tuple | None):
+    def __init__(self, gm: torch.fx.GraphModule, plan: tuple | None, channels_last: bool = False):
         super().__init__(gm, garbage_collect_values=True)
         self.fused = plan is not None
+        self.channels_last = channels_last
         self.root, self.realized, self.inplace = plan if plan is not None else ({}, set(), {})
 
     def run_node(self, n: Node) -> Any:
@@ -175,7 +176,7 @@ class InductorBuffers(Interpreter):
             dying = self.inplace.get(n)
             if dying is not None:
                 self._release(dying)
-            if self.fused and n.target is _CONVOLUTION and _channels_last_cpu():
+            if n.op == "call_function" and n.target is _CONVOLUTION and self.channels_last:
                 return self._channels_last_convolution(n)
             return super().run_node(n)
         with compat.disable_current_modes():
@@ -231,7 +232,8 @@ class CompiledForward:
         self.fused = FUSE if fused is None else fused
         self.graphs: list[tuple[str, torch.fx.GraphModule]] = []
         self.calls = 0
-        self._extern = compat.inductor_extern_ops() if fused else frozenset()
+        self.compiled_per_call: list[int] = []  # forward graphs compiled by each call
+        self._extern = compat.inductor_extern_ops() if self.fused else frozenset()
         backend = compat.inductor_partition_backend(self._compiler("forward"), self._compiler("backward"))
         self._compiled = torch.compile(module.forward, backend=backend, dynamic=False)
 
@@ -243,19 +245,28 @@ class CompiledForward:
         def compile_graph(gm, example_inputs):
             self.graphs.append((kind, gm))
             plan = buffer_plan(gm, self._extern) if self.fused else None
+            channels_last = kind == "forward" and _channels_last_cpu()  # the backward gets its layouts from it
 
             def run(args):
-                return InductorBuffers(gm, plan).boxed_run(args)
+                return InductorBuffers(gm, plan, channels_last).boxed_run(args)
 
             run._boxed_call = True  # AOTAutograd's boxed convention (make_boxed_func): it frees the inputs
             return run
         return compile_graph
 
     def __call__(self, *args, **kwargs):
-        stance = "default" if self.calls == 0 else "fail_on_recompile"
-        self.calls += 1
+        # The first call compiles; the second may recompile once, as a real run does where the
+        # first forward changed what TorchDynamo guards on (transformers sets
+        # ``config.problem_type`` in its first loss: ViT's classifier); after that a recompilation
+        # raises (a step that recompiles every time would end in TorchDynamo's cache limit,
+        # running eagerly).
+        stance = "default" if self.calls < 2 else "fail_on_recompile"
+        before = self.partitions
         with compat.no_global_module_hooks(), compat.no_function_modes(), torch.compiler.set_stance(stance):
-            return self._compiled(*args, **kwargs)
+            out = self._compiled(*args, **kwargs)
+        self.compiled_per_call.append(self.partitions - before)
+        self.calls += 1
+        return out
 
     def check(self) -> None:
         """Raise ``CompiledTraceError`` unless TorchDynamo captured the whole forward as one graph.
@@ -264,8 +275,14 @@ class CompiledForward:
         is the compiled step's trace."""
         if self.partitions == 0:
             raise CompiledTraceError("TorchDynamo captured no graph: the compiled model runs eagerly")
-        if self.partitions > 1:
-            raise CompiledTraceError(f"TorchDynamo broke the forward into {self.partitions} graphs (graph breaks)")
+        breaks = max(self.compiled_per_call, default=0)
+        if breaks > 1:
+            raise CompiledTraceError(f"TorchDynamo broke the forward into {breaks} graphs (graph breaks)")
+
+    @property
+    def recompiled(self) -> bool:
+        """Whether a call after the first compiled the forward again."""
+        return any(self.compiled_per_call[1:])
 
     @property
     def partitions(self) -> int:

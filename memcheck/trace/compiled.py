@@ -17,11 +17,23 @@ captured graph is run by ``InductorBuffers``:
   inductor's wrapper code does (``del buf``; a freed buffer of the same size is reused by the next
   allocation, the same peak);
 * a fused kernel's output takes the buffer of an input that dies in that kernel (inductor's
-  ``inplace_buffers``, torch/_inductor/scheduler.py ``decide_inplace_update``).
+  ``config.inplace_buffers``, torch/_inductor/scheduler.py:1466 ``decide_inplace_update`` in 2.13);
+* a 2-d convolution's input and weight are laid out channels-last, as inductor does on a CPU with
+  oneDNN (``InductorBuffers._channels_last_convolution``).
+
+Only a forward that TorchDynamo captures whole (one graph; one recompilation at step 2 allowed) is
+traced so; otherwise ``CompiledForward.check`` raises and the estimate traces the eager step.
+``estimate()`` uses none of this unless ``TRACE_AS_COMPILED`` is set: against real compiled
+runs it is not closer than the eager trace in every case (the results are in that constant's
+docstring).
 
 Known limitations: inductor's joint-graph and post-grad passes, its reordering for peak memory
-(``config.reorder_for_peak_memory``) and its layout choices are not modelled; which pointwise
-values it stores is decided from the FX graph with its thresholds, not by its lowering.
+(``config.reorder_for_peak_memory``) and its other layout choices are not modelled; which
+pointwise values it stores is decided from the FX graph with its thresholds, not by its lowering
+(bert-narrow: 1.5 logits-sized buffers fewer than the real run at its peak). A model that makes
+a tensor on its own device while TorchDynamo traces it (transformers' ``DynamicCache``:
+``torch.tensor([], device=...)``) makes a real meta tensor that TorchDynamo's fake-tensor mode
+refuses: it falls back.
 """
 
 from __future__ import annotations
@@ -210,8 +222,9 @@ TRACE_AS_COMPILED = False
 """Whether ``memcheck.estimate`` traces a ``torch.compile``'d model as compiled (this module) or
 eagerly. Off: against real inductor runs (benchmarks/results/compiled-estimates-2026-12-02.md,
 torch 2.13 CPU) the compiled trace is closer than the eager one on cnn_bn (-2.3% against +49.6%)
-and as close on mlp, but further on bert-narrow (-13.4% against +6.2%), and TorchDynamo captured
-no graph under the tracer for gpt2-narrow and lstm. Turned on by the benchmark and the tests."""
+and vit-narrow (+8.0% against -10.5%), as close on mlp, but further on bert-narrow (-13.4% against
++6.2%); TorchDynamo captured no graph under the tracer for gpt2-narrow, t5 and lstm (the eager
+trace stands there). Turned on by benchmarks/compiled.py and the tests."""
 
 FUSE = True
 """Model inductor's fusion (``buffer_plan``). False: every value of the captured graphs counts, as

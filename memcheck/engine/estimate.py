@@ -358,7 +358,7 @@ def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, ro
 
     def traced(choices: Choices, forward_only: bool = False) -> tuple[_Run, list[int] | None]:
         run = _set_up(model, batch, eval_batch, job, target, name, progress, choices, role)
-        forward = CompiledForward(run.twin).install() if compiled else None
+        forward = CompiledForward(run.twin).install(run.tracer) if compiled else None
         if train_step is not None and role is None:
             run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
                               "(model, batch, optimizer), traced as it is")

@@ -45,6 +45,7 @@ import torch
 from torch.fx import Interpreter, Node
 
 from memcheck import compat
+from memcheck.trace.tracer import MemoryTracer
 
 # Ops that inductor lowers into fused loops although torch does not tag them pointwise
 # (torch/_inductor/lowering.py: clone, _to_copy, where, full, scalar_tensor, iota, fill and
@@ -237,8 +238,9 @@ class CompiledForward:
     """``module.forward`` compiled by TorchDynamo with inductor's partition, each graph run by
     ``InductorBuffers``. Installed on the traced twin (``install``); its first call compiles (the
     tracer's dispatch mode is off while TorchDynamo and AOTAutograd trace: the tracer ignores
-    compile internals), later calls run the compiled graphs under the tracer, and a recompilation
-    then raises (``fail_on_recompile``): the caller falls back to the eager trace."""
+    compile internals), later calls run the compiled graphs under the tracer; the second call may
+    compile once more, a later recompilation raises (``fail_on_recompile``) and the caller falls
+    back to the eager trace."""
 
     def __init__(self, module: torch.nn.Module, *, fused: bool | None = None):
         self.module = module
@@ -250,8 +252,11 @@ class CompiledForward:
         backend = compat.inductor_partition_backend(self._compiler("forward"), self._compiler("backward"))
         self._compiled = torch.compile(module.forward, backend=backend, dynamic=False)
 
-    def install(self) -> "CompiledForward":
+    def install(self, tracer: MemoryTracer) -> "CompiledForward":
+        """Put the compiled forward on the twin, and let TorchDynamo compile under ``tracer`` (set
+        before the tracer is entered: torch reads it as the mode is pushed)."""
         self.module.forward = self  # an instance attribute of the twin: the class's forward is untouched
+        tracer.compiles = True
         return self
 
     def _compiler(self, kind: str):

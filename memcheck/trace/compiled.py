@@ -30,7 +30,7 @@ docstring).
 Known limitations: inductor's joint-graph and post-grad passes, its reordering for peak memory
 (``config.reorder_for_peak_memory``) and its other layout choices are not modelled; which
 pointwise values it stores is decided from the FX graph with its thresholds, not by its lowering
-(bert-narrow: 1.5 logits-sized buffers fewer than the real run at its peak). A model that makes
+(bert-narrow reads 3.0 MB, -13.4%, below the real compiled run). A model that makes
 a tensor on its own device while TorchDynamo traces it (transformers' ``DynamicCache``:
 ``torch.tensor([], device=...)``) makes a real meta tensor that TorchDynamo's fake-tensor mode
 refuses: it falls back.

@@ -45,7 +45,8 @@ __all__ = [  # the names present on every supported torch; the optional ones are
     "amp_foreach_non_finite_check_and_unscale_", "amp_update_scale_", "queue_engine_callback",
     "cudnn_version_int", "default_device_type", "import_dynamo", "aten_op", "GROUPED_MM", "FUSED_RMS_NORM_CUDA",
     "compiled_parts", "eager_module", "eager_function", "uncompile_copy", "eager_stance",
-    "no_function_modes", "inductor_partition_backend", "inductor_extern_ops", "no_global_module_hooks", "INDUCTOR_REALIZE",
+    "no_function_modes", "inductor_partition_backend", "inductor_extern_ops", "no_global_module_hooks",
+    "INDUCTOR_REALIZE",
 ]
 
 _parts = re.match(r"(\d+)\.(\d+)", torch.__version__)

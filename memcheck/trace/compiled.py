@@ -127,7 +127,7 @@ def buffer_plan(gm: torch.fx.GraphModule, extern: frozenset) -> tuple[dict[Node,
             reads[n], heavy[n] = frozenset((n,)), False
             continue
         got: set = set()
-        is_heavy = getattr(t, "overloadpacket", None) is not None and t.overloadpacket.__name__ in limits["heavy_on_cpu"]
+        is_heavy = t.overloadpacket.__name__ in limits["heavy_on_cpu"]  # _is_fused: t is an OpOverload
         for a in args:
             r = root[a]
             if r in realized:

@@ -62,6 +62,9 @@ OVERRIDES = {
     # keeps a cheaper check in make test (HF checkpointing: test_checkpointing's T5 and the other
     # cases of test_checkpointing_full_matches_hf_checkpointing_measured; evaluation:
     # test_integrations_transformers; a Hub config's dtypes: the rest of test_weights_dtype)
+    # the compiled trace's partition replay against a real run of the same partition: a strict xfail
+    # (+3.6%, not found) of ~10 s while the compiled trace is off (memcheck/trace/compiled.py)
+    "tests/test_compiled.py::test_the_compiled_trace_replays_the_min_cut_partition_of_a_real_run": "bench",
     # a real torchrun of 2 gloo ranks (each under the profiler) beside the traced script: ~20 s quiet;
     # the launcher's parsing, the buckets' bytes and the clean-up stay in make test
     "tests/test_launch.py::test_a_ddp_script_under_torchrun_matches_its_real_ranks": "bench",

@@ -45,6 +45,8 @@ __all__ = [  # the names present on every supported torch; the optional ones are
     "amp_foreach_non_finite_check_and_unscale_", "amp_update_scale_", "queue_engine_callback",
     "cudnn_version_int", "default_device_type", "import_dynamo", "aten_op", "GROUPED_MM", "FUSED_RMS_NORM_CUDA",
     "compiled_parts", "eager_module", "eager_function", "uncompile_copy", "eager_stance",
+    "no_function_modes", "inductor_partition_backend", "inductor_extern_ops", "no_global_module_hooks",
+    "INDUCTOR_REALIZE",
 ]
 
 _parts = re.match(r"(\d+)\.(\d+)", torch.__version__)
@@ -174,9 +176,16 @@ def import_dynamo() -> None:
     on those versions. 2.9 and later import cleanly either way."""
     if "torch._dynamo" in sys.modules:
         return
+    with no_function_modes():
+        importlib.import_module("torch._dynamo")
+
+
+@contextlib.contextmanager
+def no_function_modes():
+    """Set aside the torch-function modes in force (``torch._C._pop_torch_function_stack``, 2.6+) inside."""
     modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
     try:
-        importlib.import_module("torch._dynamo")
+        yield
     finally:
         for mode in reversed(modes):
             torch._C._push_on_torch_function_stack(mode)
@@ -257,6 +266,68 @@ def eager_stance():
     if "torch._dynamo" not in sys.modules:
         return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
+
+
+def inductor_partition_backend(fw_compiler, bw_compiler):
+    """A TorchDynamo backend that splits each captured graph into a forward and a backward as
+    TorchInductor does, then hands them to ``fw_compiler``/``bw_compiler`` (each ``(gm,
+    example_inputs) -> callable`` in AOTAutograd's boxed convention) instead of inductor's codegen.
+
+    What it shares with ``torch._inductor.compile_fx._compile_fx_main`` (2.13: compile_fx.py:3061-3067):
+    ``aot_autograd`` (torch._dynamo.backends.common, 2.6+) with inductor's decompositions
+    (``torch._inductor.decomposition.select_decomp_table``, 2.6+), the min-cut partition with
+    ``compiler="inductor"`` (``torch._functorch.partitioners.min_cut_rematerialization_partition``,
+    2.6+: its recomputation choices are inductor's, compile_fx.py:2313) and
+    ``keep_inference_input_mutations=True``. Left out: inductor's joint-graph passes
+    (``compile_fx.partition_fn``, compile_fx.py:2291: pattern rewrites; on meta tensors its
+    ``constant_fold_uniform_value`` folds every meta value and breaks the graph) and the
+    post-grad passes; what inductor fuses is modelled by ``memcheck.trace.compiled``."""
+    import functools
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, decompositions=select_decomp_table(),
+                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+                        keep_inference_input_mutations=True)
+
+
+def inductor_extern_ops() -> frozenset:
+    """The aten ops whose inputs TorchInductor realizes into buffers of their own: its extern and
+    fallback kernels (matmuls, convolutions, attention, ...): ``needs_realized_inputs``
+    (torch/_inductor/lowering.py:134, filled as lowering.py registers them; 2.6+). Importing it
+    registers every lowering: about a second."""
+    from torch._inductor import lowering
+
+    return frozenset(lowering.needs_realized_inputs)
+
+
+# TorchInductor's thresholds for materialising a fused pointwise value (torch/_inductor/config.py
+# 2.13: realize_reads_threshold = 4 at :861, realize_cpu_acc_reads_threshold = 12 at :871; the
+# same values since 2.6), and the ops that make a value used twice worth storing on the CPU
+# (``StorageBox.should_realize_on_reuse``, torch/_inductor/ir.py:10093-10115).
+INDUCTOR_REALIZE = {"reads_on_reuse": 4, "cpu_acc_reads": 12,
+                    "heavy_on_cpu": ("exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh")}
+
+
+@contextlib.contextmanager
+def no_global_module_hooks():
+    """Set aside the global module hooks (``torch.nn.modules.module._global_*_hooks``, 2.6+; memcheck's
+    ModuleTracker) inside: a compiled forward runs as a real one does, without them (TorchDynamo
+    would otherwise trace or break on them)."""
+    module = sys.modules["torch.nn.modules.module"]
+    names = [n for n in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+                         "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks")
+             if isinstance(getattr(module, n, None), dict)]
+    saved = {n: dict(getattr(module, n)) for n in names}
+    for n in names:
+        getattr(module, n).clear()
+    try:
+        yield
+    finally:
+        for n in names:
+            getattr(module, n).update(saved[n])
 
 
 # --- Optional features, imported on first use --------------------------------------------------

@@ -16,7 +16,7 @@ from memcheck.cuda.gpus import GpuSpec, resolve_gpu
 from memcheck.engine.branches import traced_branches
 from memcheck.engine.setup import TracedRun, check_packed, set_up, with_step_precision
 from memcheck.engine.summary import result, summarise
-from memcheck.enums import Device, Padding, Phase, StepOrder
+from memcheck.enums import Device, Padding, Phase, Precision, StepOrder, Strategy
 from memcheck.errors import (
     MemcheckError,
     TraceError,
@@ -34,6 +34,8 @@ from memcheck.report.results import Estimate
 from memcheck.rules import extensions
 from memcheck.rules.autocast import UserAutocast, meta_autocast_queries
 from memcheck.trace.device_redirect import reads_meta_data, redirect_cuda, tracing_globals
+from memcheck.trace import compiled as compiled_trace
+from memcheck.trace.compiled import CompiledForward
 from memcheck.trace.tracer import ForwardDone
 from memcheck.training.loop import LossFn, default_loss, run_eval
 from memcheck.training.strategies import train
@@ -211,12 +213,23 @@ def estimate(
     job = as_job(job, settings, caller="estimate()")
     eager = compat.eager_module(model)
     target = _validate(eager, batch, job, eval_batch, top_modules)  # first: it refuses a model nested too deep
-    notes = compiled_note(compat.compiled_parts(model, loss_fn=loss_fn, train_step=train_step))
+    parts = compat.compiled_parts(model, loss_fn=loss_fn, train_step=train_step)
+    # torch.compile(model): its step is traced as compiled where it can be, once that is switched on
+    # (memcheck.trace.compiled.TRACE_AS_COMPILED: off until it is closer to real compiled runs in every case)
+    compiled_model = eager is not model and compiled_trace.TRACE_AS_COMPILED
     model, loss_fn, train_step = eager, compat.eager_function(loss_fn), compat.eager_function(train_step)
     _check_train_step(train_step, job)
     name = model_name or type(model).__name__
     kwargs = dict(loss_fn=loss_fn, eval_batch=eval_batch, top_modules=top_modules, progress=progress,
-                  timeline=timeline, train_step=train_step, notes=notes)
+                  timeline=timeline, train_step=train_step)
+    refusal = compiled_refusal(job, parts, train_step, eval_batch) if compiled_model else None
+    if compiled_model and refusal is None:
+        try:
+            with compat.eager_stance():  # a compiled helper of the user's (loss) runs eagerly; the model's
+                return _estimate_rank(model, batch, job, target, name, None, compiled=True, **kwargs)
+        except Exception as exc:  # graph breaks it cannot replay, dynamic shapes, an op it cannot partition
+            refusal = f"the compiled trace failed ({type(exc).__name__}: {_first_line(exc)})"
+    kwargs["notes"] = compiled_note(parts, refusal)
     with compat.eager_stance():
         if job.layout is None:
             return _estimate_rank(model, batch, job, target, name, None, **kwargs)
@@ -226,12 +239,48 @@ def estimate(
                             traced)
 
 
-def compiled_note(parts: list[str]) -> tuple[str, ...]:
-    """The report's line for a ``torch.compile``'d step (``compat.compiled_parts``): traced eagerly."""
+def compiled_note(parts: list[str], why: str | None = None) -> tuple[str, ...]:
+    """The report's line for a ``torch.compile``'d step (``compat.compiled_parts``) traced eagerly,
+    and ``why`` it was not traced as compiled (the model alone is: ``compiled_refusal``)."""
     if not parts:
         return ()
-    return (f"torch.compile: {', '.join(parts)} compiled; traced eagerly, as the uncompiled step runs "
-            f"({COMPILED_EVIDENCE})",)
+    return (f"torch.compile: {', '.join(parts)} compiled; traced eagerly, as the uncompiled step runs"
+            f"{'; ' + why if why else ''} ({COMPILED_EVIDENCE})",)
+
+
+def compiled_refusal(job: Job, parts: list[str], train_step, eval_batch) -> str | None:
+    """Why a ``torch.compile``'d model's step is not traced as compiled (None: it is). The compiled
+    trace (``memcheck.trace.compiled``) is checked against real compiled CPU runs
+    (benchmarks/compiled.py) only for the plain single-device fp32 step on the CPU."""
+    if len(parts) > 1:
+        return "more than the model is compiled"
+    checks = (
+        (job.device is not Device.CPU, "the compiled trace is for the cpu target only"),
+        (job.precision not in (None, Precision.FP32), f"the compiled trace is for fp32 only, not {job.precision}"),
+        (job.checkpointing not in (None, "none", ()), "the compiled trace does not combine with checkpointing"),
+        (job.lora is not None or job.qlora, "the compiled trace does not combine with adapters"),
+        (job.strategy is not Strategy.SINGLE or job.layout is not None,
+         "the compiled trace is for a single device"),
+        (train_step is not None, "the compiled trace runs memcheck's own loop, not a train_step"),
+        (eval_batch is not None, "the compiled trace has no evaluation pass"),
+    )
+    return next((why for bad, why in checks if bad), None)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return escape(text[0][:160]) if text else ""
+
+
+def compiled_trace_note(forward: CompiledForward) -> str:
+    """The report's line for a model traced as compiled."""
+    fused = ("pointwise values inductor fuses not counted" if forward.fused
+             else "every value of the graphs counted, inductor's fusion not modelled")
+    again = ", compiled again at step 2 as TorchDynamo's guards asked" if forward.recompiled else ""
+    return (f"torch.compile: the model (torch.compile(model)) compiled; traced as compiled (AOTAutograd "
+            f"partition): the forward captured by TorchDynamo as one graph{again}, split into forward and "
+            f"backward by the min-cut partition TorchInductor uses, convolutions channels-last as inductor "
+            f"lays them out on the CPU; {fused}")
 
 
 # What benchmarks/compiled.py measured (results/compiled-*.md): TorchInductor's compiled step against
@@ -240,7 +289,8 @@ COMPILED_EVIDENCE = "a compiled step measured 33% below to 12% above the eager o
 
 
 def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, role: Role | None, *,
-                   loss_fn, eval_batch, top_modules, progress, timeline, train_step, notes=()) -> Estimate:
+                   loss_fn, eval_batch, top_modules, progress, timeline, train_step, notes=(),
+                   compiled: bool = False) -> Estimate:
     """``estimate()`` of one rank: every GPU of a strategy, or one pipeline rank of a layout."""
     if role is not None:
         train_step = role.train_step(job)
@@ -249,6 +299,7 @@ def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, ro
 
     def traced(choices: Choices, forward_only: bool = False) -> tuple[TracedRun, list[int] | None]:
         run = set_up(model, batch, eval_batch, job, target, name, progress, choices, role)
+        forward = CompiledForward(run.twin).install(run.tracer) if compiled else None
         if train_step is not None and role is None:
             run.tracer.assume(f"the training step is the model's own {getattr(train_step, '__name__', 'train_step')}"
                               "(model, batch, optimizer), traced as it is")
@@ -257,9 +308,13 @@ def _estimate_rank(model, batch, job: Job, target: GpuSpec | None, name: str, ro
         run.tracer.stop_at_backward = forward_only
         run.tracer.record_stacks = timeline  # the snapshot's frames
         try:
-            return run, _trace(run, job, target, loss_fn or default_loss, name, train_step)
+            gpu_map = _trace(run, job, target, loss_fn or default_loss, name, train_step)
         except ForwardDone:
-            return run, None
+            gpu_map = None
+        if forward is not None:
+            forward.check()  # one graph, or the eager trace (graph breaks run eager code between graphs)
+            run.tracer.assume(compiled_trace_note(forward))
+        return run, gpu_map
 
     run, gpu_map = traced(Choices(job.assume))
     (run, gpu_map, devices), branches = traced_branches(run, gpu_map, traced, job, target, name, top_modules)

@@ -493,6 +493,7 @@ class MemoryTracer(TorchDispatchMode):
         self.choices = choices if choices is not None else Choices()  # answers at the choice points
         self.if_unpadded = KnownValues()  # the values known if the batch had no padding (choices)
         self.stop_at_backward = False  # raise ForwardDone as step 1's backward begins
+        self.compiles = False  # TorchDynamo compiles the model under the tracer (ignore_compile_internals)
         # note each allocation's Python stack in ``log.stacks`` (``--snapshot``'s frames; it costs time)
         self.record_stacks = False
         self._stacks = StackRecorder()
@@ -531,6 +532,16 @@ class MemoryTracer(TorchDispatchMode):
         self._engine = EngineUnderModes(lambda: self._engine_modes)
         self._grad_sums = _GradientSums()
         _sole_owner_counts()  # measured now, outside any backward
+
+    def ignore_compile_internals(self) -> bool:
+        """Whether TorchDynamo compiles under this tracer (``compiles``, set by
+        ``memcheck.trace.compiled.CompiledForward.install`` before the trace): with the tracer off
+        while it traces and on while the compiled graphs run (torch/utils/_python_dispatch.py
+        ``ignore_compile_internals``, read on each instance as it is pushed). Otherwise TorchDynamo
+        skips every frame while the tracer is in force (torch/_dynamo/convert_frame.py, "non-infra
+        torch dispatch mode present"), so compiled code a library calls under ``memcheck run``
+        runs eagerly, as before."""
+        return self.compiles
 
     # ---- context management -------------------------------------------------------
     def __enter__(self):

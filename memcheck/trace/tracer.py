@@ -702,11 +702,14 @@ class MemoryTracer(TorchDispatchMode):
                 if key is not None and key[0] not in self._sizes and key[0] not in self._ignored:
                     self._alloc(key[0], key[1], Category.TEMPORARY, None)
 
-    def scratch(self, *nbytes: int) -> None:
+    def scratch(self, *nbytes: int, name: str | None = None) -> None:
         """Record buffers a kernel allocates and frees inside one op, on top of what is live.
 
         They are allocated in the order given and freed together, as the kernels
-        that rules describe do (each rule cites the source it follows).
+        that rules describe do (each rule cites the source it follows). ``name`` labels
+        them: it is their innermost frame, ``("<name>", 0, name)``, above the Python stack
+        when stacks are recorded, so a ``--snapshot`` shows the block by name
+        (``"cuDNN workspace: conv forward"``) where a tensor shows the code that made it.
         """
         sizes = [int(n) for n in nbytes if n > 0]
         module = self._module()
@@ -716,7 +719,10 @@ class MemoryTracer(TorchDispatchMode):
             self._sizes[self._scratch_id] = n
             self._cats[self._scratch_id] = Category.TEMPORARY
             self.live_bytes += n
-            self._alloc_event((ALLOC, self._scratch_id, n, Category.TEMPORARY, module, self.phase, self.step, gpu))
+            event = (ALLOC, self._scratch_id, n, Category.TEMPORARY, module, self.phase, self.step, gpu)
+            self._alloc_event(event)
+            if name is not None:
+                self.log.stacks[id(event)] = (("<" + name + ">", 0, name),) + self.log.stacks.get(id(event), ())
         for sid in range(self._scratch_id, self._scratch_id + len(sizes)):
             n = self._sizes.pop(sid)
             self._cats.pop(sid)

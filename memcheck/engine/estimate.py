@@ -47,7 +47,7 @@ from memcheck.report.results import (
 from memcheck.rules import extensions
 from memcheck.rules.autocast import MetaAutocast, MetaGradScaler, UserAutocast, meta_autocast_queries
 from memcheck.trace.device_redirect import reads_meta_data, redirect_cuda, tracing_globals
-from memcheck.trace.tracer import ForwardDone, MemoryTracer, TraceLog
+from memcheck.trace.tracer import AUTOGRAD_THREAD, MAIN_THREAD, ForwardDone, MemoryTracer, TraceLog
 from memcheck.training.adapters import apply_adapters, quantize_4bit
 from memcheck.training.checkpointing import apply_checkpointing
 from memcheck.training.loop import LossFn, default_loss, run_eval, to_precision
@@ -842,26 +842,45 @@ def target_gpu(job: Job) -> GpuSpec | None:
     return job.gpu if isinstance(job.gpu, GpuSpec) else resolve_gpu(job.gpu)
 
 
-def _with_workspaces(events: list[tuple], arch, start: int) -> tuple[list[tuple], int]:
+def _with_workspaces(events: list[tuple], arch, start: int, firsts: list[tuple[int, str]]) -> tuple[list[tuple], int]:
     """One GPU's events with cuBLAS's workspaces allocated where a real step first needs
     them, and where event ``start`` (the steady state's first) now is.
 
-    torch keeps one workspace per (cuBLAS handle, stream) in the caching allocator; the
-    forward runs on the main thread and backward on autograd's device thread, each
-    with its own handle (memcheck.cuda.overhead). The first is allocated at the first
-    forward, the second at the first backward; both live to the end.
+    torch keeps one workspace per (cuBLAS handle, stream) in the caching allocator, bound
+    when a thread first takes its handle: inside its first cuBLAS op, after the op's output
+    (CublasHandlePool.cpp ``getCurrentCUDABlasHandle`` -> ``setWorkspaceForHandle``). The
+    forward runs on the main thread and backward on autograd's device thread, each with its
+    own handle (memcheck.cuda.overhead). ``firsts``: ``(position in events, thread)`` of each
+    thread's first cuBLAS op (``TraceLog.blas_first``); a thread that calls none gets none.
+    Both live to the end.
+
+    Where each goes matters to ``reserved``: GPT-2 in pure bf16 on an H200 (2026-11-26 run)
+    frees its 823 MB bf16 logits before backward; the autograd thread's 32 MiB workspace,
+    placed at backward's first event, took that freed segment, so the bf16 grad of the
+    logits went to a logits-sized fp32 segment and the next step fitted in the segments it
+    had: reserved 11.08 GB against 12.72 GB measured. At the lm_head backward's mm, where
+    torch takes it, the grad fills the bf16 segment first and one more 1.65 GB segment is
+    needed later: 12.73 GB.
     """
-    by_phase = {Phase.FORWARD: [], Phase.BACKWARD: []}
+    by_thread: dict[str, list[tuple[str, int]]] = {MAIN_THREAD: [], AUTOGRAD_THREAD: []}
     for label, nbytes in workspace_allocations(arch):
-        by_phase[Phase.BACKWARD if "autograd" in label else Phase.FORWARD].append((label, nbytes))
+        by_thread[AUTOGRAD_THREAD if AUTOGRAD_THREAD in label else MAIN_THREAD].append((label, nbytes))
+    at: dict[int, list[str]] = defaultdict(list)
+    for position, thread in firsts:
+        at[position].append(thread)
     out, new_start = [], None
-    for i, ev in enumerate(events):
-        for label, nbytes in by_phase.pop(ev[5], ()):
-            out.append((ALLOC, f"workspace:{label}:{ev[7]}", nbytes, Category.WORKSPACE, f"({label})", ev[5],
-                        ev[6], ev[7]))
+    for i in range(len(events) + 1):
+        if events:
+            ev = events[max(i - 1, 0)]  # the op's output: its phase, step and GPU
+            for thread in at.get(i, ()):
+                for label, nbytes in by_thread.pop(thread, ()):
+                    out.append((ALLOC, f"workspace:{label}:{ev[7]}", nbytes, Category.WORKSPACE, f"({label})",
+                                ev[5], ev[6], ev[7]))
+        if i == len(events):
+            break
         if i == start:
             new_start = len(out)
-        out.append(ev)
+        out.append(events[i])
     return out, len(out) if new_start is None else new_start
 
 
@@ -893,16 +912,23 @@ def _short(module: str | None, root: str) -> str:
 def _device_events(log: TraceLog, traced: int, device: Device, arch) -> tuple[list[tuple], int]:
     """One traced GPU's events (with cuBLAS's workspaces on CUDA), and the index of step 2's first."""
     second = log.step_starts[1] if len(log.step_starts) > 1 else 0
-    events, start = [], None
+    marks: dict[int, list[str]] = defaultdict(list)  # log index -> threads whose first cuBLAS op ends there
+    for (thread, gpu), index in log.blas_first.items():
+        if gpu == traced:
+            marks[index].append(thread)
+    events, start, firsts = [], None, []
     for i, ev in enumerate(log.events):
+        for thread in marks.pop(i, ()):
+            firsts.append((len(events), thread))
         if ev[7] != traced:
             continue
         if start is None and i >= second:
             start = len(events)
         events.append(ev)
+    firsts += [(len(events), thread) for threads in marks.values() for thread in threads]
     start = len(events) if start is None else start
     if device is Device.CUDA:
-        events, start = _with_workspaces(events, arch, start)
+        events, start = _with_workspaces(events, arch, start, firsts)
     return events, start
 
 

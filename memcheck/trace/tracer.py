@@ -84,6 +84,18 @@ _FLOPS = {
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
 }
 
+# Ops that call cuBLAS/cuBLASLt on CUDA through torch's handle (``at::cuda::blas``:
+# ``getCurrentCUDABlasHandle`` binds the handle's workspace on its first use by a thread,
+# CublasHandlePool.cpp ``setWorkspaceForHandle``). Composite ops (``linear``, ``matmul``)
+# reach the dispatcher as these.
+_BLAS_OPS = frozenset({
+    _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.addbmm, _aten._addmm_activation,
+    _aten.addmv, _aten.mv, _aten.dot, _aten.vdot, _aten._scaled_mm, _aten._int_mm,
+    _aten._grouped_mm, _aten._scaled_grouped_mm,
+})
+AUTOGRAD_THREAD = "autograd thread"  # backward's ops run on autograd's device thread
+MAIN_THREAD = "main thread"  # every other phase's, on the Python thread
+
 # Categories that a later use (being saved for backward, being returned) must not overwrite.
 _PERSISTENT = frozenset(
     {Category.PARAMETER, Category.BUFFER, Category.INPUT, Category.OPTIMIZER, Category.GRADIENT}
@@ -131,6 +143,9 @@ class TraceLog:
     # id(an ALLOC event in ``events``, which keeps it alive) -> the Python stack it was made at,
     # innermost first, as (filename, line, name) (``MemoryTracer.record_stacks``; memcheck.trace.stacks)
     stacks: dict[int, tuple] = field(default_factory=dict)
+    # (thread, gpu) -> the index in ``events`` just after the outputs of that thread's first
+    # cuBLAS op: where its cuBLAS workspace is allocated (``memcheck.engine.estimate``)
+    blas_first: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 def storage_key(t: torch.Tensor):
@@ -836,6 +851,9 @@ class MemoryTracer(TorchDispatchMode):
             rule = DISPATCH_RULES.get(func) or named_rule(func)
             out = rule(self, func, args, kwargs) if rule is not None else func(*args, **kwargs)
             self.track(out)
+            if func._overloadpacket in _BLAS_OPS:  # the thread's handle takes its workspace now
+                thread = AUTOGRAD_THREAD if self.phase is Phase.BACKWARD else MAIN_THREAD
+                self.log.blas_first.setdefault((thread, self._current_gpu()), len(self.log.events))
             self.known.observe(func, args, kwargs, out)
             if self.if_unpadded:
                 self.if_unpadded.observe(func, args, kwargs, out)

@@ -63,8 +63,11 @@ knowable without the GPU):
   workspace, the larger, so a fit verdict does not depend on it.
 
 ``benchmark`` is a parameter of :func:`conv_workspace_calls` with ``False`` the default. The
-dispatch rules read it from the tracer (``ctx.cudnn_benchmark``, absent = False), which is
-where a job setting would put it.
+dispatch rules read it from the tracer (``ctx.cudnn_benchmark``, absent = False): a job
+setting reaches it by ``tracer.cudnn_benchmark = job.cudnn_benchmark`` where the tracer is
+built (``memcheck/engine/estimate.py``, ``MemoryTracer(device, arch=...)``, and
+``memcheck/engine/script.py``). ``allow_tf32`` is taken as torch's default, True, and
+``deterministic`` is not modelled (it only drops engines; the NHWC assumption is unchanged).
 """
 
 from __future__ import annotations

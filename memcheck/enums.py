@@ -265,6 +265,11 @@ class Attention(_Choice):
 # timeline read them too, so they live here, below both.
 ALLOC, FREE, RECAT = 0, 1, 2
 
+# The host threads that hold a cuBLAS handle (and its workspace) in a traced step
+# (``TraceLog.blas_first``, ``memcheck.cuda.replay.with_workspaces``).
+AUTOGRAD_THREAD = "autograd thread"  # backward's ops run on autograd's device thread
+MAIN_THREAD = "main thread"  # every other phase's, on the Python thread
+
 
 class Event(NamedTuple):
     """One memory event of a trace (``memcheck.trace.tracer.TraceLog.events``), as the allocator

@@ -13,32 +13,6 @@ def _allocs(tracer):
     return [e[2] for e in tracer.log.events if e[0] == ALLOC]
 
 
-def test_cudnn_convolution_gets_its_workspace_allowance_and_says_so(monkeypatch):
-    # Conv2d(16 -> 32, 3x3) weight: 32*16*3*3*4 B = 18,432 B. With cudnn.benchmark off the
-    # allowance is 2 x weight + 1 MiB = 36,864 + 1,048,576 = 1,085,440 B, once per call.
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    x = torch.empty(4, 16, 32, 32, device="meta")
-    w = torch.empty(32, 16, 3, 3, device="meta")
-    tracer = MemoryTracer(Device.CUDA)
-    with tracer:
-        F.conv2d(x, w)
-    assert _allocs(tracer).count(1_085_440) == 1
-    assert any("cuDNN workspace" in a for a in tracer.log.assumptions)
-
-
-def test_cudnn_benchmark_mode_takes_the_larger_allowance_and_warns(monkeypatch):
-    # benchmark on: input + weight + output = 4*16*32*32*4 + 18,432 + 4*32*30*30*4
-    #             = 262,144 + 18,432 + 460,800 = 741,376 B.
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
-    x = torch.empty(4, 16, 32, 32, device="meta")
-    w = torch.empty(32, 16, 3, 3, device="meta")
-    tracer = MemoryTracer(Device.CUDA)
-    with tracer:
-        F.conv2d(x, w)
-    assert _allocs(tracer).count(741_376) == 1
-    assert any("benchmark=True" in a for a in tracer.log.assumptions)
-
-
 def test_fp16_softmax_to_float_on_cuda_reads_fp16_without_a_float_copy():
     # Scores (2, 4, 128, 128) fp16 = 262,144 B. softmax(dtype=float32) on CUDA writes the
     # 524,288 B float32 result directly (half_to_float); on CPU the input is first converted,

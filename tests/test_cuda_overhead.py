@@ -12,8 +12,6 @@ from memcheck.cuda.overhead import (
     cublas_workspace_bytes,
     cublaslt_unified,
     cublaslt_workspace_bytes,
-    cudnn_conv_workspace_bytes,
-    cudnn_workspace_note,
     parse_cublas_workspace_config,
     workspace_allocations,
 )
@@ -140,25 +138,6 @@ def test_deterministic_config_shrinks_the_workspaces():
 
 def test_a_zero_workspace_is_not_an_allocation():
     assert workspace_allocations((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":0:8"}) == []
-
-
-def test_cudnn_allowance_without_benchmark_is_twice_the_weight_plus_1_mib():
-    # 512x512x3x3 fp16 weight = 4,718,592 B -> 2 * 4,718,592 + 1 MiB = 10,485,760 B
-    assert cudnn_conv_workspace_bytes(10**8, 4_718_592, 10**8, benchmark=False) == 10_485_760
-
-
-def test_cudnn_allowance_with_benchmark_is_the_three_tensors():
-    assert cudnn_conv_workspace_bytes(3 * MiB, 1 * MiB, 2 * MiB, benchmark=True) == 6 * MiB
-
-
-def test_cudnn_allowance_refuses_negative_sizes():
-    with pytest.raises(UsageError, match="weight size -1"):
-        cudnn_conv_workspace_bytes(0, -1, 0, benchmark=False)
-
-
-def test_cudnn_note_says_it_is_an_allowance():
-    assert "allowance" in cudnn_workspace_note(True)
-    assert "allowance" in cudnn_workspace_note(False)
 
 
 def test_context_bytes_comes_from_the_table():

@@ -310,3 +310,56 @@ def test_a_failure_inside_stock_transformers_code_is_memcheck_s_naming_the_op_an
     assert "raised inside transformers (transformers/models/gpt2/modeling_gpt2.py:" in message
     assert "while tracing torch.nn.functional.dropout" in message
     assert len(message.splitlines()) == 1
+
+
+# -- cuBLAS workspaces: taken inside each thread's first cuBLAS op ------------------------------
+
+def test_the_tracer_marks_each_threads_first_cublas_op_after_its_output():
+    from memcheck.enums import ALLOC, Device, Phase
+    from memcheck.enums import AUTOGRAD_THREAD, MAIN_THREAD
+    from memcheck.trace.tracer import MemoryTracer
+
+    x, w = torch.empty(4, 8, device="meta"), torch.empty(8, 8, device="meta")
+    tracer = MemoryTracer(Device.CUDA)
+    with tracer:
+        tracer.phase = Phase.FORWARD
+        kept = [torch.relu(x)]  # event 0: no cuBLAS
+        kept.append(torch.mm(x, w))  # event 1: its output; the main thread's workspace goes after it
+        kept.append(torch.mm(x, w))  # event 2: a second call binds nothing new
+        tracer.phase = Phase.BACKWARD
+        kept.append(torch.relu(x))  # event 3
+        kept.append(torch.mm(x, w))  # event 4: the autograd thread's first cuBLAS op
+    assert [e[0] for e in tracer.log.events[:5]] == [ALLOC] * 5
+    assert tracer.log.blas_first == {(MAIN_THREAD, 0): 2, (AUTOGRAD_THREAD, 0): 5}
+
+
+def test_workspaces_are_inserted_at_the_marks_and_a_thread_without_cublas_gets_none():
+    from memcheck.cuda.replay import with_workspaces
+    from memcheck.enums import ALLOC, MAIN_THREAD, Category, Event, Phase
+
+    def ev(sid, phase):
+        return Event(ALLOC, sid, 1024, Category.TEMPORARY, "m", phase, 0, 0)
+
+    events = [ev(1, Phase.FORWARD), ev(2, Phase.FORWARD), ev(3, Phase.BACKWARD)]
+    out, start = with_workspaces(events, (9, 0), 2, [(2, MAIN_THREAD)])
+    # sm90: one 32 MiB workspace for the main thread, after event 2 (the mm's output); backward
+    # called no cuBLAS op, so no autograd-thread workspace
+    assert [e[1] for e in out] == [1, 2, "workspace:cuBLAS workspace (main thread):0", 3]
+    assert out[2][2] == 32 * 2**20 and out[2][5] is Phase.FORWARD
+    assert start == 3 and out[start][1] == 3  # step 2 still starts at its own first event
+
+
+def test_where_the_workspace_lands_decides_a_later_segment():
+    # The GPT-2 pure-bf16 mechanism in miniature (MiB): a 24 MiB output is freed before
+    # backward; backward allocates a 24 MiB grad and takes a 4 MiB cuBLAS workspace.
+    # At backward's start the workspace splits the freed 24 MiB segment (4 + 20 free), so
+    # the grad needs a second 24 MiB segment: 48 MiB reserved. Taken inside the op, after
+    # the grad, the grad refills the 24 MiB segment exactly and the 4 MiB workspace gets a
+    # new 20 MiB segment (kLargeBuffer, requests of 1-10 MiB): 44 MiB reserved.
+    from memcheck.cuda.allocator import simulate
+    from memcheck.enums import ALLOC, FREE
+
+    MiB = 2**20
+    out, ws, grad = [(ALLOC, 1, 24 * MiB), (FREE, 1, 24 * MiB)], (ALLOC, 2, 4 * MiB), (ALLOC, 3, 24 * MiB)
+    assert simulate(out + [ws, grad]).peak_reserved_bytes == 48 * MiB
+    assert simulate(out + [grad, ws]).peak_reserved_bytes == 44 * MiB

@@ -26,9 +26,8 @@ versions of early-to-mid 2026, see each constant):
   note: "the default on open-source CUDA builds ... physically reuses the same
   allocation"). With ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` there is a second map,
   ``cublaslt_handle_stream_to_workspace()``, of ``CUBLASLT_WORKSPACE_SIZE`` KiB each.
-* ``aten/src/ATen/native/cudnn/Conv_v8.cpp`` / ``Conv_v7.cpp`` — cuDNN convolution
-  workspaces are allocated through the caching allocator per call and freed when the
-  call returns (see :func:`cudnn_conv_workspace_bytes`).
+* cuDNN convolution workspaces are per-call blocks of the traced step, not a fixed
+  overhead: ``memcheck.rules.cuda_conv``.
 
 Known limitations:
     ``torch.backends.cuda.cublas_workspace_size(n)`` (torch 2.13) overrides the
@@ -64,10 +63,6 @@ CUBLASLT_WORKSPACE_DEFAULT = 1024 * KiB
 # loss) and the autograd engine's device thread (backward).
 BLAS_THREADS = 2
 _THREAD_LABELS = ("main thread", "autograd thread")
-
-# An allowance for the cuDNN heuristic (benchmark=False) choice: a few MiB of descriptors and
-# small-workspace implicit-GEMM engines, plus fp32 split-K partials of the weight gradient.
-CUDNN_HEURISTIC_SLACK = 1 * MiB  # allowance, not a measurement
 
 _CONFIG = re.compile(r"(?::[0-9]+:[0-9]+)+")
 _PAIR = re.compile(r":([0-9]+):([0-9]+)")
@@ -200,56 +195,6 @@ def workspace_allocations(
         if lt > 0:
             out += [(f"cuBLASLt workspace ({label})", lt) for label in labels]
     return out
-
-
-def cudnn_conv_workspace_bytes(input_bytes: int, weight_bytes: int, output_bytes: int, benchmark: bool) -> int:
-    """An ALLOWANCE for the transient workspace of one cuDNN convolution call; not a measurement.
-
-    What torch does: every cuDNN convolution (forward, grad-input, grad-weight) allocates
-    its workspace from the caching allocator for the duration of the call
-    (``Conv_v8.cpp`` ``run_conv_plan``: ``CUDACachingAllocator::get()->allocate(
-    plan.getWorkspaceSize())``; ``Conv_v7.cpp`` ``allocate_workspace``: an ``at::empty``
-    byte tensor) and frees it on return, so it adds to the peak only while that call
-    runs and then stays cached. The size is whatever the chosen engine asks for; torch
-    sets no limit beyond memory (an OOM makes it try the next engine).
-
-    * ``benchmark=False``: cuDNN's heuristics choose (mostly implicit-GEMM engines with
-      small workspaces). Allowance: 2 x ``weight_bytes`` (fp32 split-K partials of the
-      weight gradient) + 1 MiB.
-    * ``benchmark=True``: the first call per shape times every engine with one workspace
-      as large as the largest engine that fits the free memory (``get_available_workspace``
-      / ``getMaxWorkspaceSize`` use ``CUDACachingAllocator::cacheInfo``, which starts
-      from cudaMemGetInfo's free bytes) -- a first-step spike that can reach the free
-      memory and that v7 follows with ``emptyCache()``. The fastest engine is then used on
-      every later call and is often an FFT or Winograd one whose buffers scale with the
-      tensors. Allowance: ``input_bytes + weight_bytes + output_bytes``; the find spike
-      itself is not modelled.
-
-    Args:
-        input_bytes: bytes of the convolution input.
-        weight_bytes: bytes of the weight.
-        output_bytes: bytes of the output.
-        benchmark: ``torch.backends.cudnn.benchmark``.
-
-    Raises:
-        UsageError: for a negative size.
-    """
-    for label, value in (("input", input_bytes), ("weight", weight_bytes), ("output", output_bytes)):
-        if not isinstance(value, int) or value < 0:
-            raise UsageError(f"cuDNN convolution {label} size {value!r} must be a non-negative number of bytes")
-    if benchmark:
-        return input_bytes + weight_bytes + output_bytes
-    return 2 * weight_bytes + CUDNN_HEURISTIC_SLACK
-
-
-def cudnn_workspace_note(benchmark: bool) -> str:
-    """One line for a report on how the cuDNN workspace was counted."""
-    if benchmark:
-        return (
-            "cuDNN workspace: allowance of input+weight+output bytes per convolution call "
-            "(cudnn.benchmark=True; the first step's algorithm search can briefly use up to the free memory)"
-        )
-    return "cuDNN workspace: allowance of 2 x weight bytes + 1 MiB per convolution call (heuristic algorithm choice)"
 
 
 # CUDA module loading. Lazy loading (CUDA >= 11.7; torch >= 1.13 sets CUDA_MODULE_LOADING=LAZY

@@ -10,38 +10,58 @@ and device-total figures that replay gives a ``DeviceMemory``.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import TYPE_CHECKING, Callable
 
 from memcheck.cuda.allocator import AllocatorConfig, growing_run, simulate
 from memcheck.cuda.gpus import GpuSpec
 from memcheck.cuda.overhead import context_bytes, workspace_allocations
-from memcheck.enums import ALLOC, Category, Device, Event, Phase
+from memcheck.enums import ALLOC, AUTOGRAD_THREAD, MAIN_THREAD, Category, Device, Event, Phase
 from memcheck.units import format_bytes
 
 if TYPE_CHECKING:
     from memcheck.trace.tracer import TraceLog
 
 
-def with_workspaces(events: list[Event], arch, start: int) -> tuple[list[Event], int]:
+def with_workspaces(events: list[Event], arch, start: int, firsts: list[tuple[int, str]]) -> tuple[list[Event], int]:
     """One GPU's events with cuBLAS's workspaces allocated where a real step first needs
     them, and where event ``start`` (the steady state's first) now is.
 
-    torch keeps one workspace per (cuBLAS handle, stream) in the caching allocator; the
-    forward runs on the main thread and backward on autograd's device thread, each
-    with its own handle (memcheck.cuda.overhead). The first is allocated at the first
-    forward, the second at the first backward; both live to the end.
+    torch keeps one workspace per (cuBLAS handle, stream) in the caching allocator, bound
+    when a thread first takes its handle: inside its first cuBLAS op, after the op's output
+    (CublasHandlePool.cpp ``getCurrentCUDABlasHandle`` -> ``setWorkspaceForHandle``). The
+    forward runs on the main thread and backward on autograd's device thread, each with its
+    own handle (memcheck.cuda.overhead). ``firsts``: ``(position in events, thread)`` of each
+    thread's first cuBLAS op (``TraceLog.blas_first``); a thread that calls none gets none.
+    Both live to the end.
+
+    Where each goes matters to ``reserved``: GPT-2 in pure bf16 on an H200 (2026-11-26 run)
+    frees its 823 MB bf16 logits before backward; the autograd thread's 32 MiB workspace,
+    placed at backward's first event, took that freed segment, so the bf16 grad of the
+    logits went to a logits-sized fp32 segment and the next step fitted in the segments it
+    had: reserved 11.08 GB against 12.72 GB measured. At the lm_head backward's mm, where
+    torch takes it, the grad fills the bf16 segment first and one more 1.65 GB segment is
+    needed later: 12.73 GB.
     """
-    by_phase = {Phase.FORWARD: [], Phase.BACKWARD: []}
+    by_thread: dict[str, list[tuple[str, int]]] = {MAIN_THREAD: [], AUTOGRAD_THREAD: []}
     for label, nbytes in workspace_allocations(arch):
-        by_phase[Phase.BACKWARD if "autograd" in label else Phase.FORWARD].append((label, nbytes))
+        by_thread[AUTOGRAD_THREAD if AUTOGRAD_THREAD in label else MAIN_THREAD].append((label, nbytes))
+    at: dict[int, list[str]] = defaultdict(list)
+    for position, thread in firsts:
+        at[position].append(thread)
     out, new_start = [], None
-    for i, ev in enumerate(events):
-        for label, nbytes in by_phase.pop(ev.phase, ()):
-            out.append(Event(ALLOC, f"workspace:{label}:{ev.gpu}", nbytes, Category.WORKSPACE, f"({label})",
-                             ev.phase, ev.step, ev.gpu))
+    for i in range(len(events) + 1):
+        if events:
+            ev = events[max(i - 1, 0)]  # the op's output: its phase, step and GPU
+            for thread in at.get(i, ()):
+                for label, nbytes in by_thread.pop(thread, ()):
+                    out.append(Event(ALLOC, f"workspace:{label}:{ev.gpu}", nbytes, Category.WORKSPACE, f"({label})",
+                                     ev.phase, ev.step, ev.gpu))
+        if i == len(events):
+            break
         if i == start:
             new_start = len(out)
-        out.append(ev)
+        out.append(events[i])
     return out, len(out) if new_start is None else new_start
 
 
@@ -49,16 +69,23 @@ def device_events(log: TraceLog, traced: int, device: Device, arch) -> tuple[lis
     """One traced GPU's events of ``log`` (with cuBLAS's workspaces on CUDA), and the index of
     step 2's first."""
     second = log.step_starts[1] if len(log.step_starts) > 1 else 0
-    events, start = [], None
+    marks: dict[int, list[str]] = defaultdict(list)  # log index -> threads whose first cuBLAS op ends there
+    for (thread, gpu), index in log.blas_first.items():
+        if gpu == traced:
+            marks[index].append(thread)
+    events, start, firsts = [], None, []
     for i, ev in enumerate(log.events):
+        for thread in marks.pop(i, ()):
+            firsts.append((len(events), thread))
         if ev.gpu != traced:
             continue
         if start is None and i >= second:
             start = len(events)
         events.append(ev)
+    firsts += [(len(events), thread) for threads in marks.values() for thread in threads]
     start = len(events) if start is None else start
     if device is Device.CUDA:
-        events, start = with_workspaces(events, arch, start)
+        events, start = with_workspaces(events, arch, start, firsts)
     return events, start
 
 

@@ -10,8 +10,10 @@ rules when imported; importing this package imports them all:
   flash-attention kernels' buffers;
 * ``cpu_kernels``: CPU kernels whose buffers differ from the meta kernel's (oneDNN, LSTM, ...);
 * ``cuda_kernels``, ``cuda_attention`` and ``cuda_norms``: CUDA kernels whose memory differs
-  from the meta kernel's (softmax, cuDNN convolutions; flash / efficient / cuDNN attention and
-  the math backend's fused dropout; the fused RMSNorm);
+  from the meta kernel's (softmax; flash / efficient / cuDNN attention and the math backend's
+  fused dropout; the fused RMSNorm);
+* ``cuda_conv``: the workspace blocks of cuDNN convolutions (``cpu_kernels``' convolution
+  rules call it on the CUDA target);
 * ``cuda_sort``: sort-based CUDA kernels' index arrays and cub temp storage (the backward of
   ``nn.Embedding`` and of ``x[idx]``, ``sort``);
 * ``grouped_mm``: ``aten._grouped_mm``, the experts' grouped GEMM of mixture-of-experts
@@ -33,6 +35,7 @@ from memcheck.rules import (  # noqa: F401  (each registers its rules)
     autograd,
     cpu_kernels,
     cuda_attention,
+    cuda_conv,
     cuda_kernels,
     cuda_norms,
     cuda_sort,

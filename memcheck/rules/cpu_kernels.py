@@ -24,7 +24,7 @@ import math
 import torch
 
 from memcheck import compat
-from memcheck.rules.cuda_kernels import cudnn_convolution_scratch
+from memcheck.rules import cuda_conv
 from memcheck.enums import Device
 from memcheck.rules.probe import cpu_memory_events, profile_memory, running_peak
 from memcheck.rules.registry import register_op_rule
@@ -199,8 +199,12 @@ def convolution(ctx, func, args, kwargs):
     if _cpu_probe_applies(ctx, inp):
         return _probed(ctx, False, args, out, (_spec(inp), _spec(wt), _spec(bias)),
                        tuple(map(_hashable, args[3:])))
-    if ctx.device is Device.CUDA and inp.device.type == "meta":
-        cudnn_convolution_scratch(ctx, out, inp, wt, nbytes(out))
+    if ctx.device is Device.CUDA and inp.device.type == "meta" and not cuda_conv.is_depthwise(inp, wt, args[8]):
+        # cuDNN's workspace (memcheck.rules.cuda_conv); a transposed convolution's forward is
+        # cuDNN's backward-data call
+        ctx.track(out)
+        kind = cuda_conv.BACKWARD_DATA if args[6] else cuda_conv.FORWARD
+        cuda_conv.cudnn_convolution_scratch(ctx, [(kind, inp, wt, out)])
     return out
 
 
@@ -211,8 +215,17 @@ def convolution_backward(ctx, func, args, kwargs):
     if _cpu_probe_applies(ctx, inp):
         return _probed(ctx, True, args, out, (_spec(grad), _spec(inp), _spec(wt)),
                        tuple(map(_hashable, args[3:])))
-    if ctx.device is Device.CUDA and inp.device.type == "meta":
-        cudnn_convolution_scratch(ctx, out, inp, wt, nbytes(grad))
+    if ctx.device is Device.CUDA and inp.device.type == "meta" and not cuda_conv.is_depthwise(inp, wt, args[9]):
+        # cudnn_convolution_backward (ConvShared.cpp): grad_input's call, then grad_weight's
+        ctx.track(out)
+        data, filt = ((cuda_conv.FORWARD, cuda_conv.BACKWARD_FILTER) if args[7]
+                      else (cuda_conv.BACKWARD_DATA, cuda_conv.BACKWARD_FILTER))
+        calls = []
+        if out[0] is not None:
+            calls.append((data, inp, wt, grad))
+        if out[1] is not None:
+            calls.append((filt, inp, wt, grad))
+        cuda_conv.cudnn_convolution_scratch(ctx, calls)
     return out
 
 

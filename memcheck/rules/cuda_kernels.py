@@ -1,6 +1,7 @@
 """Rules for kernels whose memory on CUDA differs from what their meta kernels show.
 
-Attention has its own module (``memcheck.rules.cuda_attention``); these are the rest.
+Attention has its own module (``memcheck.rules.cuda_attention``) and cuDNN convolutions theirs
+(``memcheck.rules.cuda_conv``); these are the rest.
 Each rule is active only when the tracer's target is CUDA.
 """
 
@@ -9,10 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memcheck.cuda.overhead import cudnn_conv_workspace_bytes, cudnn_workspace_note
 from memcheck.enums import Device
 from memcheck.rules.registry import bind, register_op_rule
-from memcheck.units import nbytes
 
 aten = torch.ops.aten
 
@@ -45,14 +44,3 @@ for _fn in (F.softmax, torch.softmax, torch.Tensor.softmax):
     register_op_rule(_fn, _softmax_rule(log=False))
 for _fn in (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax):
     register_op_rule(_fn, _softmax_rule(log=True))
-
-
-def cudnn_convolution_scratch(ctx, out, inp, weight, result_bytes: int) -> None:
-    """A cuDNN convolution call's workspace: allocated from the caching allocator for the
-    call and freed on return (Conv_v8.cpp ``run_conv_plan``). Its size is the chosen
-    engine's, which torch does not bound; memcheck adds an allowance
-    (``memcheck.cuda.overhead.cudnn_conv_workspace_bytes``) and says so in the report."""
-    benchmark = bool(torch.backends.cudnn.benchmark)
-    ctx.assume(cudnn_workspace_note(benchmark))
-    ctx.track(out)
-    ctx.scratch(cudnn_conv_workspace_bytes(nbytes(inp), nbytes(weight), result_bytes, benchmark))

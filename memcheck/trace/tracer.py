@@ -46,7 +46,7 @@ import memcheck.rules  # noqa: F401  (every rule module registers its rules)
 from memcheck import compat
 from memcheck.compat import TorchDispatchMode, tree_flatten
 from memcheck.choices import NO_PADDING, PADDING, Choices, attention_masks
-from memcheck.enums import ALLOC, FREE, RECAT, Category, Device, Event, Phase
+from memcheck.enums import ALLOC, AUTOGRAD_THREAD, FREE, MAIN_THREAD, RECAT, Category, Device, Event, Phase
 from memcheck.rules.extensions import weight_side_tensors
 from memcheck.rules.known_values import KnownValues
 from memcheck.rules.registry import DISPATCH_RULES, FUNCTION_RULES, named_rule
@@ -83,6 +83,16 @@ _FLOPS = {
     _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash,
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
 }
+
+# Ops that call cuBLAS/cuBLASLt on CUDA through torch's handle (``at::cuda::blas``:
+# ``getCurrentCUDABlasHandle`` binds the handle's workspace on its first use by a thread,
+# CublasHandlePool.cpp ``setWorkspaceForHandle``). Composite ops (``linear``, ``matmul``)
+# reach the dispatcher as these.
+_BLAS_OPS = frozenset({
+    _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.addbmm, _aten._addmm_activation,
+    _aten.addmv, _aten.mv, _aten.dot, _aten.vdot, _aten._scaled_mm, _aten._int_mm,
+    _aten._grouped_mm, _aten._scaled_grouped_mm,
+})
 
 # Categories that a later use (being saved for backward, being returned) must not overwrite.
 _PERSISTENT = frozenset(
@@ -131,6 +141,9 @@ class TraceLog:
     # id(an ALLOC event in ``events``, which keeps it alive) -> the Python stack it was made at,
     # innermost first, as (filename, line, name) (``MemoryTracer.record_stacks``; memcheck.trace.stacks)
     stacks: dict[int, tuple] = field(default_factory=dict)
+    # (thread, gpu) -> the index in ``events`` just after the outputs of that thread's first
+    # cuBLAS op: where its cuBLAS workspace is allocated (``memcheck.cuda.replay``)
+    blas_first: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 def storage_key(t: torch.Tensor):
@@ -713,11 +726,14 @@ class MemoryTracer(TorchDispatchMode):
                 if key is not None and key[0] not in self._sizes and key[0] not in self._ignored:
                     self._alloc(key[0], key[1], Category.TEMPORARY, None)
 
-    def scratch(self, *nbytes: int) -> None:
+    def scratch(self, *nbytes: int, name: str | None = None) -> None:
         """Record buffers a kernel allocates and frees inside one op, on top of what is live.
 
         They are allocated in the order given and freed together, as the kernels
-        that rules describe do (each rule cites the source it follows).
+        that rules describe do (each rule cites the source it follows). ``name`` labels
+        them: it is their innermost frame, ``("<name>", 0, name)``, above the Python stack
+        when stacks are recorded, so a ``--snapshot`` shows the block by name
+        (``"cuDNN workspace: conv forward"``) where a tensor shows the code that made it.
         """
         sizes = [int(n) for n in nbytes if n > 0]
         module = self._module()
@@ -727,7 +743,10 @@ class MemoryTracer(TorchDispatchMode):
             self._sizes[self._scratch_id] = n
             self._cats[self._scratch_id] = Category.TEMPORARY
             self.live_bytes += n
-            self._alloc_event(Event(ALLOC, self._scratch_id, n, Category.TEMPORARY, module, self.phase, self.step, gpu))
+            event = Event(ALLOC, self._scratch_id, n, Category.TEMPORARY, module, self.phase, self.step, gpu)
+            self._alloc_event(event)
+            if name is not None:
+                self.log.stacks[id(event)] = (("<" + name + ">", 0, name),) + self.log.stacks.get(id(event), ())
         for sid in range(self._scratch_id, self._scratch_id + len(sizes)):
             n = self._sizes.pop(sid)
             self._cats.pop(sid)
@@ -841,6 +860,9 @@ class MemoryTracer(TorchDispatchMode):
             rule = DISPATCH_RULES.get(func) or named_rule(func)
             out = rule(self, func, args, kwargs) if rule is not None else func(*args, **kwargs)
             self.track(out)
+            if func._overloadpacket in _BLAS_OPS:  # the thread's handle takes its workspace now
+                thread = AUTOGRAD_THREAD if self.phase is Phase.BACKWARD else MAIN_THREAD
+                self.log.blas_first.setdefault((thread, self._current_gpu()), len(self.log.events))
             self.known.observe(func, args, kwargs, out)
             if self.if_unpadded:
                 self.if_unpadded.observe(func, args, kwargs, out)

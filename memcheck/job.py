@@ -422,6 +422,14 @@ class Job:
     that calls ``zero_grad(set_to_none=False)``, or a Lightning ``optimizer_zero_grad`` override that does)
     fills them with zeros, so they stay allocated through the next forward and the next backward
     accumulates into them in place. A ``train_step`` zeroes as it is written."""
+    cudnn_benchmark: bool = setting(
+        False, section="training", check=_flag, kept=True, lightning="benchmark",
+        option=Option("torch.backends.cudnn.benchmark=True (Lightning's Trainer(benchmark=True)): each convolution's "
+                      "first call times every cuDNN algorithm in a search workspace (cuda target)."))
+    """``torch.backends.cudnn.benchmark``: with True, each convolution's first call builds every cuDNN plan
+    and times it in one search workspace (``memcheck.rules.cuda_conv``, from Conv_v8.cpp's
+    ``get_plans_from_find``); False (torch's default) takes the heuristics' plan. Lightning's
+    ``Trainer(benchmark=...)`` sets it. Only convolutions on the cuda target read it."""
     strategy: Strategy = setting(
         Strategy.SINGLE, section="parallelism", check=_choices(Strategy),
         option=Option("single, dp, dp-balanced, ddp, fsdp (FSDP2), fsdp1 (FullyShardedDataParallel), zero1, zero2, "

@@ -206,3 +206,26 @@ def test_cuda_snapshot_names_the_workspace_blocks():
              for f in e["frames"]}
     assert {"cuDNN workspace: conv forward", "cuDNN workspace: conv backward data",
             "cuDNN workspace: conv backward filter"} <= names
+
+
+def test_the_cudnn_benchmark_job_setting_adds_one_search_block_per_convolution():
+    # --cudnn-benchmark / Job(cudnn_benchmark=True) (Lightning's Trainer(benchmark=True)) reaches the rule.
+    # Two Conv2d(16, 16, 3, padding=1) on x (4, 16, 32, 32) fp32: the search block is the larger of the
+    # NHWC copies (x 65,536 + w 2,304 + y 65,536 elements = 133,376 x 4 B = 533,504 B) and the im2col
+    # buffer 4 * 16 * 9 * 1,024 elements x 4 B = 2,359,296 B, once for each of forward, backward data
+    # (the second conv's; the first's input needs no gradient) and backward filter: the two convs have
+    # the same shapes, so cuDNN's plan cache serves the second from the first's search.
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 16, 3, padding=1, bias=False), torch.nn.ReLU(),
+                                torch.nn.Conv2d(16, 16, 3, padding=1, bias=False))
+
+    def searches(**settings):
+        est = memcheck.estimate(model, torch.randn(4, 16, 32, 32), device="cuda", optimizer="sgd", timeline=True,
+                                loss_fn=lambda m, b: m(b).sum(), **settings)
+        return sorted((e["frames"][0]["name"], e["size"]) for e in snapshot_dict(est.timeline)["device_traces"][0]
+                      if e["action"] == "alloc" and e["frames"] and "search" in e["frames"][0]["name"])
+
+    assert searches() == []
+    assert searches(cudnn_benchmark=True) == [
+        ("cuDNN benchmark search workspace: conv backward data", 2_359_296),
+        ("cuDNN benchmark search workspace: conv backward filter", 2_359_296),
+        ("cuDNN benchmark search workspace: conv forward", 2_359_296)]

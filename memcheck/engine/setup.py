@@ -206,6 +206,7 @@ def set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: str
 
     arch = target.arch if target is not None else DEFAULT_ARCH
     tracer = MemoryTracer(device, arch=arch, choices=choices if choices is not None else Choices(job.assume))
+    tracer.cudnn_benchmark = job.cudnn_benchmark  # read by the cuDNN convolution rule (rules/cuda_conv.py)
     if progress is not None:
         tracer.on_phase = lambda step, phase: progress(
             f"tracing {name}: " + ("evaluation" if phase is Phase.EVAL

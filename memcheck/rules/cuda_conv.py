@@ -79,6 +79,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memcheck.compat import suggest_memory_format
 from memcheck.enums import Device
 from memcheck.errors import UsageError
 from memcheck.units import MiB
@@ -244,7 +245,11 @@ _SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _key(kind: str, *tensors: torch.Tensor) -> tuple:
-    return (kind,) + tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors)
+    """The plan cache's key of one call: shapes, dtypes and memory format, not strides, since
+    ATen makes every tensor contiguous in the convolution's memory format before cuDNN sees it
+    (``cudnn_convolution_backward_weight``: ``grad_output.contiguous(layout)``), so an expanded
+    gradient (the backward of ``sum()``) hits the plan the same shape's contiguous one made."""
+    return (kind,) + tuple((tuple(t.shape), t.dtype, suggest_memory_format(t)) for t in tensors)
 
 
 def is_depthwise(inp: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:

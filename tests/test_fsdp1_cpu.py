@@ -106,6 +106,23 @@ def test_offload_params_leaves_the_unsharded_units_and_the_sharded_gradients_unt
     assert bd.grads == (33 + 55 + 110 + 110) * 4
 
 
+def test_offload_keeps_every_units_device_sharded_gradient_through_the_roots_post_backward():
+    # Net(d=10, L=3, out=40) over 2 ranks with offload="params": blocks N = 110 (S = 55), the root (the
+    # head) N = 400 + 40 = 440 (S = 220). FSDP1 deletes a unit's device _saved_grad_shard only in the final
+    # callback, after the root's post-backward (_runtime_utils.py:1084-1127): the peak is the root's split
+    # backward, its per-parameter gradients (440) and its flat gradient (440) beside the three blocks'
+    # device shards (3 * 55), with the root unsharded (440): (440 + 440 + 165) * 4 = 4,180 B of gradients
+    # and 440 * 4 = 1,760 B of parameters, beside the input x (2 * 10 * 4 = 80 B).
+    # Were the blocks' shards freed before the root's post-backward (memcheck before issue 34), the peak
+    # would be 5,748 B, 280 B (4.6%) lower.
+    with torch.device("meta"):
+        model = Net(d=10, layers=3, out=40)
+    est = memcheck.estimate(model, torch.empty(2, 10, device="meta"), device="cpu", strategy="fsdp1", gpus=2,
+                            offload="params")
+    bd = est.breakdown_at_peak
+    assert (bd.params, bd.grads, bd.inputs) == (440 * 4, (440 + 440 + 3 * 55) * 4, 80)
+
+
 def test_a_unit_mixing_frozen_and_trainable_parameters_steps_the_trainable_share():
     # the blocks' weights frozen (as LoRA freezes a base): each block unit keeps its whole flat
     # parameter and gradient (use_orig_params=True), but Adam sees 10 trainable elements of 110:

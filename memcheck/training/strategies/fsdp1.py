@@ -48,8 +48,14 @@ with the rest. Defaults (``fully_sharded_data_parallel.py:397-412``): ``backward
 - ``offload="params"`` (``CPUOffload(offload_params=True)``): the shards, the sharded
   gradients' host copies (``_cpu_grad``) and the optimizer step are host memory; each
   unshard copies the shard to the device first (``_flat_param.py:1335-1337``), and the
-  device's sharded gradients stay until the end of backward (``_saved_grad_shard``, deleted in
-  ``prepare_gradient_for_optim``, ``_flat_param.py:1679-1712``).
+  device's sharded gradients stay until the end of backward: ``_accumulate_sharded_grad`` keeps
+  each as ``_saved_grad_shard`` (``_runtime_utils.py:906-928``), ``_offload_grad`` only copies it
+  into the pinned ``_cpu_grad`` (``969-992``), and ``_post_backward_final_callback`` (``1084-1127``)
+  deletes it in ``_finalize_params`` -> ``prepare_gradient_for_optim`` (``_flat_param.py:1679-1716``),
+  state by state, only after every post-backward hook has run, the root's included (its split
+  backward runs last, see above): so every unit's device sharded gradient is alive through the
+  root's post-backward (its per-parameter gradients, its flat gradient of ``N`` elements, the
+  padded copy and its sharded gradient).
 """
 
 from __future__ import annotations
@@ -323,9 +329,15 @@ class _MetaFSDP1(_Emulation):
     def end_of_backward(self) -> None:
         """``_post_backward_final_callback`` (``_runtime_utils.py:1084-1127``): units whose hook did not run,
         the catch-all reshard, and (offload) the device's sharded gradients dropped."""
-        for u in self.units:  # blocks first, the root last
+        # the post-backward hooks still to run (the root's: its split backward runs last) all run before
+        # the final callback, which waits for them (current_stream.wait_stream(_post_backward_stream), 1098-1110)
+        for u in self.units:
             if u.ready or u.in_backward or u is self.root:
                 self._post_backward(u)
+        # then, state by state, _catch_all_reshard and _finalize_params (1114-1116): prepare_gradient_for_optim
+        # drops the device's _saved_grad_shard (_flat_param.py:1714-1716), so under offload every unit's
+        # device sharded gradient is alive through the root's post-backward
+        for u in self.units:
             self._reshard(u)
             u.device_grad = None
         self.order.clear()

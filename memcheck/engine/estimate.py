@@ -601,9 +601,13 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
     weights, cast, how = resolve_weights_dtype(model, job)
     if cast:
         twin = twin.to(weights)
+    sharded = job.sharded_qlora
+    if sharded:  # the FSDP/ZeRO-3 QLoRA recipe: loaded in the storage dtype (torch_dtype=bnb_4bit_quant_storage)
+        weights = job.weights_dtype.torch_dtype or torch.bfloat16
+        twin = twin.to(weights)
     if job.qlora:  # 4-bit linear layers, then a twin of those: bitsandbytes' quantized sizes (twin_memo)
-        twin = meta_twin(quantize_4bit(twin))
-    twin, adapted = apply_adapters(twin, job.lora, job.qlora, job.recipe)  # LoRA / QLoRA over the cast base
+        twin = meta_twin(quantize_4bit(twin, quant_storage=weights if sharded else torch.uint8))
+    twin, adapted = apply_adapters(twin, job.lora, job.qlora, job.recipe, sharded=sharded)  # over the cast base
     wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
     rank_context = None
     if role is not None:  # what one rank of the layout holds: its experts, shards, stage and tokens
@@ -630,7 +634,9 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
         tracer.assume(
             f"no GPU named (gpu=/--gpu): kernels chosen as on sm{arch[0]}{arch[1]} and a generic CUDA context"
         )
-    if job.qlora:
+    if sharded:  # the storage dtype trains (apply_adapters' note)
+        how = ""
+    elif job.qlora:
         # prepare_model_for_kbit_training casts every fp16/bf16 weight but the 4-bit ones to fp32
         # (peft/utils/other.py:204-209), so the model's own dtype is not what trains (apply_adapters' note)
         weights, how = torch.float32, ""

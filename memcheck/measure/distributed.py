@@ -379,6 +379,7 @@ def measure_fsdp1_cpu(
     wrap: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
     in_place: bool = False,
     mixed_precision: Any = None,
+    use_orig_params: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> dict[str, list[Measured]]:
     """Train under FSDP1 (``FullyShardedDataParallel``) on ``world_size`` CPU ranks, once per sharding
@@ -390,7 +391,8 @@ def measure_fsdp1_cpu(
     direct children that own parameters) and the root with the rest, then calls
     ``make_optimizer(fsdp.parameters())``, all inside that strategy's own profiled region. Every
     other FSDP1 setting is torch's default (``use_orig_params=False``, ``BACKWARD_PRE`` prefetch,
-    ``limit_all_gathers=True``; ``mixed_precision``: a ``torch.distributed.fsdp.MixedPrecision``, None
+    ``limit_all_gathers=True``; ``use_orig_params=True`` as Lightning's and Accelerate's FSDP set it, for a
+    unit mixing frozen and trainable parameters; ``mixed_precision``: a ``torch.distributed.fsdp.MixedPrecision``, None
     for none). ``hybrid_shard`` shards over groups of ``gpus_per_node`` ranks
     (default ``world_size``) through ``init_device_mesh("cpu", (world_size // gpus_per_node,
     gpus_per_node))``: without a mesh FSDP1 asks CUDA for the node size. ``build``,
@@ -429,6 +431,8 @@ def measure_fsdp1_cpu(
             raise UsageError(f"gpus_per_node must be a positive integer dividing world_size={world_size!r}, "
                              f"got {gpus_per_node!r}")
     options = {"wrap": wrap, "shardings": shardings, "gpus_per_node": gpus_per_node, "in_place": bool(in_place)}
+    if use_orig_params:
+        options["use_orig_params"] = True
     if mixed_precision is not None:
         from torch.distributed.fsdp import MixedPrecision
 
@@ -1130,7 +1134,7 @@ def _measure_pp_rank(build, make_optimizer, loss_fn, steps, rank, world_size, *,
 
     return _measured(train)
 
-def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node, mixed_precision=None):
+def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node, mixed_precision=None, use_orig_params=False):
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import CustomPolicy
 
@@ -1138,6 +1142,8 @@ def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node, mixed_prec
         model, batch = build()
         units = {id(m) for m in (wrap(model) if wrap is not None else _children_with_parameters(model))}
         extra = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
+        if use_orig_params:
+            extra["use_orig_params"] = True
         if sharding == "hybrid_shard":
             from torch.distributed.device_mesh import init_device_mesh
 

@@ -42,6 +42,12 @@ with the rest. Defaults (``fully_sharded_data_parallel.py:397-412``): ``backward
   (``_post_backward_reshard_only_hook``, ``777-790``); with no such input, the catch-all reshard at
   the end of backward does (``1130-1165``). A unit whose outputs need no gradient is never
   prefetched in backward (``_needs_pre_backward_unshard``, ``1393-1410``, checked in ``1265-1272``);
+- with bitsandbytes 4-bit weights (QLoRA), the FSDP-QLoRA recipes' wrapping: PEFT's
+  ``fsdp_auto_wrap_policy`` (peft 0.21.2 ``peft/utils/other.py:1271-1306``; its ``lambda_policy_fn``
+  wraps every leaf module whose ``weight`` requires a gradient, the LoRA adapters) with
+  ``use_orig_params=False`` (PEFT's FSDP guide and alignment-handbook's ``fsdp_qlora.yaml`` set
+  ``fsdp_use_orig_params: false``): each adapter is its own unit nested in its block's, whose own
+  flat parameter is then all frozen;
 - a unit mixing frozen and trainable parameters (``use_orig_params=True``, as under LoRA) keeps
   a gradient of its whole flat parameter; the optimizer's share is taken as
   ``ceil(trainable / W)`` elements (the real split follows where each parameter falls);
@@ -66,6 +72,7 @@ import torch
 
 from memcheck import compat
 from memcheck.enums import Category, FsdpSharding, Offload
+from memcheck.errors import UsageError
 from memcheck.training.checkpointing import repeated_blocks
 from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, cast_floating, train_sharded
 from memcheck.training.strategies.base import MixedPrecision, Run
@@ -87,12 +94,28 @@ def shard_numel(numel: int, world: int) -> int:
     return -(-numel // world)
 
 
+def _check_flattenable(name: str, params: list) -> None:
+    """What ``FlatParamHandle._validate_tensors_to_flatten`` refuses (``_flat_param.py:798-830``): an integer
+    tensor first ("Cannot flatten integer dtype tensors", as bitsandbytes' uint8 4-bit storage) or two dtypes
+    in one unit ("Must flatten tensors with uniform dtype", as a bf16 base beside fp32 LoRA adapters)."""
+    dtypes = list(dict.fromkeys(p.dtype for p in params))
+    if not dtypes or (len(dtypes) == 1 and dtypes[0].is_floating_point):
+        return
+    shown = " and ".join(str(d).removeprefix("torch.") for d in dtypes[:3])
+    where = "the root" if name == "(root)" else name
+    raise UsageError(f"strategy fsdp1: FSDP unit {where} would hold {shown} parameters, and FullyShardedDataParallel "
+                     "flattens a unit into one floating dtype (\"Must flatten tensors with uniform dtype\"); give "
+                     "every parameter one dtype (PEFT keeps LoRA adapters in fp32: fp32 weights, --weights-dtype fp32) "
+                     "or use strategy fsdp (FSDP2 shards each parameter on its own)")
+
+
 class _Unit:
     """One FSDP unit's FlatParameter (a FlatParamHandle)."""
 
     def __init__(self, name: str, module: torch.nn.Module, params: list, world: int, sharded: bool,
                  policy: MixedPrecision = MixedPrecision()):
         self.name, self.module, self.params = name, module, params
+        _check_flattenable(name, params)
         self.numel = sum(p.numel() for p in params)
         self.shard = shard_numel(self.numel, world) if sharded else self.numel
         self.padded = self.shard * world if sharded else self.numel  # the padded unsharded flat parameter
@@ -143,10 +166,20 @@ class _MetaFSDP1(_Emulation):
         self.hook_gradients(self._on_grad)
 
     def _units(self) -> None:
-        """One unit per repeated block (its parameters not already in one), then the root with the rest."""
+        """One unit per repeated block (its parameters not already in one), then the root with the rest;
+        with 4-bit weights first one per trainable leaf module (``adapter_units``)."""
         modules = dict(self.model.named_modules())
         seen: set[int] = set()
         units = []
+        self.adapter_units = any(type(p).__name__ == "Params4bit" for p in self.full)
+        if self.adapter_units:  # PEFT's fsdp_auto_wrap_policy's lambda_policy_fn (peft 0.21.2 peft/utils/other.py:1294-1299)
+            for name, module in modules.items():
+                weight = getattr(module, "weight", None)
+                if (name and next(module.children(), None) is None and isinstance(weight, torch.Tensor)
+                        and weight.requires_grad):
+                    params = [p for p in module.parameters() if id(p) not in seen]
+                    seen.update(id(p) for p in params)
+                    units.append(_Unit(name, module, params, self.world, self.sharded, self.policy))
         for name in repeated_blocks(self.model):
             params = [p for p in modules[name].parameters() if id(p) not in seen]
             seen.update(id(p) for p in params)
@@ -173,6 +206,11 @@ class _MetaFSDP1(_Emulation):
         if self.offload:
             tracer.assume("fsdp1 offload: flat parameter shards, their gradients' host copies and the optimizer "
                           "step are host memory; the optimizer's temporaries are not on the GPU")
+        if self.adapter_units:
+            tracer.assume("fsdp1 with 4-bit weights: the FSDP-QLoRA recipe's wrapping, PEFT's fsdp_auto_wrap_policy "
+                          "with use_orig_params=False (PEFT's FSDP guide, alignment-handbook's fsdp_qlora.yaml, "
+                          "Answer.AI's fsdp_qlora): each trainable leaf module (the adapters) its own unit inside its "
+                          "block's, so the frozen blocks get no gradient")
         if any(u.trainable and len(u.trainable) < len(u.params) for u in self.units):
             tracer.assume("fsdp1: a unit mixing frozen and trainable parameters (use_orig_params=True, as under "
                           "LoRA) gets a gradient of its whole flat parameter; its optimizer state is taken as the "

@@ -380,6 +380,7 @@ def measure_fsdp1_cpu(
     in_place: bool = False,
     mixed_precision: Any = None,
     use_orig_params: bool = False,
+    offload_params: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> dict[str, list[Measured]]:
     """Train under FSDP1 (``FullyShardedDataParallel``) on ``world_size`` CPU ranks, once per sharding
@@ -410,10 +411,13 @@ def measure_fsdp1_cpu(
         DistributedMeasureError: a rank could not start, raised, died or timed out.
 
     Known limitations:
-        ``CPUOffload(offload_params=True)`` cannot run here: FSDP1 pins the host shard and
-        gradient (``_flat_param.py`` ``init_flat_param_attributes``: ``pin_memory()``), which
-        needs an accelerator ("Cannot access accelerator device when none is available"), so
-        it is not offered. On gloo, FSDP1 all-gathers a CPU flat parameter into a list of
+        ``offload_params=True`` (``CPUOffload(offload_params=True)``) does not run on a CPU as it is:
+        FSDP1 pins the host shard and gradient (``_flat_param.py`` ``init_flat_param_attributes``:
+        ``pin_memory()``), which needs an accelerator ("Cannot access accelerator device when none
+        is available"), and its final callback synchronizes the device's stream, which a CPU
+        ``Stream`` cannot; ``build`` must stub both in the rank (``tests/test_fsdp1_cpu.py`` does).
+        The "device" is then the host: no host-to-device copy is made, and the host shards,
+        ``_cpu_grad`` and the optimizer state are measured with the rest. On gloo, FSDP1 all-gathers a CPU flat parameter into a list of
         chunks (``_flat_param.py`` ``_all_gather_flat_param``, "HACK"), which gloo stages
         through a flat temporary of the whole padded unsharded size, and reduce-scatter
         clones its whole input (as for ``measure_fsdp_cpu``); NCCL makes neither copy.
@@ -433,6 +437,8 @@ def measure_fsdp1_cpu(
     options = {"wrap": wrap, "shardings": shardings, "gpus_per_node": gpus_per_node, "in_place": bool(in_place)}
     if use_orig_params:
         options["use_orig_params"] = True
+    if offload_params:
+        options["offload_params"] = True
     if mixed_precision is not None:
         from torch.distributed.fsdp import MixedPrecision
 
@@ -1134,7 +1140,8 @@ def _measure_pp_rank(build, make_optimizer, loss_fn, steps, rank, world_size, *,
 
     return _measured(train)
 
-def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node, mixed_precision=None, use_orig_params=False):
+def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node, mixed_precision=None, use_orig_params=False,
+                 offload_params=False):
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import CustomPolicy
 
@@ -1144,6 +1151,10 @@ def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node, mixed_prec
         extra = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
         if use_orig_params:
             extra["use_orig_params"] = True
+        if offload_params:
+            from torch.distributed.fsdp import CPUOffload
+
+            extra["cpu_offload"] = CPUOffload(offload_params=True)
         if sharding == "hybrid_shard":
             from torch.distributed.device_mesh import init_device_mesh
 

@@ -614,6 +614,10 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
         twin, batch, noted, rank_context = role.view(twin, meta_batch(batch), job.device.value)
         adapted = [*adapted, *noted]
     dtype = precision.weights_dtype  # pure bf16/fp16: float inputs in that dtype too
+    if sharded and dtype is None and precision.autocast_dtype is None:
+        # the sharded QLoRA model is all in its storage dtype; without autocast its float inputs (pixels, audio)
+        # must be too, or its first convolution refuses them ("Input type (float) and bias type (BFloat16)")
+        dtype = weights
 
     def prepare(b):
         return to_precision(meta_batch(b), dtype)
@@ -635,7 +639,8 @@ def _set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: st
             f"no GPU named (gpu=/--gpu): kernels chosen as on sm{arch[0]}{arch[1]} and a generic CUDA context"
         )
     if sharded:  # the storage dtype trains (apply_adapters' note)
-        how = ""
+        how = "" if dtype is None or dtype == precision.weights_dtype else (
+            f"sharded QLoRA without autocast: float inputs cast to the weights' {_dtype_name(weights)}")
     elif job.qlora:
         # prepare_model_for_kbit_training casts every fp16/bf16 weight but the 4-bit ones to fp32
         # (peft/utils/other.py:204-209), so the model's own dtype is not what trains (apply_adapters' note)

@@ -162,10 +162,29 @@ def test_lora_and_qlora_trace_under_every_sharded_family(tmp_path, strategy, ada
         assert any("sharded QLoRA" in a for a in data["assumptions"])
 
 
+def test_fp32_adapters_on_bf16_weights_take_peft_wrapping_under_fsdp1(tmp_path):
+    # PEFT keeps LoRA adapters in fp32 beside bf16 weights; one flat parameter cannot hold both, so FSDP1 runs the
+    # job only with PEFT's fsdp_auto_wrap_policy (each adapter its own unit)
+    result = CliRunner().invoke(main, [_llama(tmp_path), "--max-len", "64", "--gpu", "A100-80GB", "--json", "--lora",
+                                       "default", "--precision", "bf16", "--strategy", "fsdp1"])
+    assert result.exit_code == 0, result.output
+    assert any("fsdp_auto_wrap_policy" in a for a in json.loads(result.stdout)["assumptions"])
+
+
+def test_an_fsdp1_unit_of_two_dtypes_is_refused_as_fsdp1_refuses_it():
+    # a frozen block whose parameters have two dtypes: no wrapping makes one flat parameter of it
+    # (_flat_param.py _validate_tensors_to_flatten: "Must flatten tensors with uniform dtype")
+    with torch.device("meta"):
+        model = QNet()
+    model.blocks[0].norm.to(torch.bfloat16)
+    model.blocks[0].requires_grad_(False)
+    with pytest.raises(memcheck.UsageError) as refused:
+        memcheck.estimate(model, torch.empty(4, 64, device="meta"), gpu="A100-80GB", precision="amp-bf16",
+                          strategy="fsdp1", gpus=2)  # amp keeps the weights as they are (fp32 would cast them all)
+    assert refused.value.exit_code == 2 and "uniform dtype" in str(refused.value) and "blocks.0" in str(refused.value)
+
+
 @pytest.mark.parametrize("args, named", [
-    # PEFT keeps LoRA adapters in fp32 beside bf16 weights: FSDP1 refuses to flatten the unit
-    (["--lora", "default", "--precision", "amp-bf16", "--weights-dtype", "bf16", "--strategy", "fsdp1"],
-     "uniform dtype"),
     (["--qlora", "--dora", "--strategy", "fsdp1"], "--qlora with DoRA"),
 ])
 def test_a_bad_adapter_combination_is_one_line_and_exit_2(tmp_path, args, named):

@@ -42,7 +42,9 @@ with the rest. Defaults (``fully_sharded_data_parallel.py:397-412``): ``backward
   (``_post_backward_reshard_only_hook``, ``777-790``); with no such input, the catch-all reshard at
   the end of backward does (``1130-1165``). A unit whose outputs need no gradient is never
   prefetched in backward (``_needs_pre_backward_unshard``, ``1393-1410``, checked in ``1265-1272``);
-- with bitsandbytes 4-bit weights (QLoRA), the FSDP-QLoRA recipes' wrapping: PEFT's
+- with bitsandbytes 4-bit weights (QLoRA), or where a block's trainable parameters differ in dtype
+  from its frozen ones (PEFT's fp32 adapters on bf16 weights, which one flat parameter cannot hold),
+  the FSDP-QLoRA recipes' wrapping: PEFT's
   ``fsdp_auto_wrap_policy`` (peft 0.21.2 ``peft/utils/other.py:1271-1306``; its ``lambda_policy_fn``
   wraps every leaf module whose ``weight`` requires a gradient, the LoRA adapters) with
   ``use_orig_params=False`` (PEFT's FSDP guide and alignment-handbook's ``fsdp_qlora.yaml`` set
@@ -167,11 +169,14 @@ class _MetaFSDP1(_Emulation):
 
     def _units(self) -> None:
         """One unit per repeated block (its parameters not already in one), then the root with the rest;
-        with 4-bit weights first one per trainable leaf module (``adapter_units``)."""
+        first one per trainable leaf module (``adapter_units``) with 4-bit weights, or where a block's trainable
+        and frozen parameters differ in dtype (PEFT's fp32 adapters on bf16 weights), which FSDP1 runs only so."""
         modules = dict(self.model.named_modules())
         seen: set[int] = set()
         units = []
-        self.adapter_units = any(type(p).__name__ == "Params4bit" for p in self.full)
+        self.adapter_units = any(type(p).__name__ == "Params4bit" for p in self.full) or any(
+            len({p.dtype for p in modules[name].parameters()}) > 1
+            and any(p.requires_grad for p in modules[name].parameters()) for name in repeated_blocks(self.model))
         if self.adapter_units:  # PEFT's fsdp_auto_wrap_policy's lambda_policy_fn (peft 0.21.2 peft/utils/other.py:1294-1299)
             for name, module in modules.items():
                 weight = getattr(module, "weight", None)
@@ -207,9 +212,10 @@ class _MetaFSDP1(_Emulation):
             tracer.assume("fsdp1 offload: flat parameter shards, their gradients' host copies and the optimizer "
                           "step are host memory; the optimizer's temporaries are not on the GPU")
         if self.adapter_units:
-            tracer.assume("fsdp1 with 4-bit weights: the FSDP-QLoRA recipe's wrapping, PEFT's fsdp_auto_wrap_policy "
-                          "with use_orig_params=False (PEFT's FSDP guide, alignment-handbook's fsdp_qlora.yaml, "
-                          "Answer.AI's fsdp_qlora): each trainable leaf module (the adapters) its own unit inside its "
+            tracer.assume("fsdp1 with 4-bit weights or adapters of another dtype than their block: PEFT's "
+                          "fsdp_auto_wrap_policy with use_orig_params=False, the FSDP-QLoRA recipe's wrapping (PEFT's "
+                          "FSDP guide, alignment-handbook's fsdp_qlora.yaml, Answer.AI's fsdp_qlora) and the only one "
+                          "FSDP1 flattens then: each trainable leaf module (the adapters) its own unit inside its "
                           "block's, so the frozen blocks get no gradient")
         if any(u.trainable and len(u.trainable) < len(u.params) for u in self.units):
             tracer.assume("fsdp1: a unit mixing frozen and trainable parameters (use_orig_params=True, as under "

@@ -677,6 +677,12 @@ class Job:
         return {s.loop: getattr(self, s.field) for s in SPELLINGS if s.loop is not None}
 
     @property
+    def sharded_qlora(self) -> bool:
+        """A QLoRA job whose weights a sharded wrapper (fsdp, fsdp1, zero3, a layout's dp) shards: the FSDP- and
+        ZeRO-3-QLoRA recipe (``memcheck.training.adapters``, "sharded QLoRA") rather than the one-GPU one."""
+        return bool(self.qlora) and self.strategy_config.strategy in SHARDED_QLORA_STRATEGIES
+
+    @property
     def mixed_precision(self) -> MixedPrecision:
         """The job's FSDP mixed-precision policy (all fields default: none)."""
         from memcheck.training.strategies.base import MixedPrecision
@@ -957,6 +963,10 @@ def _layout_strategy(layout: Layout, strategy: Strategy, gpus: int | None) -> tu
     return strategy, group
 
 
+# The strategies that shard the weights themselves, under which QLoRA follows the sharded recipe
+SHARDED_QLORA_STRATEGIES = (Strategy.FSDP, Strategy.FSDP1, Strategy.ZERO3)
+
+
 def _check_adapters(lora, qlora: bool, strategy: Strategy) -> None:
     """The adapter settings that memcheck refuses with a strategy or each other, by name.
 
@@ -965,22 +975,15 @@ def _check_adapters(lora, qlora: bool, strategy: Strategy) -> None:
       and ``forward``); memcheck's 4-bit twin lives on the meta device, where bitsandbytes' copy of
       ``Params4bit`` fails (``set_data`` of an incompatible tensor type), and no rule sizes the
       per-step dequantized weight yet. Not modelled.
-    - QLoRA under FSDP1: ``FullyShardedDataParallel`` flattens each unit's parameters into one
-      tensor of one dtype (torch/distributed/fsdp/_flat_param.py, ``_validate_tensors_to_flatten``:
-      "Must flatten tensors with uniform dtype"), and the QLoRA recipe keeps the 4-bit weights as
-      uint8 beside fp32 norms and adapters; FSDP-QLoRA needs ``bnb_4bit_quant_storage`` in the other
-      weights' dtype, a recipe memcheck does not model. FSDP2 (``fsdp``) shards per parameter.
+
+    QLoRA under fsdp, fsdp1 and zero3 takes the sharded recipe (``Job.sharded_qlora``), whose uniform
+    storage dtype FSDP1's flat parameters need (``memcheck.training.adapters``).
     """
     dora = lora is not None and getattr(lora, "dora", False)
     if dora and qlora:
         raise SettingError("qlora", "{name} with DoRA (PEFT's use_dora over 4-bit weights) is not modelled: DoRA "
                                     "copies and dequantizes each 4-bit weight, which memcheck cannot trace; drop "
                                     "--dora or --qlora")
-    if qlora and strategy is Strategy.FSDP1:
-        raise SettingError("qlora", "{name} with strategy fsdp1 is not modelled: FullyShardedDataParallel flattens "
-                                    "each unit into one dtype, and QLoRA's 4-bit weights are uint8 beside fp32 ones "
-                                    "(FSDP-QLoRA needs bnb_4bit_quant_storage=bfloat16); use strategy fsdp (FSDP2) "
-                                    "or zero3")
 
 
 def _dtype(field: str, value):

@@ -197,7 +197,6 @@ def test_paged_optimizers_keep_bitsandbytes_state_layout(hf_name, ours, state):
 
 @pytest.mark.parametrize("flags, named", [
     (["--dora", "--qlora"], "--qlora with DoRA"),
-    (["--qlora", "--strategy", "fsdp1", "--gpus", "2"], "--qlora with strategy fsdp1"),
 ])
 def test_an_adapter_combination_memcheck_does_not_model_is_one_line_exit_2(flags, named):
     result = CliRunner().invoke(main, ["examples/gpt2_small.py", "--max-len", "64", *flags])
@@ -209,9 +208,8 @@ def test_an_adapter_combination_memcheck_does_not_model_is_one_line_exit_2(flags
 def test_the_same_refusals_hold_in_the_python_api():
     with pytest.raises(memcheck.UsageError, match="qlora with DoRA"):
         memcheck.Job(qlora=True, lora="dora=true")
-    with pytest.raises(memcheck.UsageError, match="qlora with strategy fsdp1"):
-        memcheck.Job(qlora=True, strategy="fsdp1", gpus=2)
-    memcheck.Job(qlora=True, strategy="fsdp", gpus=2)  # FSDP2 shards per parameter: modelled
+    # QLoRA under fsdp1 is the FSDP-QLoRA recipe since issue 34 (tests/test_sharded_qlora.py)
+    assert memcheck.Job(qlora=True, strategy="fsdp1", gpus=2).sharded_qlora
 
 
 def test_a_model_fed_features_gets_no_seq2seq_task_type():

@@ -187,15 +187,23 @@ def set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: str
     weights, cast, how = resolve_weights_dtype(model, job)
     if cast:
         twin = twin.to(weights)
+    sharded = job.sharded_qlora
+    if sharded:  # the FSDP/ZeRO-3 QLoRA recipe: loaded in the storage dtype (torch_dtype=bnb_4bit_quant_storage)
+        weights = job.weights_dtype.torch_dtype or torch.bfloat16
+        twin = twin.to(weights)
     if job.qlora:  # 4-bit linear layers, then a twin of those: bitsandbytes' quantized sizes (twin_memo)
-        twin = meta_twin(quantize_4bit(twin))
-    twin, adapted = apply_adapters(twin, job.lora, job.qlora, job.recipe)  # LoRA / QLoRA over the cast base
+        twin = meta_twin(quantize_4bit(twin, quant_storage=weights if sharded else torch.uint8))
+    twin, adapted = apply_adapters(twin, job.lora, job.qlora, job.recipe, sharded=sharded)  # over the cast base
     wrapped = apply_checkpointing(twin, job.checkpointing, use_reentrant=job.use_reentrant)
     rank_context = None
     if role is not None:  # what one rank of the layout holds: its experts, shards, stage and tokens
         twin, batch, noted, rank_context = role.view(twin, meta_batch(batch), job.device.value)
         adapted = [*adapted, *noted]
     dtype = precision.weights_dtype  # pure bf16/fp16: float inputs in that dtype too
+    if sharded and dtype is None and precision.autocast_dtype is None:
+        # the sharded QLoRA model is all in its storage dtype; without autocast its float inputs (pixels, audio)
+        # must be too, or its first convolution refuses them ("Input type (float) and bias type (BFloat16)")
+        dtype = weights
 
     def prepare(b):
         return to_precision(meta_batch(b), dtype)
@@ -217,7 +225,10 @@ def set_up(model, batch, eval_batch, job: Job, target: GpuSpec | None, name: str
         tracer.assume(
             f"no GPU named (gpu=/--gpu): kernels chosen as on sm{arch[0]}{arch[1]} and a generic CUDA context"
         )
-    if job.qlora:
+    if sharded:  # the storage dtype trains (apply_adapters' note)
+        how = "" if dtype is None or dtype == precision.weights_dtype else (
+            f"sharded QLoRA without autocast: float inputs cast to the weights' {dtype_name(weights)}")
+    elif job.qlora:
         # prepare_model_for_kbit_training casts every fp16/bf16 weight but the 4-bit ones to fp32
         # (peft/utils/other.py:204-209), so the model's own dtype is not what trains (apply_adapters' note)
         weights, how = torch.float32, ""

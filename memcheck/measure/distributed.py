@@ -397,6 +397,8 @@ def measure_fsdp1_cpu(
     wrap: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
     in_place: bool = False,
     mixed_precision: Any = None,
+    use_orig_params: bool = False,
+    offload_params: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> dict[str, list[Measured]]:
     """Train under FSDP1 (``FullyShardedDataParallel``) on ``world_size`` CPU ranks, once per sharding
@@ -408,7 +410,8 @@ def measure_fsdp1_cpu(
     direct children that own parameters) and the root with the rest, then calls
     ``make_optimizer(fsdp.parameters())``, all inside that strategy's own profiled region. Every
     other FSDP1 setting is torch's default (``use_orig_params=False``, ``BACKWARD_PRE`` prefetch,
-    ``limit_all_gathers=True``; ``mixed_precision``: a ``torch.distributed.fsdp.MixedPrecision``, None
+    ``limit_all_gathers=True``; ``use_orig_params=True`` as Lightning's and Accelerate's FSDP set it, for a
+    unit mixing frozen and trainable parameters; ``mixed_precision``: a ``torch.distributed.fsdp.MixedPrecision``, None
     for none). ``hybrid_shard`` shards over groups of ``gpus_per_node`` ranks
     (default ``world_size``) through ``init_device_mesh("cpu", (world_size // gpus_per_node,
     gpus_per_node))``: without a mesh FSDP1 asks CUDA for the node size. ``build``,
@@ -426,10 +429,13 @@ def measure_fsdp1_cpu(
         DistributedMeasureError: a rank could not start, raised, died or timed out.
 
     Known limitations:
-        ``CPUOffload(offload_params=True)`` cannot run here: FSDP1 pins the host shard and
-        gradient (``_flat_param.py`` ``init_flat_param_attributes``: ``pin_memory()``), which
-        needs an accelerator ("Cannot access accelerator device when none is available"), so
-        it is not offered. On gloo, FSDP1 all-gathers a CPU flat parameter into a list of
+        ``offload_params=True`` (``CPUOffload(offload_params=True)``) does not run on a CPU as it is:
+        FSDP1 pins the host shard and gradient (``_flat_param.py`` ``init_flat_param_attributes``:
+        ``pin_memory()``), which needs an accelerator ("Cannot access accelerator device when none
+        is available"), and its final callback synchronizes the device's stream, which a CPU
+        ``Stream`` cannot; ``build`` must stub both in the rank (``tests/test_fsdp1_cpu.py`` does).
+        The "device" is then the host: no host-to-device copy is made, and the host shards,
+        ``_cpu_grad`` and the optimizer state are measured with the rest. On gloo, FSDP1 all-gathers a CPU flat parameter into a list of
         chunks (``_flat_param.py`` ``_all_gather_flat_param``, "HACK"), which gloo stages
         through a flat temporary of the whole padded unsharded size, and reduce-scatter
         clones its whole input (as for ``measure_fsdp_cpu``); NCCL makes neither copy.
@@ -447,6 +453,10 @@ def measure_fsdp1_cpu(
             raise UsageError(f"gpus_per_node must be a positive integer dividing world_size={world_size!r}, "
                              f"got {gpus_per_node!r}")
     options = {"wrap": wrap, "shardings": shardings, "gpus_per_node": gpus_per_node, "in_place": bool(in_place)}
+    if use_orig_params:
+        options["use_orig_params"] = True
+    if offload_params:
+        options["offload_params"] = True
     if mixed_precision is not None:
         from torch.distributed.fsdp import MixedPrecision
 
@@ -1148,7 +1158,8 @@ def _measure_pp_rank(build, make_optimizer, loss_fn, steps, rank, world_size, *,
 
     return _measured(train)
 
-def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node, mixed_precision=None):
+def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node, mixed_precision=None, use_orig_params=False,
+                 offload_params=False):
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import CustomPolicy
 
@@ -1156,6 +1167,12 @@ def _fsdp1_setup(build, world_size, *, wrap, sharding, gpus_per_node, mixed_prec
         model, batch = build()
         units = {id(m) for m in (wrap(model) if wrap is not None else _children_with_parameters(model))}
         extra = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
+        if use_orig_params:
+            extra["use_orig_params"] = True
+        if offload_params:
+            from torch.distributed.fsdp import CPUOffload
+
+            extra["cpu_offload"] = CPUOffload(offload_params=True)
         if sharding == "hybrid_shard":
             from torch.distributed.device_mesh import init_device_mesh
 

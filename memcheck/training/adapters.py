@@ -248,12 +248,13 @@ def modules_kept_unquantized(model: torch.nn.Module) -> list[str]:
     return sorted(set(keep))
 
 
-def quantize_4bit(model: torch.nn.Module) -> torch.nn.Module:
+def quantize_4bit(model: torch.nn.Module, quant_storage: torch.dtype = torch.uint8) -> torch.nn.Module:
     """Every linear layer but the output head as bitsandbytes' NF4 ``Linear4bit`` with double
     quantization and bf16 compute (the QLoRA recipe's ``BitsAndBytesConfig``), as transformers'
     ``replace_with_bnb_linear`` puts them (on meta: no weight is quantized for real; the twin
     sizes the 4-bit weight and its statistics, ``memcheck.rules.extensions.bitsandbytes``), leaving out
-    ``modules_kept_unquantized``."""
+    ``modules_kept_unquantized``. ``quant_storage``: ``bnb_4bit_quant_storage``, the dtype the packed
+    weights are stored as (the sharded recipe's is the other weights')."""
     try:
         with quiet_third_party():
             from transformers import BitsAndBytesConfig
@@ -261,10 +262,18 @@ def quantize_4bit(model: torch.nn.Module) -> torch.nn.Module:
     except ImportError:
         raise UsageError("QLoRA needs transformers and bitsandbytes: pip install transformers bitsandbytes") from None
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                bnb_4bit_compute_dtype=torch.bfloat16)
+                                bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=quant_storage)
     keep = modules_kept_unquantized(model)
     with torch.device("meta"):
         return replace_with_bnb_linear(model, modules_to_not_convert=keep, quantization_config=config)
+
+
+def _dtype_text(model: torch.nn.Module) -> str:
+    """The packed 4-bit weights' storage dtype, as text ("bfloat16")."""
+    from bitsandbytes.nn import Params4bit
+
+    found = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if isinstance(p, Params4bit)}
+    return "/".join(sorted(found)) or "bfloat16"
 
 
 def recipe_note(recipe: dict[str, str]) -> str:
@@ -281,9 +290,15 @@ def recipe_note(recipe: dict[str, str]) -> str:
 
 
 def apply_adapters(model: torch.nn.Module, lora: Lora | None, qlora: bool,
-                   recipe: dict[str, str] | None = None) -> tuple[torch.nn.Module, list[str]]:
+                   recipe: dict[str, str] | None = None, sharded: bool = False) -> tuple[torch.nn.Module, list[str]]:
     """The meta twin with QLoRA's quantization and LoRA's adapters set up as PEFT does; and what
-    was assumed, for the report. ``model`` unchanged (and no notes) without either."""
+    was assumed, for the report. ``model`` unchanged (and no notes) without either.
+
+    ``sharded`` (QLoRA under fsdp, fsdp1 or zero3): the sharded recipe, as TRL sets it up when the
+    4-bit weights are loaded on the CPU or meta for a sharded wrapper (trl 1.16
+    ``trl/experimental/utils.py:879-905``, ``is_sharded_qlora``): no ``prepare_model_for_kbit_training``
+    (the other weights keep the quantization storage dtype) and ``get_peft_model(...,
+    autocast_adapter_dtype=False)`` (the adapters too), so each wrapper sees one dtype."""
     if lora is None and not qlora:
         return model, []
     peft = _peft()
@@ -291,7 +306,15 @@ def apply_adapters(model: torch.nn.Module, lora: Lora | None, qlora: bool,
     if isinstance(model, peft.PeftModel):
         raise UsageError(f"the model is already a PEFT model ({type(model).__name__}); drop --lora/--qlora/--dora "
                          "(memcheck traces its adapters as they are)")
-    if qlora:  # the caller has quantized the twin (quantize_4bit) and sized its 4-bit weights
+    if qlora and sharded:  # the caller has cast the twin to the storage dtype and quantized it
+        notes.append("sharded QLoRA (fsdp/fsdp1/zero3): linear layers but the head in 4-bit NF4 stored as "
+                     f"{_dtype_text(model)} (bnb_4bit_quant_storage, the FSDP-QLoRA recipe), so the wrapper "
+                     "shards the packed weights like the others while their quantization statistics stay whole on "
+                     "every rank; no prepare_model_for_kbit_training and adapters in the same dtype "
+                     "(TRL's is_sharded_qlora: autocast_adapter_dtype=False)")
+        if recipe:
+            notes.append(recipe_note(recipe))
+    elif qlora:  # the caller has quantized the twin (quantize_4bit) and sized its 4-bit weights
         with quiet_third_party():
             model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         notes.append("QLoRA: linear layers but the head in 4-bit NF4 (double quantization, bf16 compute), other "
@@ -302,7 +325,8 @@ def apply_adapters(model: torch.nn.Module, lora: Lora | None, qlora: bool,
     lora = lora or Lora()
     try:
         with quiet_third_party():
-            model = peft.get_peft_model(model, lora.config(_task_type(model)))
+            model = peft.get_peft_model(model, lora.config(_task_type(model)),
+                                        autocast_adapter_dtype=not (qlora and sharded))
     except ValueError as exc:  # PEFT's own check of the targets (NoMatchingPeftModuleError is one)
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                          if isinstance(m, torch.nn.Linear) and name})
@@ -313,7 +337,8 @@ def apply_adapters(model: torch.nn.Module, lora: Lora | None, qlora: bool,
                              "targets= linear layers only") from None
         raise UsageError(f"lora targets: PEFT says {first}; give targets= module names of {type(model).__name__} "
                          f"(its linear layers: {', '.join(linear[:8]) or 'none'}) or all-linear") from None
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    notes.append(f"{'DoRA' if lora.dora else 'LoRA'} {lora} through PEFT {peft.__version__}: {trainable:,} "
-                 "trainable parameters (fp32 adapters), the base frozen")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in trainable})) or "no"
+    notes.append(f"{'DoRA' if lora.dora else 'LoRA'} {lora} through PEFT {peft.__version__}: "
+                 f"{sum(p.numel() for p in trainable):,} trainable parameters ({dtypes} adapters), the base frozen")
     return model, notes

@@ -42,14 +42,28 @@ with the rest. Defaults (``fully_sharded_data_parallel.py:397-412``): ``backward
   (``_post_backward_reshard_only_hook``, ``777-790``); with no such input, the catch-all reshard at
   the end of backward does (``1130-1165``). A unit whose outputs need no gradient is never
   prefetched in backward (``_needs_pre_backward_unshard``, ``1393-1410``, checked in ``1265-1272``);
+- with bitsandbytes 4-bit weights (QLoRA), or where a block's trainable parameters differ in dtype
+  from its frozen ones (PEFT's fp32 adapters on bf16 weights, which one flat parameter cannot hold),
+  the FSDP-QLoRA recipes' wrapping: PEFT's
+  ``fsdp_auto_wrap_policy`` (peft 0.21.2 ``peft/utils/other.py:1271-1306``; its ``lambda_policy_fn``
+  wraps every leaf module whose ``weight`` requires a gradient, the LoRA adapters) with
+  ``use_orig_params=False`` (PEFT's FSDP guide and alignment-handbook's ``fsdp_qlora.yaml`` set
+  ``fsdp_use_orig_params: false``): each adapter is its own unit nested in its block's, whose own
+  flat parameter is then all frozen;
 - a unit mixing frozen and trainable parameters (``use_orig_params=True``, as under LoRA) keeps
   a gradient of its whole flat parameter; the optimizer's share is taken as
   ``ceil(trainable / W)`` elements (the real split follows where each parameter falls);
 - ``offload="params"`` (``CPUOffload(offload_params=True)``): the shards, the sharded
   gradients' host copies (``_cpu_grad``) and the optimizer step are host memory; each
   unshard copies the shard to the device first (``_flat_param.py:1335-1337``), and the
-  device's sharded gradients stay until the end of backward (``_saved_grad_shard``, deleted in
-  ``prepare_gradient_for_optim``, ``_flat_param.py:1679-1712``).
+  device's sharded gradients stay until the end of backward: ``_accumulate_sharded_grad`` keeps
+  each as ``_saved_grad_shard`` (``_runtime_utils.py:906-928``), ``_offload_grad`` only copies it
+  into the pinned ``_cpu_grad`` (``969-992``), and ``_post_backward_final_callback`` (``1084-1127``)
+  deletes it in ``_finalize_params`` -> ``prepare_gradient_for_optim`` (``_flat_param.py:1679-1716``),
+  state by state, only after every post-backward hook has run, the root's included (its split
+  backward runs last, see above): so every unit's device sharded gradient is alive through the
+  root's post-backward (its per-parameter gradients, its flat gradient of ``N`` elements, the
+  padded copy and its sharded gradient).
 """
 
 from __future__ import annotations
@@ -60,6 +74,7 @@ import torch
 
 from memcheck import compat
 from memcheck.enums import Category, FsdpSharding, Offload
+from memcheck.errors import UsageError
 from memcheck.training.checkpointing import repeated_blocks
 from memcheck.training.strategies._sharding import _empty, _Emulation, _tensors, cast_floating, train_sharded
 from memcheck.training.strategies.base import MixedPrecision, Run
@@ -81,12 +96,28 @@ def shard_numel(numel: int, world: int) -> int:
     return -(-numel // world)
 
 
+def _check_flattenable(name: str, params: list) -> None:
+    """What ``FlatParamHandle._validate_tensors_to_flatten`` refuses (``_flat_param.py:798-830``): an integer
+    tensor first ("Cannot flatten integer dtype tensors", as bitsandbytes' uint8 4-bit storage) or two dtypes
+    in one unit ("Must flatten tensors with uniform dtype", as a bf16 base beside fp32 LoRA adapters)."""
+    dtypes = list(dict.fromkeys(p.dtype for p in params))
+    if not dtypes or (len(dtypes) == 1 and dtypes[0].is_floating_point):
+        return
+    shown = " and ".join(str(d).removeprefix("torch.") for d in dtypes[:3])
+    where = "the root" if name == "(root)" else name
+    raise UsageError(f"strategy fsdp1: FSDP unit {where} would hold {shown} parameters, and FullyShardedDataParallel "
+                     "flattens a unit into one floating dtype (\"Must flatten tensors with uniform dtype\"); give "
+                     "every parameter one dtype (PEFT keeps LoRA adapters in fp32: fp32 weights, --weights-dtype fp32) "
+                     "or use strategy fsdp (FSDP2 shards each parameter on its own)")
+
+
 class _Unit:
     """One FSDP unit's FlatParameter (a FlatParamHandle)."""
 
     def __init__(self, name: str, module: torch.nn.Module, params: list, world: int, sharded: bool,
                  policy: MixedPrecision = MixedPrecision()):
         self.name, self.module, self.params = name, module, params
+        _check_flattenable(name, params)
         self.numel = sum(p.numel() for p in params)
         self.shard = shard_numel(self.numel, world) if sharded else self.numel
         self.padded = self.shard * world if sharded else self.numel  # the padded unsharded flat parameter
@@ -137,10 +168,23 @@ class _MetaFSDP1(_Emulation):
         self.hook_gradients(self._on_grad)
 
     def _units(self) -> None:
-        """One unit per repeated block (its parameters not already in one), then the root with the rest."""
+        """One unit per repeated block (its parameters not already in one), then the root with the rest;
+        first one per trainable leaf module (``adapter_units``) with 4-bit weights, or where a block's trainable
+        and frozen parameters differ in dtype (PEFT's fp32 adapters on bf16 weights), which FSDP1 runs only so."""
         modules = dict(self.model.named_modules())
         seen: set[int] = set()
         units = []
+        self.adapter_units = any(type(p).__name__ == "Params4bit" for p in self.full) or any(
+            len({p.dtype for p in modules[name].parameters()}) > 1
+            and any(p.requires_grad for p in modules[name].parameters()) for name in repeated_blocks(self.model))
+        if self.adapter_units:  # PEFT's fsdp_auto_wrap_policy's lambda_policy_fn (peft 0.21.2 peft/utils/other.py:1294-1299)
+            for name, module in modules.items():
+                weight = getattr(module, "weight", None)
+                if (name and next(module.children(), None) is None and isinstance(weight, torch.Tensor)
+                        and weight.requires_grad):
+                    params = [p for p in module.parameters() if id(p) not in seen]
+                    seen.update(id(p) for p in params)
+                    units.append(_Unit(name, module, params, self.world, self.sharded, self.policy))
         for name in repeated_blocks(self.model):
             params = [p for p in modules[name].parameters() if id(p) not in seen]
             seen.update(id(p) for p in params)
@@ -167,6 +211,12 @@ class _MetaFSDP1(_Emulation):
         if self.offload:
             tracer.assume("fsdp1 offload: flat parameter shards, their gradients' host copies and the optimizer "
                           "step are host memory; the optimizer's temporaries are not on the GPU")
+        if self.adapter_units:
+            tracer.assume("fsdp1 with 4-bit weights or adapters of another dtype than their block: PEFT's "
+                          "fsdp_auto_wrap_policy with use_orig_params=False, the FSDP-QLoRA recipe's wrapping (PEFT's "
+                          "FSDP guide, alignment-handbook's fsdp_qlora.yaml, Answer.AI's fsdp_qlora) and the only one "
+                          "FSDP1 flattens then: each trainable leaf module (the adapters) its own unit inside its "
+                          "block's, so the frozen blocks get no gradient")
         if any(u.trainable and len(u.trainable) < len(u.params) for u in self.units):
             tracer.assume("fsdp1: a unit mixing frozen and trainable parameters (use_orig_params=True, as under "
                           "LoRA) gets a gradient of its whole flat parameter; its optimizer state is taken as the "
@@ -323,9 +373,15 @@ class _MetaFSDP1(_Emulation):
     def end_of_backward(self) -> None:
         """``_post_backward_final_callback`` (``_runtime_utils.py:1084-1127``): units whose hook did not run,
         the catch-all reshard, and (offload) the device's sharded gradients dropped."""
-        for u in self.units:  # blocks first, the root last
+        # the post-backward hooks still to run (the root's: its split backward runs last) all run before
+        # the final callback, which waits for them (current_stream.wait_stream(_post_backward_stream), 1098-1110)
+        for u in self.units:
             if u.ready or u.in_backward or u is self.root:
                 self._post_backward(u)
+        # then, state by state, _catch_all_reshard and _finalize_params (1114-1116): prepare_gradient_for_optim
+        # drops the device's _saved_grad_shard (_flat_param.py:1714-1716), so under offload every unit's
+        # device sharded gradient is alive through the root's post-backward
+        for u in self.units:
             self._reshard(u)
             u.device_grad = None
         self.order.clear()

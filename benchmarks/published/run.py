@@ -3,6 +3,8 @@
     python benchmarks/published/run.py                  # every case in cases.json
     python benchmarks/published/run.py --only hf-doc    # ids containing "hf-doc"
     python benchmarks/published/run.py --json out.json  # also write the rows as JSON
+    python benchmarks/published/run.py --multi-gpu --json out.json --markdown out.md
+                                                        # every multi-GPU record (multi_gpu/records)
 
 Each case of ``cases.json`` is rebuilt on the meta device from its config (no weights, no
 hub access) and traced with ``memcheck.estimate`` for the CUDA target. The published
@@ -254,6 +256,30 @@ _MCORE_GPT_STAND_IN = dict(config_class="Starcoder2Config", kwargs=dict(
     tie_word_embeddings=False))
 
 
+class _KeptFloatLogits:
+    """torchtitan's step at 83c879f1 (PR #165, March 2024): the model returns ``self.output(h).float()``
+    (torchtrain/models/llama/model.py), and train.py keeps it as ``pred`` through the backward
+    (``pred = model(input_ids)``; ``loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))``;
+    ``loss.backward()``, no ``del pred``; the labels come shifted from the dataset). Here ``pred`` is held
+    until the next forward starts (the real loop rebinds it after that forward returns). Under loss
+    parallelism the logits are this rank's vocabulary shard and ``cross_entropy`` the parallel one."""
+
+    def __init__(self):
+        self.held = None
+
+    def __call__(self, model, batch):
+        import torch
+
+        self.held = None
+        pred = model(input_ids=batch["input_ids"]).logits.float()
+        self.held = pred
+        return torch.nn.functional.cross_entropy(pred.flatten(0, 1), batch["labels"].flatten(0, 1))
+
+
+# The loss code of a record's trainer where it allocates otherwise than transformers' model(**batch).loss.
+MULTI_LOSSES = {"torchtitan-83c879f1": _KeptFloatLogits}
+
+
 def load_records(path: Path = RECORDS) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(path.glob("*.json"))]
 
@@ -316,7 +342,7 @@ def multi_gpu_job(record: dict) -> dict:
     layout = record["layout"]
     assumed, outside = [], []
     model = {"config_class": record["model"].get("config_class"), "kwargs": dict(record["model"].get("kwargs") or {}),
-             "task": "causal-lm", "stand_in": None}
+             "task": "causal-lm", "stand_in": None, "loss": None}
     megatron = record["id"].startswith("mcore-")
     dp, unknown_dp = _degree(layout, "dp_shard", "dp")
     tp, _ = _degree(layout, "tp")
@@ -347,6 +373,12 @@ def multi_gpu_job(record: dict) -> dict:
         # Megatron: global batch = micro-batch x micro-batches x DP; the record's local_batch is the micro-batch
         accumulate = record["global_batch"] // (record["local_batch"] * dp)
 
+    loss_parallel = bool(layout.get("loss_parallel"))
+    if record["id"].startswith("tt165"):
+        model["loss"] = "torchtitan-83c879f1"
+        if tp > 1 and "loss_parallel" not in layout:
+            loss_parallel = True  # config_manager.py @ 83c879f1: --training.enable_loss_parallel defaults to True
+            assumed.append("loss_parallel=true: torchtitan's default at 83c879f1 (enable_loss_parallel=True)")
     fsdp1 = "FSDP1" in str(layout.get("fsdp_implementation", ""))
     sharded = dp * cp > 1
     settings: dict = dict(device="cuda", batch_size=batch_size, max_len=record["seq_len"], accumulate=accumulate,
@@ -402,7 +434,7 @@ def multi_gpu_job(record: dict) -> dict:
                 text += f",virtual={virtual}"
         if layout.get("sequence_parallel"):
             text += ",sp=true"
-        if layout.get("loss_parallel"):
+        if loss_parallel:
             text += ",loss_parallel=true"
         settings["layout"] = text
         if sharded and "strategy" not in settings:
@@ -455,7 +487,8 @@ def predict_multi(translation: dict):
     settings = translation["settings"]
     batch = build_batch({"inputs": ("input_ids", "labels"), "task": "causal-lm"}, config,
                         settings["batch_size"], settings["max_len"])
-    return memcheck.estimate(model, batch, build_job(translation), model_name=translation["id"])
+    loss = MULTI_LOSSES[spec["loss"]]() if spec.get("loss") else None
+    return memcheck.estimate(model, batch, build_job(translation), model_name=translation["id"], loss_fn=loss)
 
 
 def pick(est, translation: dict) -> int | None:
@@ -480,7 +513,7 @@ def main_multi(args) -> int:
         if not records:
             print(f"no record id contains {args.only!r}", file=sys.stderr)
             return 2
-    rows, skipped = [], []
+    rows, skipped, cache = [], [], {}
     header = (f"{'record':<66} {'grade':<5} {'metric':<27} {'published GiB':>13} {'predicted GiB':>13} "
               f"{'error':>8}")
     print(header)
@@ -493,8 +526,10 @@ def main_multi(args) -> int:
                "reserved_bytes": None, "error": None, "comparable": t["field"] is not None,
                "flags": t["flags"], "stand_in": t["model"]["stand_in"], "assumed": t["assumed"],
                "outside": t["outside"]}
+        key = json.dumps([t["model"], {k: repr(v) for k, v in t["settings"].items()}], sort_keys=True)
         try:
-            est = predict_multi(t)
+            est = cache[key] if key in cache else predict_multi(t)  # one trace for a run's allocated and reserved
+            cache = {key: est}
         except Exception as exc:  # a record that cannot be traced is listed, not fatal
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             row.update(skipped=f"{type(exc).__name__}: {text}", seconds=round(time.perf_counter() - start, 1))
@@ -502,8 +537,10 @@ def main_multi(args) -> int:
             print(f"{t['id']:<66} SKIPPED: {type(exc).__name__}: {text}", flush=True)
             continue
         predicted = pick(est, t)
-        per_rank = [{"role": d.role, "peak_bytes": d.peak_bytes, "reserved_bytes": d.reserved_bytes}
-                    for d in est.devices]
+        per_rank = [{"role": d.role, "peak_bytes": d.peak_bytes, "reserved_bytes": d.reserved_bytes,
+                     "peak_phase": d.peak_phase.value, "peak_module": d.peak_module,
+                     "breakdown_at_peak": d.breakdown_at_peak.to_dict()}
+                    for d in (est.devices if est.job.layout is not None else est.devices[:1])]  # ranks alike
         row.update(predicted_bytes=predicted, per_rank=per_rank, seconds=round(time.perf_counter() - start, 1),
                    peak_bytes=pick(est, {**t, "field": "peak_bytes"}),
                    reserved_bytes=pick(est, {**t, "field": "reserved_bytes"}))
@@ -525,6 +562,11 @@ def main_multi(args) -> int:
             print(f"  {s['id']}: {s['skipped']}")
     if args.json:
         _write_multi(args.json, rows, skipped)
+    if args.markdown:
+        import torch
+        import transformers
+
+        args.markdown.write_text(multi_markdown(rows, skipped, torch.__version__, transformers.__version__))
     return 0
 
 
@@ -539,6 +581,52 @@ def multi_summary(rows: list[dict]) -> list[str]:
         else:
             lines.append(f"{title:<15} n=0")
     return lines
+
+
+def multi_markdown(rows: list[dict], skipped: list[dict], torch_version: str, transformers_version: str) -> str:
+    """The committed table: one row per record, in id order, then the summary."""
+    out = [f"| record | grade | metric (rank) | published GiB | memcheck GiB | error | memcheck job |",
+           "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+    for r in sorted(rows + skipped, key=lambda r: r["id"]):
+        metric = f"{r['metric']} ({r['rank']})"
+        if r.get("skipped"):
+            predicted, err = "not traced", r["skipped"]
+        elif r["error"] is None:
+            predicted = f"(allocated peak {gib(r['peak_bytes'])})"
+            err = "not comparable: memcheck has no after-step figure"
+        else:
+            predicted, err = gib(r["predicted_bytes"]), f"{r['error']:+.1%}"
+        notes = "; ".join(filter(None, [r.get("stand_in"), *r.get("assumed", []),
+                                        *(f"outside memcheck: {o}" for o in r.get("outside", []))]))
+        job = f"`{r['flags']}`" + (f" ({notes})" if notes else "")
+        out.append(f"| `{r['id']}` | {r['grade']} | {metric} | {gib(r['published_bytes'])} | {predicted} | {err} | "
+                   f"{job} |")
+    out += ["", f"torch {torch_version}, transformers {transformers_version}; error = (memcheck - published) / "
+                "published; GiB = 2**30 B.", "", "```", *multi_summary(rows), "```", ""]
+    return "\n".join(out)
+
+
+def main_merge(args) -> int:
+    """``--merge A.json B.json ... --json OUT.json --markdown OUT.md``: the parts of a run written by
+    ``--only``, as one JSON and one table."""
+    rows, skipped, versions = [], [], set()
+    for path in args.merge:
+        data = json.loads(Path(path).read_text())
+        rows += data["rows"]
+        skipped += data["skipped"]
+        versions.add((data["torch"], data["transformers"]))
+    if len(versions) != 1:
+        print(f"the parts ran on different versions: {sorted(versions)}", file=sys.stderr)
+        return 2
+    (torch_version, transformers_version), = versions
+    if args.json:
+        args.json.write_text(json.dumps({"torch": torch_version, "transformers": transformers_version,
+                                         "date": time.strftime("%Y-%m-%d"), "rows": rows, "skipped": skipped,
+                                         "summary": multi_summary(rows)}, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(multi_markdown(rows, skipped, torch_version, transformers_version))
+    print("\n".join(multi_summary(rows)))
+    return 0
 
 
 def _write_multi(path: Path, rows: list[dict], skipped: list[dict]) -> None:
@@ -558,7 +646,12 @@ def main(argv=None) -> int:
     parser.add_argument("--multi-gpu", action="store_true",
                         help="run the multi-GPU records (multi_gpu/records/*.json) instead of cases.json")
     parser.add_argument("--records", type=Path, default=RECORDS)
+    parser.add_argument("--merge", nargs="+", metavar="PART.json",
+                        help="--multi-gpu: join the JSON parts of a run (written with --only) into --json/--markdown")
+    parser.add_argument("--markdown", type=Path, help="--multi-gpu: also write the table as markdown")
     args = parser.parse_args(argv)
+    if args.multi_gpu and args.merge:
+        return main_merge(args)
     if args.multi_gpu:
         return main_multi(args)
 

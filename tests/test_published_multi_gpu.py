@@ -106,6 +106,15 @@ def test_the_405b_pipeline_row_is_a_layout_with_micro_batches(run):
     # local batch 32 = 8 micro-batches (accumulate under pp) x 4 samples
     assert (job.accumulate, job.batch_size) == (8, 4)
     assert job.strategy_config.strategy is Strategy.FSDP and job.strategy_config.gpus == 8
+    assert t["model"]["kwargs"]["num_hidden_layers"] == 126 and t["model"]["kwargs"]["hidden_size"] == 16384
+
+
+def test_a_record_with_a_config_file_takes_its_shapes(run):
+    # tt2412-t4 names examples/llama-3-70b/config.json: 80 layers of 8192, vocab 128256, fp32 weights
+    t = run.multi_gpu_job(_records()["tt2412-t4-llama3.1-70b-fsdp32-tp8-compile-fp8"])
+    kwargs = t["model"]["kwargs"]
+    assert (kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["vocab_size"]) == (80, 8192, 128256)
+    assert "dtype" not in kwargs
 
 
 def test_fsdp1_tp_and_pipeline_ranks_translate(run):

@@ -343,6 +343,11 @@ def multi_gpu_job(record: dict) -> dict:
     assumed, outside = [], []
     model = {"config_class": record["model"].get("config_class"), "kwargs": dict(record["model"].get("kwargs") or {}),
              "task": "causal-lm", "stand_in": None, "loss": None}
+    if record["model"].get("config_file"):  # a config.json of this repository (examples/llama-3-70b)
+        loaded = json.loads((HERE.parent.parent / record["model"]["config_file"]).read_text())
+        # the shapes only: the weights are fp32 (torchtitan's master weights), not config.json's bf16 dtype
+        model["kwargs"] = {k: v for k, v in loaded.items()
+                           if k not in ("architectures", "dtype", "transformers_version", "model_type")}
     megatron = record["id"].startswith("mcore-")
     dp, unknown_dp = _degree(layout, "dp_shard", "dp")
     tp, _ = _degree(layout, "tp")

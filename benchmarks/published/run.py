@@ -381,9 +381,15 @@ def multi_gpu_job(record: dict) -> dict:
     loss_parallel = bool(layout.get("loss_parallel"))
     if record["id"].startswith("tt165"):
         model["loss"] = "torchtitan-83c879f1"
-        if tp > 1 and "loss_parallel" not in layout:
-            loss_parallel = True  # config_manager.py @ 83c879f1: --training.enable_loss_parallel defaults to True
-            assumed.append("loss_parallel=true: torchtitan's default at 83c879f1 (enable_loss_parallel=True)")
+    if record["id"].startswith("tt") and tp > 1 and "loss_parallel" not in layout:
+        # torchtitan's default whenever tp > 1: config_manager.py @ 83c879f1 (--training.enable_loss_parallel,
+        # default True) and @ 9dec370 (--training.disable_loss_parallel, default False; train.py:57, :226 also
+        # under pp)
+        if cp > 1:
+            assumed.append("loss_parallel off: torchtitan's default is on, but memcheck does not model it with cp")
+        else:
+            loss_parallel = True
+            assumed.append("loss_parallel=true: torchtitan's default with tp (not stated in the record)")
     fsdp1 = "FSDP1" in str(layout.get("fsdp_implementation", ""))
     sharded = dp * cp > 1
     settings: dict = dict(device="cuda", batch_size=batch_size, max_len=record["seq_len"], accumulate=accumulate,
@@ -617,6 +623,9 @@ def main_merge(args) -> int:
     rows, skipped, versions = [], [], set()
     for path in args.merge:
         data = json.loads(Path(path).read_text())
+        for row in data["rows"]:  # ranks alike (no layout) written once
+            if row.get("per_rank") and all(r == row["per_rank"][0] for r in row["per_rank"]):
+                row["per_rank"] = row["per_rank"][:1]
         rows += data["rows"]
         skipped += data["skipped"]
         versions.add((data["torch"], data["transformers"]))

@@ -583,8 +583,11 @@ def main_multi(args) -> int:
 
 def multi_summary(rows: list[dict]) -> list[str]:
     lines = []
+    allocated = lambda r: r["metric"] == "max_memory_allocated"  # noqa: E731
     for title, keep in (("all comparable", lambda r: True), ("grade B", lambda r: r["grade"] == "B"),
-                        ("grade C", lambda r: r["grade"] == "C")):
+                        ("grade C", lambda r: r["grade"] == "C"),
+                        ("B allocated", lambda r: r["grade"] == "B" and allocated(r)),
+                        ("B reserved", lambda r: r["grade"] == "B" and not allocated(r))):
         errs = [abs(r["error"]) for r in rows if r.get("error") is not None and keep(r)]
         if errs:
             lines.append(f"{title:<15} n={len(errs):<3} median |error| {statistics.median(errs):6.1%}   "

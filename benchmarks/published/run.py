@@ -631,6 +631,10 @@ def main_merge(args) -> int:
                 row["per_rank"] = row["per_rank"][:1]
         rows += data["rows"]
         skipped += data["skipped"]
+    by_id = {r["id"]: r for r in load_records(args.records)}
+    for row in skipped:  # never estimated: shown with the job as run.py translates it now
+        t = multi_gpu_job(by_id[row["id"]])
+        row.update(flags=t["flags"], assumed=t["assumed"], outside=t["outside"], stand_in=t["model"]["stand_in"])
         versions.add((data["torch"], data["transformers"]))
     seen = {r["id"] for r in rows + skipped}
     for record in load_records(args.records):  # a record no part ran is listed as such, not dropped

@@ -126,7 +126,8 @@ def test_fsdp1_tp_and_pipeline_ranks_translate(run):
     assert fsdp1.strategy is Strategy.FSDP1 and fsdp1.gpus == 8 and fsdp1.checkpointing == "full"
     assert t165["model"]["loss"] in run.MULTI_LOSSES  # 83c879f1's float32 logits kept through the backward
     # 83c879f1's 2D runs: enable_loss_parallel defaults to True
-    assert run.build_job(run.multi_gpu_job(records["tt165-llama2-7b-fsdp2-dp4-tp2sp-ac-bs16-active"])).layout.loss_parallel
+    two_d = run.build_job(run.multi_gpu_job(records["tt165-llama2-7b-fsdp2-dp4-tp2sp-ac-bs16-active"]))
+    assert two_d.layout.loss_parallel
     t = run.multi_gpu_job(records["lightning-trainer-tp2-fsdp2-llama2-7b-bs8-seq128"])
     job = run.build_job(t)
     assert (job.layout.dp, job.layout.tp, job.layout.sp, job.layout.loss_parallel) == (2, 2, True, True)

@@ -599,7 +599,12 @@ def multi_summary(rows: list[dict]) -> list[str]:
 
 def multi_markdown(rows: list[dict], skipped: list[dict], torch_version: str, transformers_version: str) -> str:
     """The committed table: one row per record, in id order, then the summary."""
-    out = [f"| record | grade | metric (rank) | published GiB | memcheck GiB | error | memcheck job |",
+    out = ["# memcheck against the published multi-GPU records (benchmarks/published/multi_gpu)", "",
+           "`python benchmarks/published/run.py --multi-gpu` (here run in parts with `--only`, joined with `--merge`). "
+           "Each record's metric against the matching estimate of its rank (`first`/`last` pipeline rank, or `max` "
+           "over the traced ranks); grades and every case outside 5% are explained in "
+           "`benchmarks/published/multi_gpu/README.md`.", "",
+           "| record | grade | metric (rank) | published GiB | memcheck GiB | error | memcheck job |",
            "| --- | --- | --- | ---: | ---: | ---: | --- |"]
     for r in sorted(rows + skipped, key=lambda r: r["id"]):
         metric = f"{r['metric']} ({r['rank']})"

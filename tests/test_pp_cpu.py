@@ -217,3 +217,46 @@ def test_measure_pp_cpu_checks_its_arguments_before_spawning():
         measure_pp_cpu(build_llama, adamw, schedule="1f1b", virtual=2)
     with pytest.raises(UsageError, match="microbatches must be an integer >= 1, got 0"):
         measure_pp_cpu(build_llama, adamw, microbatches=0)
+
+
+def _sequence_parallel_stage(rank, virtual=1):
+    """The tiny Llama on meta cut by tp=2 with sequence parallelism (memcheck's emulated ranks), then
+    into pipeline rank ``rank`` of 2, as Role.view cuts it for ``--layout tp=2,pp=2,sp=true``."""
+    from memcheck.training.strategies import pp, tp
+
+    with torch.device("meta"):
+        model, batch = build_llama()
+    tp.shard(model, 2, sequence_parallel=True, backend="gloo")
+    pp.make_stage(model, rank, 2, virtual=virtual, sequence_shards=2)
+    return model, batch
+
+
+def test_sequence_parallel_stages_send_and_receive_s_over_tp_tokens():
+    # Under SP the residual stream between blocks is S/tp tokens a rank (torchtitan's blocks take and
+    # return Shard(1) local tensors), so a stage receives [micro-batch, S/2, hidden] = [2, 16, 64] fp32,
+    # 2 x 16 x 64 x 4 B = 8 KiB a buffer, one per micro-batch, and rank 0 receives gradients of that shape.
+    from memcheck.training.strategies import pp
+
+    last, batch = _sequence_parallel_stage(1)
+    pp._Stage(last, {"input_ids": batch["input_ids"]}, 3)
+    assert [tuple(t.shape) for t in last.memcheck_pp_stage.recv[0]] == [(2, 16, 64)] * 3
+    assert [t.numel() * t.element_size() for t in last.memcheck_pp_stage.recv[0]] == [8192] * 3
+    first, batch = _sequence_parallel_stage(0)
+    pp._Stage(first, {"input_ids": batch["input_ids"]}, 3)
+    assert [tuple(t.shape) for t in first.memcheck_pp_stage.grad_recv[0]] == [(2, 16, 64)] * 3
+
+
+@pytest.mark.parametrize("schedule", ["schedule=1f1b", "schedule=interleaved-1f1b,virtual=2"])
+def test_a_sequence_parallel_pipeline_is_traced_per_stage(schedule):
+    # tp=2,pp=2,sp=true used to fail in the backward (the received gradient [2, 32, 64] against the sent
+    # activation [2, 16, 64]); with rank 0's later chunk the first block's cut must not apply again. Each
+    # stage traced; SP cuts the norms' activations and the buffers, so each stage's peak is below tp=2's.
+    import memcheck
+
+    with torch.device("meta"):
+        model, batch = build_llama()
+    whole = {k: torch.cat([v] * 4) for k, v in batch.items()}
+    sp = memcheck.estimate(model, whole, device="cpu", layout=f"tp=2,pp=2,{schedule},sp=true", accumulate=4)
+    plain = memcheck.estimate(model, whole, device="cpu", layout=f"tp=2,pp=2,{schedule}", accumulate=4)
+    assert len(sp.devices) == 2
+    assert all(a.peak_bytes < b.peak_bytes for a, b in zip(sp.devices, plain.devices))

@@ -240,7 +240,8 @@ class Role:
         if layout.pp > 1:
             from memcheck.training.strategies import pp
 
-            pp.make_stage(model, self.stage, layout.pp, virtual=layout.virtual)
+            pp.make_stage(model, self.stage, layout.pp, virtual=layout.virtual,
+                          sequence_shards=layout.tp if layout.sp else 1)
             notes.append(f"pp={layout.pp}: stage {self.stage} of {layout.pp}, schedule {layout.schedule.value}; "
                          "accumulate is the pipeline's micro-batches per step")
             if self.through is not None:

@@ -216,6 +216,19 @@ class _Gate:
         return args[0] if args else next(iter(kwargs.values()))
 
 
+class _GatedHook:
+    """A block's forward pre-hook (sequence parallelism's cut of the first block's input) that runs
+    only while the block's chunk is the one being run: a gated block passes its input through."""
+
+    def __init__(self, hook, state: "StageState", chunk: int):
+        self.hook, self.state, self.chunk = hook, state, chunk
+
+    def __call__(self, *args, **kwargs):
+        if self.state.chunk == self.chunk:
+            return self.hook(*args, **kwargs)
+        return None
+
+
 class _Capture:
     """A forward hook on a chunk's last block: keeps its output while that chunk runs."""
 
@@ -232,8 +245,12 @@ class StageState:
     ``virtual`` chunks, the blocks of each), and the receive buffers of each chunk (allocated
     on the first step, kept for the run as ``PipelineStage`` keeps them)."""
 
-    def __init__(self, rank: int, stages: int, virtual: int, hidden: int, chunks: tuple[tuple[str, ...], ...]):
+    def __init__(self, rank: int, stages: int, virtual: int, hidden: int, chunks: tuple[tuple[str, ...], ...],
+                 sequence_shards: int = 1):
         self.rank, self.stages, self.virtual, self.hidden, self.chunks = rank, stages, virtual, hidden, chunks
+        # sequence parallelism: the residual stream between blocks holds S / tp tokens a rank, and so does
+        # what a stage sends and receives (torchtitan's blocks take and return Shard(1) local tensors)
+        self.sequence_shards = sequence_shards
         self.recv: dict[int, list[torch.Tensor]] = {}  # chunk -> activations received, one per micro-batch
         self.grad_recv: dict[int, list[torch.Tensor]] = {}  # chunk -> gradients received, one per micro-batch
         self.chunk = 0  # the chunk and micro-batch being run
@@ -286,7 +303,8 @@ def _around(model: torch.nn.Module, container: str) -> tuple[list[str], list[str
     return before, after
 
 
-def make_stage(model: torch.nn.Module, rank: int, stages: int, virtual: int = 1) -> torch.nn.Module:
+def make_stage(model: torch.nn.Module, rank: int, stages: int, virtual: int = 1,
+               sequence_shards: int = 1) -> torch.nn.Module:
     """Turn ``model`` (parameters on the meta device; pass a copy) in place into pipeline rank
     ``rank`` of ``stages``, and return it.
 
@@ -299,7 +317,9 @@ def make_stage(model: torch.nn.Module, rank: int, stages: int, virtual: int = 1)
     output (``train_step`` sends it and receives its gradient). With several chunks, rank 0's
     embedding becomes ``Entry`` and the last rank's norm and head ``Exit``, and each block runs
     only for its own chunk. A transformers model's KV cache is turned off (training;
-    torchtitan's models have none).
+    torchtitan's models have none). ``sequence_shards`` is the tensor-parallel degree under
+    sequence parallelism (the model already cut by ``tp.shard``): the activations a stage sends
+    and receives, and their gradients, hold ``S / sequence_shards`` tokens.
 
     Raises:
         UsageError: no repeated blocks, more global stages than blocks, or a non-first stage of
@@ -330,7 +350,7 @@ def make_stage(model: torch.nn.Module, rank: int, stages: int, virtual: int = 1)
         hidden = embedding.weight.shape[-1]
     else:
         hidden = next(model.get_submodule(kept[0]).parameters()).shape[-1]
-    state = StageState(rank, stages, virtual, hidden, tuple(chunks))
+    state = StageState(rank, stages, virtual, hidden, tuple(chunks), sequence_shards)
     for block in blocks:
         if block not in kept:
             _set(model, block, PassThrough())
@@ -349,6 +369,8 @@ def make_stage(model: torch.nn.Module, rank: int, stages: int, virtual: int = 1)
             for block in names:
                 module = model.get_submodule(block)
                 module.forward = _Gate(module.forward, state, chunk)
+                for key, hook in list(module._forward_pre_hooks.items()):  # SP's cut of layers.0's input
+                    module._forward_pre_hooks[key] = _GatedHook(hook, state, chunk)
         if not state.is_last(chunk):
             hook = state.capture if virtual == 1 else _Capture(state, chunk)
             model.get_submodule(names[-1]).register_forward_hook(hook)
@@ -383,6 +405,8 @@ class _Stage:
             self.batches = _split(batch, microbatches)
         else:
             self.batches = [batch] * microbatches
+        if state.sequence_shards > 1:
+            self.batches = [_with_positions(b) for b in self.batches]
         if not state.recv and not state.grad_recv:
             self._allocate(self.batches[0])
 
@@ -393,7 +417,10 @@ class _Stage:
         state = self.state
         ids = batch["input_ids"] if isinstance(batch, dict) else (batch[0] if isinstance(batch, (tuple, list))
                                                                    else batch)
-        shape = (*ids.shape[:2], state.hidden)
+        if ids.shape[1] % state.sequence_shards:
+            raise UsageError(f"sequence parallelism cuts the {ids.shape[1]} tokens of a sequence over "
+                             f"{state.sequence_shards} ranks: use a length divisible by {state.sequence_shards}")
+        shape = (ids.shape[0], ids.shape[1] // state.sequence_shards, state.hidden)
         for chunk, names in enumerate(state.chunks):
             # the activations' dtype is the blocks' dtype when the step runs (memcheck casts the twin for
             # bf16/fp16 after make_stage): the first floating parameter of the chunk's first block
@@ -466,6 +493,18 @@ class _Stage:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(self.microbatches)
+
+
+def _with_positions(batch: Any) -> Any:
+    """``batch`` with the whole sequence's ``position_ids`` (when it has none): a non-first stage under
+    sequence parallelism receives S / tp tokens, from which a transformers decoder would derive S / tp
+    positions (its ``cache_position``), while its attention runs on the gathered S (torchtitan's stages
+    slice their precomputed ``freqs_cis`` to the whole sequence)."""
+    if not isinstance(batch, dict) or "position_ids" in batch or "input_ids" not in batch:
+        return batch
+    ids = batch["input_ids"]
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
+    return {**batch, "position_ids": positions}
 
 
 def _split(batch: Any, microbatches: int) -> list:

@@ -355,18 +355,24 @@ FRONT_END_OPTIONS = {
                             help="Stop with exit 2 when loading the model, or tracing, takes longer than this (each; "
                                  "0: no limit)."),
 }
+def _picture_options(step: str) -> dict:
+    """``--snapshot`` and ``--plot``, of ``step``."""
+    return {
+        "snapshot_path": click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
+                                      help="Write the simulated allocator trace for PyTorch's memory viewer "
+                                           "(pytorch.org/memory_viz)."),
+        "plot_path": click.option("--plot", "plot_path", default=None, metavar="FILE.png",
+                                  help=f"Draw memory over {step}, by category (needs matplotlib)."),
+    }
+
+
 # Each command's own (named parameters of its function)
 COMMAND_OPTIONS = {
     "estimate": {
         "compare": click.option("--compare", is_flag=True, help="One table of every strategy that applies to --gpus."),
         "top": click.option("--top", default=8, show_default=True, type=int,
                             help="Modules to list in the table (identical copies of a repeated block count as one)."),
-        "snapshot_path": click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
-                                      help="Write the simulated allocator trace for PyTorch's memory viewer "
-                                           "(pytorch.org/memory_viz)."),
-        "plot_path": click.option("--plot", "plot_path", default=None, metavar="FILE.png",
-                                  help="Draw memory over the steady-state training step, by category (needs "
-                                       "matplotlib)."),
+        **_picture_options("the steady-state training step"),
     },
     "plan": {
         "precision_options": click.option(
@@ -385,12 +391,7 @@ COMMAND_OPTIONS = {
                  "GPU (or the CPU for --device cpu) and report measured vs predicted."),
         "measure_steps": click.option("--measure-steps", type=int, default=20, show_default=True,
                                       help="Optimizer steps --measure runs."),
-        "snapshot_path": click.option("--snapshot", "snapshot_path", default=None, metavar="FILE.pickle",
-                                      help="Write the simulated allocator trace for PyTorch's memory viewer "
-                                           "(pytorch.org/memory_viz)."),
-        "plot_path": click.option("--plot", "plot_path", default=None, metavar="FILE.png",
-                                  help="Draw memory over the recommendation's steady-state step, by category (needs "
-                                       "matplotlib)."),
+        **_picture_options("the recommendation's steady-state step"),
     },
 }
 

@@ -140,7 +140,8 @@ def _max_live(strategy, gpus, build, label, step=1, phase=Phase.BACKWARD, **sett
 def max_live(events, label: str, step=1, phase=Phase.BACKWARD) -> int:
     """The most bytes of ``events`` allocated under ``label`` live at once during ``phase`` of ``step``."""
     live, most = {}, 0
-    for kind, sid, nbytes, _, module, ev_phase, ev_step, _ in events:
+    for ev in events:
+        kind, sid, nbytes, module, ev_phase, ev_step = ev.kind, ev.sid, ev.nbytes, ev.module, ev.phase, ev.step
         if kind == ALLOC and module == label:
             live[sid] = nbytes
         elif kind == FREE:

@@ -531,3 +531,77 @@ def test_a_model_files_own_optimizer_is_named_in_the_plan_and_left_out_of_its_to
     assert "make_optimizer" in text.output and 'optimizer = "' not in text.output
     as_json = CliRunner().invoke(main, [*args, "--json"])
     assert as_json.exit_code == 0 and '"optimizer": "make_optimizer"' in as_json.output
+
+
+def _block(out: str, header: str) -> list[str]:
+    """The lines under a ``header`` line of the plan table, without their 4-space indent."""
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(header))
+    block = []
+    for line in lines[at + 1:]:
+        if not line.startswith("    "):
+            break
+        block.append(line[4:])
+    return block
+
+
+# accelerate's mixed_precision under FSDP also sets FSDP's policy to that dtype (trainer_files.fsdp_mixed_precision)
+POLICY = {"fsdp": ("--param-dtype", "bf16", "--reduce-dtype", "bf16", "--output-dtype", "bf16"),
+          "fsdp1": ("--param-dtype", "bf16", "--reduce-dtype", "bf16"), "ddp": ()}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "ddp"])
+def test_the_accelerate_config_the_plan_prints_checks_the_same_job(small, strategy):
+    """A multi-GPU plan's accelerate config, pasted into a file, read back through a memcheck check job's
+    trainer_config (the job's batch, accumulation, checkpointing and optimizer beside it, as the training
+    script sets them), gives the plan's own device total."""
+    args = (small, "--max-len", "32", "--gpu", "1GiB", "--gpus", "2", "--strategy", strategy, "--checkpointing-options",
+            "none", "--precision-options", "amp-bf16", "--optimizer", "adamw", *POLICY[strategy])
+    result = plan(*args)
+    assert result.exit_code == 0, result.output
+    yaml_lines = _block(result.stdout, "  accelerate config (YAML")
+    assert f"num_processes: 2" in yaml_lines and 'mixed_precision: "bf16"' in yaml_lines
+    data = json.loads(plan(*args, "--json").stdout)["plan"]
+    r = data["recommended"] if "recommended" in data else data
+    folder = Path(small).parent
+    (folder / f"accelerate_{strategy}.yaml").write_text("\n".join(yaml_lines) + "\n")
+    (folder / f"accel_{strategy}.toml").write_text(
+        f'model = "small.py"\ngpu = "1GiB"\nmax_len = 32\ntrainer_config = "accelerate_{strategy}.yaml"\n'
+        f'micro_batch = {r["micro_batch_size"]}\naccumulation = {r["accumulation_steps"]}\ncheckpointing = "none"\n'
+        'optimizer = "adamw"\nassume = ["padding"]\n')
+    checked = run("check", str(folder / f"accel_{strategy}.toml"), "--json")
+    assert checked.exit_code == 0, checked.output
+    (job,) = json.loads(checked.stdout)["results"]
+    assert job["total_bytes"] == r["predicted_device_total_bytes"]
+
+
+def test_the_deepspeed_config_the_plan_prints_checks_the_same_job(small):
+    """A ZeRO-3 plan's DeepSpeed JSON, pasted into a file and given to memcheck check with the model
+    (as its --model form takes a DeepSpeed config), gives the plan's own device total."""
+    args = (small, "--max-len", "32", "--gpu", "4GiB", "--gpus", "2", "--strategy", "zero3", "--checkpointing-options",
+            "none", "--precision-options", "bf16", "--optimizer", "adamw")
+    result = plan(*args)
+    assert result.exit_code == 0, result.output
+    config = json.loads("\n".join(_block(result.stdout, "  DeepSpeed config (JSON")))
+    assert config["zero_optimization"] == {"stage": 3} and config["bf16"] == {"enabled": True}
+    assert "accelerate config" not in result.stdout  # DeepSpeed's own config instead
+    data = json.loads(plan(*args, "--json").stdout)["plan"]
+    r = data["recommended"] if "recommended" in data else data
+    path = Path(small).parent / "ds_zero3.json"
+    path.write_text(json.dumps(config))
+    checked = run("check", str(path), "--model", small, "--gpu", "4GiB", "--max-len", "32", "--gpus", "2",
+                  "--checkpointing", "none", "--json")
+    assert checked.exit_code == 0, checked.output
+    (job,) = json.loads(checked.stdout)["results"]
+    assert job["total_bytes"] == r["predicted_device_total_bytes"]
+
+
+def test_an_fsdp_plan_without_accelerates_policy_says_which_flags_would_make_one(small):
+    """FSDP2 under autocast with no policy (fp32 gathers) is no accelerate config: the plan says so and
+    names the flags of the job an accelerate launch would be."""
+    result = plan(small, "--max-len", "32", "--gpu", "1GiB", "--gpus", "2", "--strategy", "fsdp",
+                  "--checkpointing-options", "none", "--precision-options", "amp-bf16", "--optimizer", "adamw")
+    assert result.exit_code == 0, result.output
+    assert "accelerate config (YAML" not in result.stdout
+    assert ("accelerate config: none is this job: accelerate's mixed_precision also gives FSDP a policy in that "
+            "dtype, the job of --param-dtype bf16 --reduce-dtype bf16 --output-dtype bf16") in flat(result.stdout)

@@ -235,7 +235,8 @@ def _trace(model, batch, strategy, gpus, steps=2):
 def _live_by_label(log, label, step, phase):
     """Bytes allocated under ``label`` live when ``phase`` of ``step`` begins."""
     live: dict = {}
-    for kind, sid, nbytes, _, module, ev_phase, ev_step, _ in log.events:
+    for ev in log.events:
+        kind, sid, nbytes, module, ev_phase, ev_step = ev.kind, ev.sid, ev.nbytes, ev.module, ev.phase, ev.step
         if (ev_step, ev_phase) == (step, phase):
             break
         if kind == ALLOC and module == label:

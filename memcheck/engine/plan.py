@@ -462,8 +462,9 @@ class _Search:
             # option and the sharded GPU-count search trace other strategies)
             fsdp_sharding=self.job.fsdp_sharding if strategy is Strategy.FSDP1 else None,
             gpus_per_node=self.job.gpus_per_node if strategy is Strategy.FSDP1 and gpus == self.gpus else None,
-            # FSDP2's mixed precision holds for fsdp only (the ZeRO-Offload option traces zero1-3)
-            **({} if strategy is Strategy.FSDP else MIXED_PRECISION_FIELDS),
+            # FSDP2's MixedPrecisionPolicy and FSDP1's MixedPrecision hold for fsdp and fsdp1 only (the
+            # ZeRO-Offload option traces zero1-3)
+            **({} if strategy in (Strategy.FSDP, Strategy.FSDP1) else MIXED_PRECISION_FIELDS),
             # "half" by name, not as the base model's module names: apply_checkpointing picks the blocks
             # after LoRA/QLoRA have wrapped the model (PEFT renames every module: base_model.model.…)
             checkpointing=checkpointing, batch_size=micro, max_len=length or self.max_len, global_batch=None)

@@ -685,6 +685,82 @@ def _lightning_parts(plan: Plan, r: PlanOption) -> list[str]:
     return parts
 
 
+def accelerate_config(plan: Plan, r: PlanOption) -> dict[str, Any] | None:
+    """The recommendation's launch as an ``accelerate config`` file (accelerate's own keys, as
+    ``accelerate config`` writes them and ``memcheck.workloads.trainer_files`` reads them back), for
+    a DDP or FSDP plan over fp32 or autocast weights; None otherwise (one GPU, DeepSpeed: the
+    DeepSpeed config instead; pure bf16/fp16 weights, which accelerate's ``mixed_precision`` does not
+    name). The batch, accumulation and checkpointing stay the training script's (the TOML job's)."""
+    if r.offload == "optimizer" or plan.strategy not in ("ddp", "fsdp", "fsdp1") or r.precision in ("bf16", "fp16"):
+        return None
+    if _accelerate_policy(plan, r) is not None:
+        return None
+    config: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE",
+                              "distributed_type": "MULTI_GPU" if plan.strategy == "ddp" else "FSDP",
+                              "mixed_precision": {"amp-bf16": "bf16", "amp-fp16": "fp16"}.get(r.precision, "no"),
+                              "num_machines": 1, "num_processes": plan.gpus}
+    if plan.strategy != "ddp":
+        fsdp: dict[str, Any] = {"fsdp_version": 2 if plan.strategy == "fsdp" else 1,
+                                "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                "fsdp_offload_params": r.offload == "params"}
+        if plan.strategy == "fsdp1":
+            fsdp["fsdp_reshard_after_forward"] = _fsdp1_sharding(plan).upper()
+        config["fsdp_config"] = fsdp
+    return config
+
+
+def _accelerate_policy(plan: Plan, r: PlanOption) -> str | None:
+    """Where the plan's FSDP job differs from what accelerate makes of its precision: accelerate (and
+    the HF Trainer through it) gives FSDP a mixed-precision policy of the autocast dtype
+    (``memcheck.workloads.trainer_files.fsdp_mixed_precision``), so its config is the plan's job only
+    when the job has that policy too. The flags of the job it would be, or None when they agree."""
+    if plan.strategy not in ("fsdp", "fsdp1") or plan.job is None:
+        return None
+    from memcheck.workloads.trainer_files import fsdp_mixed_precision
+
+    policy = fsdp_mixed_precision(r.precision, plan.strategy, _fsdp1_sharding(plan), output_dtype=True)
+    mine = {name: getattr(plan.job, name).value for name in ("param_dtype", "reduce_dtype", "output_dtype")
+            if getattr(plan.job, name) is not None}
+    if policy == mine:
+        return None
+    return " ".join(f"--{name.replace('_', '-')} {value}" for name, value in policy.items()) or "no policy flags"
+
+
+def deepspeed_config(plan: Plan, r: PlanOption) -> dict[str, Any] | None:
+    """The recommendation as a DeepSpeed JSON config (ZeRO stage, offload, precision, batch and
+    accumulation; ``memcheck check ds.json --model ...`` reads it back), for a ZeRO plan or
+    ZeRO-Offload on one GPU; None otherwise. Pure bf16/fp16 is DeepSpeed's bf16/fp16 mode (the
+    engine casts the weights, an fp32 master in the optimizer), autocast its ``torch_autocast``."""
+    if not _deepspeed(plan, r):
+        return None
+    stage = 2 if r.offload == "optimizer" else int(plan.strategy[-1])
+    zero: dict[str, Any] = {"stage": stage}
+    if r.offload == "optimizer":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    elif r.offload == "params":
+        zero["offload_param"] = {"device": "cpu"}
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": r.micro_batch_size,
+                              "gradient_accumulation_steps": r.accumulation_steps, "zero_optimization": zero}
+    if r.precision in ("bf16", "fp16"):
+        config[r.precision] = {"enabled": True}
+    elif r.precision in ("amp-bf16", "amp-fp16"):
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16" if r.precision == "amp-bf16" else "float16"}
+    return config
+
+
+def _yaml_lines(data: dict[str, Any], indent: str = "") -> list[str]:
+    """``key: value`` lines of a YAML mapping of scalars and mappings (what ``accelerate_config`` holds)."""
+    lines = []
+    for name, value in data.items():
+        if isinstance(value, dict):
+            lines.append(f"{indent}{name}:")
+            lines.extend(_yaml_lines(value, indent + "  "))
+        else:
+            lines.append(f"{indent}{name}: {json.dumps(value)}")
+    return lines
+
+
 def _toml_lines(plan: Plan, r: PlanOption) -> list[str]:
     """The recommendation as a ``memcheck check`` job (its config keys, memcheck.job.SPELLINGS)."""
     lines = ["[jobs.recommended]", key("batch_size", r.micro_batch_size), key("accumulate", r.accumulation_steps),
@@ -762,6 +838,17 @@ def render_plan(plan: Plan) -> str:
         lines.extend(continued("  memcheck flags:", flags, shell=True))
         lines.extend(continued("  TrainingArguments:", args, shell=False))
         lines.extend(continued("  Lightning:", _lightning_parts(plan, r), shell=False))
+        accelerate, deepspeed = accelerate_config(plan, r), deepspeed_config(plan, r)
+        if accelerate is not None:
+            lines.append("  accelerate config (YAML; accelerate launch --config_file FILE):")
+            lines.extend("    " + line for line in _yaml_lines(accelerate))
+        elif _accelerate_policy(plan, r) is not None and r.offload != "optimizer":
+            lines.extend(_prose(f"  accelerate config: none is this job: accelerate's mixed_precision also gives "
+                                f"FSDP a policy in that dtype, the job of {_accelerate_policy(plan, r)} (plan "
+                                "with those flags for an accelerate or TrainingArguments launch)"))
+        if deepspeed is not None:
+            lines.append("  DeepSpeed config (JSON; TrainingArguments(deepspeed=FILE)):")
+            lines.extend("    " + line for line in json.dumps(deepspeed, indent=2).splitlines())
         lines.append("  memcheck check (TOML):")
         lines.extend("    " + line for line in _toml_lines(plan, r))
         if r.checkpointing == "half":

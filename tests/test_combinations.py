@@ -18,15 +18,8 @@ from combinations import (EXTRA_REFUSALS, FACTORS, REFUSED, allowed_pairs, cover
 
 TOLERANCE = 0.02  # as tests/test_accuracy_cpu.py
 
-# cell name -> reason (observed on torch 2.13.0+cpu, transformers 5.23.0)
-KNOWN_OFF: dict[str, str] = {
-    "c03-wav2vec2": (
-        "+4.46%: estimated 2,333,532 B, measured 2,233,848 B (ddp over 2 gloo ranks, smallest rank peak), "
-        "Wav2Vec2 with DoRA, every:2, fp32. Not found; Wav2Vec2 with DoRA or LoRA under pure bf16 on the cpu target "
-        "was off too in an earlier array (full reentrant -4.29%, half reentrant +5.02%, no checkpointing +16%, LoRA "
-        "-4.9%): suspected a CPU kernel of its convolutional feature encoder or group norm that the CPU rules do "
-        "not size for these dtypes and shapes"),
-}
+# cell name -> reason (observed on torch 2.13.0+cpu, transformers 5.23.0); none at present
+KNOWN_OFF: dict[str, str] = {}
 
 
 def test_the_array_meets_every_allowed_pair_in_a_valid_cell():

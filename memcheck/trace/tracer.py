@@ -31,6 +31,7 @@ subclass while one is active, and the engine then sums a tensor's gradients out 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -293,10 +294,10 @@ def reachable_nodes(roots, stop: dict | None = None, wanted: dict | None = None)
     unique and comparable with the ids of nodes held elsewhere (the hooks' lists).
     """
     reached: dict[int, object] = {}
-    todo = list(roots)
+    todo = collections.deque(roots)  # breadth first: a module's own nodes before the history behind its inputs
     missing = len(wanted) if wanted is not None else -1
     while todo and missing:
-        node = todo.pop()
+        node = todo.popleft()
         if id(node) not in reached:
             reached[id(node)] = node
             if wanted is not None and id(node) in wanted:

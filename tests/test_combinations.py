@@ -18,28 +18,8 @@ from combinations import (EXTRA_REFUSALS, FACTORS, REFUSED, allowed_pairs, cover
 
 TOLERANCE = 0.02  # as tests/test_accuracy_cpu.py
 
-# cell name -> reason (observed on torch 2.13.0+cpu, transformers 5.23.0)
-KNOWN_OFF: dict[str, str] = {
-    "c03-wav2vec2": (
-        "+4.46%: estimated 2,333,532 B, measured 2,233,848 B (ddp over 2 gloo ranks, smallest rank peak), "
-        "Wav2Vec2 with DoRA, every:2, fp32. Not found; Wav2Vec2 with DoRA or LoRA under pure bf16 on the cpu target "
-        "was off too in an earlier array (full reentrant -4.29%, half reentrant +5.02%, no checkpointing +16%, LoRA "
-        "-4.9%): suspected a CPU kernel of its convolutional feature encoder or group norm that the CPU rules do "
-        "not size for these dtypes and shapes"),
-    "c17-vit": (
-        "could not trace: torch.utils.checkpoint's selective-op recomputation finds an aten._to_copy it did not "
-        "store ('invocation index 54 encountered during backward but not found in storage'), cuda target, amp-bf16, "
-        "DoRA (BART, T5 and Mamba fail the same way with selective-op + amp-bf16 + DoRA on cuda; the cpu target, "
-        "LoRA or fp32 trace). Suspected: the recomputation runs each op in its own emulated autocast region "
-        "(memcheck/trace/tracer.py, the graph-task branch), whose weight-cast cache is cleared after every op, so a "
-        "weight DoRA casts twice in a block (its weight norm and lora_B(lora_A(x))) is cast twice in the "
-        "recomputation and once in the forward"),
-    "c19-qwen2": (
-        "+3.11%: estimated 1,764,108 B, measured 1,710,900 B (measure_cpu), Qwen2 with DoRA, half reentrant "
-        "checkpointing, pure bf16. Not found; suspected DoRA's detached weight-norm graph (lora_B(lora_A(eye))) "
-        "kept longer in the trace under reentrant checkpointing, as it was by a gradient hook before "
-        "(tests/test_adapters.py)"),
-}
+# cell name -> reason (observed on torch 2.13.0+cpu, transformers 5.23.0); none at present
+KNOWN_OFF: dict[str, str] = {}
 
 
 def test_the_array_meets_every_allowed_pair_in_a_valid_cell():

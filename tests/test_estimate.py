@@ -363,3 +363,49 @@ def test_where_the_workspace_lands_decides_a_later_segment():
     out, ws, grad = [(ALLOC, 1, 24 * MiB), (FREE, 1, 24 * MiB)], (ALLOC, 2, 4 * MiB), (ALLOC, 3, 24 * MiB)
     assert simulate(out + [ws, grad]).peak_reserved_bytes == 48 * MiB
     assert simulate(out + [grad, ws]).peak_reserved_bytes == 44 * MiB
+
+
+_THREADS_SEEN: list[int] = []  # module-level: the trace works on a copy of the model
+
+
+class _CountsThreads(torch.nn.Module):
+    """Notes the intra-op thread count the CPU rules would read while it is traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        _THREADS_SEEN.append(torch.get_num_threads())
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("settings, threads", [
+    (dict(strategy="ddp", gpus=2), 1),  # two CPU ranks on the machine: torchrun gives each OMP_NUM_THREADS=1
+    (dict(), None),  # one process: the process's own count
+])
+def test_cpu_ranks_are_traced_with_the_one_thread_torchrun_gives_each(settings, threads, monkeypatch):
+    # c03-wav2vec2 of issue 38's matrix: oneDNN's buffers for a grouped convolution's backward are per thread
+    # (551,168 B on one, 1,108,224 B on two); the probes ran on this process's threads and the real ranks on one
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    was = torch.get_num_threads()
+    if was == 1:
+        pytest.skip("this process runs one intra-op thread: nothing to tell apart")
+    seen = _THREADS_SEEN
+    seen.clear()
+    with torch.device("meta"):
+        model, x = _CountsThreads(), torch.randn(4, 8)
+    est = memcheck.estimate(model, x, device="cpu", optimizer="sgd", loss_fn=lambda m, b: m(b).sum(), **settings)
+    assert set(seen) == {threads or was} and torch.get_num_threads() == was
+    assert any("torchrun sets OMP_NUM_THREADS=1" in a for a in est.assumptions) == (threads == 1)
+
+
+def test_an_omp_num_threads_the_user_set_is_the_ranks_count(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # torchrun keeps a value that is set
+    seen = _THREADS_SEEN
+    seen.clear()
+    with torch.device("meta"):
+        model, x = _CountsThreads(), torch.randn(4, 8)
+    memcheck.estimate(model, x, device="cpu", optimizer="sgd", loss_fn=lambda m, b: m(b).sum(), strategy="ddp",
+                      gpus=2)
+    assert set(seen) == {torch.get_num_threads()}

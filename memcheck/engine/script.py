@@ -268,6 +268,12 @@ def _distributed(session: _Session, launch: launches.Launch):
     from torch.nn.parallel import distributed as ddp_module
 
     saved_env, threads = dict(os.environ), torch.get_num_threads()  # accelerate's state sets OMP_NUM_THREADS=1
+    if launch.per_node > 1 and "OMP_NUM_THREADS" not in saved_env and session.job.device is Device.CPU:
+        # torchrun gives each of several processes a node one intra-op thread (torch/distributed/run.py),
+        # and the CPU rules read the running count (memcheck.engine.estimate.rank_threads)
+        torch.set_num_threads(1)
+        session.tracer.assume(f"CPU target, {launch.per_node} ranks a machine: each runs 1 intra-op thread, as "
+                              "torchrun sets OMP_NUM_THREADS=1 when it starts more than one process a node")
     os.environ.update(launch.env)
     made = []
     real_init = dist.init_process_group

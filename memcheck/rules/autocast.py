@@ -292,7 +292,7 @@ def meta_autocast_queries(tracer, device: Device):
     around its fold (peft 0.21, peft/tuners/lora/layer.py ``_LoraParameterProxy.forward``), which
     torch refuses for "meta" ("unsupported autocast device_type"). Other device types are torch's own.
     """
-    enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    enabled, get_dtype, available = torch.is_autocast_enabled, torch.get_autocast_dtype, torch.amp.is_autocast_available
     target = Device.parse(device)
     default = _DEFAULT_DTYPE[target.value]
     regions = UserAutocast(tracer, target)  # a "meta" region is the target's: enabled=False pauses the emulation
@@ -329,12 +329,17 @@ def meta_autocast_queries(tracer, device: Device):
             return tracer.autocast.dtype if tracer.autocast is not None else default
         return get_dtype(*args, **kwargs)
 
+    def is_autocast_available(device_type):
+        return device_type == "meta" or available(device_type)
+
     torch.is_autocast_enabled, torch.get_autocast_dtype = is_autocast_enabled, get_autocast_dtype
+    torch.amp.is_autocast_available = is_autocast_available
     cls.__init__, cls.__enter__, cls.__exit__ = initialised, entered, exited
     try:
         yield
     finally:
         torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, get_dtype
+        torch.amp.is_autocast_available = available
         cls.__init__, cls.__enter__, cls.__exit__ = init, enter, exit_
 
 

@@ -308,3 +308,17 @@ def test_model_parallel_with_tensor_parallelism_points_to_a_layout():
     trainer.num_devices = 4
     with pytest.raises(UsageError, match="--layout dp=2,tp=4"):
         _strategy(trainer)
+
+
+def test_the_trainers_cudnn_benchmark_is_the_jobs():
+    """Trainer(benchmark=True) sets torch.backends.cudnn.benchmark for the process (Lightning's
+    _set_torch_flags); the callback's job takes it (the cuDNN search workspaces on the cuda target)."""
+    was = torch.backends.cudnn.benchmark
+    try:
+        callback = MemcheckCallback(_make_batch, batch_size=4, budget_bytes=2**30)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], benchmark=True)
+        trainer.fit(_MLP(), _loader(4))
+        assert callback.verdict.estimate.job.cudnn_benchmark is True
+    finally:
+        torch.backends.cudnn.benchmark = was

@@ -131,6 +131,9 @@ class MemcheckCallback(pl.Callback):
             max_grad_norm=float(trainer.gradient_clip_val or 0)
             if trainer.gradient_clip_algorithm in (None, "norm") else 0.0,  # "value" clipping allocates nothing
             step_order=_step_order(trainer), **target(trainer.strategy.root_device, self.settings), **extra,
+            # Trainer(benchmark=...) sets torch.backends.cudnn.benchmark for the process
+            # (lightning/pytorch/trainer/connectors/accelerator_connector.py, _set_torch_flags)
+            cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
         )
         eval_batch = None
         if self.settings.check_eval and _validates(trainer, pl_module):

@@ -89,11 +89,10 @@ _FLOPS = {
 # ``getCurrentCUDABlasHandle`` binds the handle's workspace on its first use by a thread,
 # CublasHandlePool.cpp ``setWorkspaceForHandle``). Composite ops (``linear``, ``matmul``)
 # reach the dispatcher as these.
-_BLAS_OPS = frozenset({
-    _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.addbmm, _aten._addmm_activation,
-    _aten.addmv, _aten.mv, _aten.dot, _aten.vdot, _aten._scaled_mm, _aten._int_mm,
-    _aten._grouped_mm, _aten._scaled_grouped_mm,
-})
+# (``_grouped_mm`` and ``_scaled_grouped_mm`` are 2.8+: compat.aten_op is None for an op the running torch lacks.)
+_BLAS_OPS = frozenset(op for op in map(compat.aten_op, (
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "dot", "vdot", "_scaled_mm",
+    "_int_mm", "_grouped_mm", "_scaled_grouped_mm")) if op is not None)
 
 # Categories that a later use (being saved for backward, being returned) must not overwrite.
 _PERSISTENT = frozenset(

@@ -605,3 +605,30 @@ def test_an_fsdp_plan_without_accelerates_policy_says_which_flags_would_make_one
     assert "accelerate config (YAML" not in result.stdout
     assert ("accelerate config: none is this job: accelerate's mixed_precision also gives FSDP a policy in that "
             "dtype, the job of --param-dtype bf16 --reduce-dtype bf16 --output-dtype bf16") in flat(result.stdout)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1"])
+def test_the_training_arguments_the_plan_prints_check_the_same_job(small, strategy):
+    """A multi-GPU FSDP plan's TrainingArguments line, written as a TrainingArguments JSON and read back through a
+    memcheck check job's trainer_config (the world size and checkpointing beside it, which TrainingArguments does not
+    hold), gives the plan's own device total; with accelerate's policy (POLICY), as the Trainer's bf16=True gives
+    FSDP through accelerate."""
+    import ast
+
+    args = (small, "--max-len", "32", "--gpu", "1GiB", "--gpus", "2", "--strategy", strategy, "--checkpointing-options",
+            "none", "--precision-options", "amp-bf16", "--optimizer", "adamw", *POLICY[strategy])
+    result = plan(*args)
+    assert result.exit_code == 0, result.output
+    call = ast.parse(f"f({setting(result.stdout, 'TrainingArguments')})", mode="eval").body
+    arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    assert arguments["bf16"] is True and arguments["fsdp"] == "full_shard"
+    data = json.loads(plan(*args, "--json").stdout)["plan"]
+    folder = Path(small).parent
+    (folder / f"training_args_{strategy}.json").write_text(json.dumps(arguments))
+    (folder / f"ta_{strategy}.toml").write_text(
+        f'model = "small.py"\ngpu = "1GiB"\nmax_len = 32\ngpus = 2\ntrainer_config = "training_args_{strategy}.json"\n'
+        'checkpointing = "none"\nassume = ["padding"]\n')
+    checked = run("check", str(folder / f"ta_{strategy}.toml"), "--json")
+    assert checked.exit_code == 0, checked.output
+    (job,) = json.loads(checked.stdout)["results"]
+    assert job["total_bytes"] == data["predicted_device_total_bytes"]

@@ -550,58 +550,57 @@ POLICY = {"fsdp": ("--param-dtype", "bf16", "--reduce-dtype", "bf16", "--output-
           "fsdp1": ("--param-dtype", "bf16", "--reduce-dtype", "bf16"), "ddp": ()}
 
 
+def _two_gpu_plan(small, strategy: str, *more: str, gpu: str = "1GiB", precision: str = "amp-bf16"):
+    """A plan of ``small`` over 2 GPUs at 32 tokens, no checkpointing, AdamW: its table and its JSON plan."""
+    args = (small, "--max-len", "32", "--gpu", gpu, "--gpus", "2", "--strategy", strategy, "--checkpointing-options",
+            "none", "--precision-options", precision, "--optimizer", "adamw", *more)
+    result = plan(*args)
+    assert result.exit_code == 0, result.output
+    return result, json.loads(plan(*args, "--json").stdout)["plan"]
+
+
+def _checked_total(*args: str) -> int:
+    """The device total ``memcheck check ARGS --json`` gives its one job, which must fit."""
+    checked = run("check", *args, "--json")
+    assert checked.exit_code == 0, checked.output
+    (job,) = json.loads(checked.stdout)["results"]
+    return job["total_bytes"]
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "ddp"])
 def test_the_accelerate_config_the_plan_prints_checks_the_same_job(small, strategy):
     """A multi-GPU plan's accelerate config, pasted into a file, read back through a memcheck check job's
     trainer_config (the job's batch, accumulation, checkpointing and optimizer beside it, as the training
     script sets them), gives the plan's own device total."""
-    args = (small, "--max-len", "32", "--gpu", "1GiB", "--gpus", "2", "--strategy", strategy, "--checkpointing-options",
-            "none", "--precision-options", "amp-bf16", "--optimizer", "adamw", *POLICY[strategy])
-    result = plan(*args)
-    assert result.exit_code == 0, result.output
+    result, r = _two_gpu_plan(small, strategy, *POLICY[strategy])
     yaml_lines = _block(result.stdout, "  accelerate config (YAML")
-    assert f"num_processes: 2" in yaml_lines and 'mixed_precision: "bf16"' in yaml_lines
-    data = json.loads(plan(*args, "--json").stdout)["plan"]
-    r = data["recommended"] if "recommended" in data else data
+    assert "num_processes: 2" in yaml_lines and 'mixed_precision: "bf16"' in yaml_lines
     folder = Path(small).parent
     (folder / f"accelerate_{strategy}.yaml").write_text("\n".join(yaml_lines) + "\n")
     (folder / f"accel_{strategy}.toml").write_text(
         f'model = "small.py"\ngpu = "1GiB"\nmax_len = 32\ntrainer_config = "accelerate_{strategy}.yaml"\n'
         f'micro_batch = {r["micro_batch_size"]}\naccumulation = {r["accumulation_steps"]}\ncheckpointing = "none"\n'
         'optimizer = "adamw"\nassume = ["padding"]\n')
-    checked = run("check", str(folder / f"accel_{strategy}.toml"), "--json")
-    assert checked.exit_code == 0, checked.output
-    (job,) = json.loads(checked.stdout)["results"]
-    assert job["total_bytes"] == r["predicted_device_total_bytes"]
+    assert _checked_total(str(folder / f"accel_{strategy}.toml")) == r["predicted_device_total_bytes"]
 
 
 def test_the_deepspeed_config_the_plan_prints_checks_the_same_job(small):
     """A ZeRO-3 plan's DeepSpeed JSON, pasted into a file and given to memcheck check with the model
     (as its --model form takes a DeepSpeed config), gives the plan's own device total."""
-    args = (small, "--max-len", "32", "--gpu", "4GiB", "--gpus", "2", "--strategy", "zero3", "--checkpointing-options",
-            "none", "--precision-options", "bf16", "--optimizer", "adamw")
-    result = plan(*args)
-    assert result.exit_code == 0, result.output
+    result, r = _two_gpu_plan(small, "zero3", gpu="4GiB", precision="bf16")
     config = json.loads("\n".join(_block(result.stdout, "  DeepSpeed config (JSON")))
     assert config["zero_optimization"] == {"stage": 3} and config["bf16"] == {"enabled": True}
     assert "accelerate config" not in result.stdout  # DeepSpeed's own config instead
-    data = json.loads(plan(*args, "--json").stdout)["plan"]
-    r = data["recommended"] if "recommended" in data else data
     path = Path(small).parent / "ds_zero3.json"
     path.write_text(json.dumps(config))
-    checked = run("check", str(path), "--model", small, "--gpu", "4GiB", "--max-len", "32", "--gpus", "2",
-                  "--checkpointing", "none", "--json")
-    assert checked.exit_code == 0, checked.output
-    (job,) = json.loads(checked.stdout)["results"]
-    assert job["total_bytes"] == r["predicted_device_total_bytes"]
+    assert _checked_total(str(path), "--model", small, "--gpu", "4GiB", "--max-len", "32", "--gpus", "2",
+                          "--checkpointing", "none") == r["predicted_device_total_bytes"]
 
 
 def test_an_fsdp_plan_without_accelerates_policy_says_which_flags_would_make_one(small):
     """FSDP2 under autocast with no policy (fp32 gathers) is no accelerate config: the plan says so and
     names the flags of the job an accelerate launch would be."""
-    result = plan(small, "--max-len", "32", "--gpu", "1GiB", "--gpus", "2", "--strategy", "fsdp",
-                  "--checkpointing-options", "none", "--precision-options", "amp-bf16", "--optimizer", "adamw")
-    assert result.exit_code == 0, result.output
+    result, _ = _two_gpu_plan(small, "fsdp")
     assert "accelerate config (YAML" not in result.stdout
     assert ("accelerate config: none is this job: accelerate's mixed_precision also gives FSDP a policy in that "
             "dtype, the job of --param-dtype bf16 --reduce-dtype bf16 --output-dtype bf16") in flat(result.stdout)
@@ -615,20 +614,13 @@ def test_the_training_arguments_the_plan_prints_check_the_same_job(small, strate
     FSDP through accelerate."""
     import ast
 
-    args = (small, "--max-len", "32", "--gpu", "1GiB", "--gpus", "2", "--strategy", strategy, "--checkpointing-options",
-            "none", "--precision-options", "amp-bf16", "--optimizer", "adamw", *POLICY[strategy])
-    result = plan(*args)
-    assert result.exit_code == 0, result.output
+    result, r = _two_gpu_plan(small, strategy, *POLICY[strategy])
     call = ast.parse(f"f({setting(result.stdout, 'TrainingArguments')})", mode="eval").body
     arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
     assert arguments["bf16"] is True and arguments["fsdp"] == "full_shard"
-    data = json.loads(plan(*args, "--json").stdout)["plan"]
     folder = Path(small).parent
     (folder / f"training_args_{strategy}.json").write_text(json.dumps(arguments))
     (folder / f"ta_{strategy}.toml").write_text(
         f'model = "small.py"\ngpu = "1GiB"\nmax_len = 32\ngpus = 2\ntrainer_config = "training_args_{strategy}.json"\n'
         'checkpointing = "none"\nassume = ["padding"]\n')
-    checked = run("check", str(folder / f"ta_{strategy}.toml"), "--json")
-    assert checked.exit_code == 0, checked.output
-    (job,) = json.loads(checked.stdout)["results"]
-    assert job["total_bytes"] == data["predicted_device_total_bytes"]
+    assert _checked_total(str(folder / f"ta_{strategy}.toml")) == r["predicted_device_total_bytes"]

@@ -517,13 +517,19 @@ def pick(est, translation: dict) -> int | None:
     return None if None in values else max(values)
 
 
+def _only(items: list[dict], only: str | None, what: str) -> list[dict] | None:
+    """The items whose id contains ``only`` (all without it); None, said on stderr, when none does."""
+    chosen = [i for i in items if only in i["id"]] if only else items
+    if not chosen:
+        print(f"no {what} id contains {only!r}", file=sys.stderr)
+        return None
+    return chosen
+
+
 def main_multi(args) -> int:
-    records = load_records(args.records)
-    if args.only:
-        records = [r for r in records if args.only in r["id"]]
-        if not records:
-            print(f"no record id contains {args.only!r}", file=sys.stderr)
-            return 2
+    records = _only(load_records(args.records), args.only, "record")
+    if records is None:
+        return 2
     rows, skipped, cache = [], [], {}
     header = (f"{'record':<66} {'grade':<5} {'metric':<27} {'published GiB':>13} {'predicted GiB':>13} "
               f"{'error':>8}")
@@ -690,12 +696,9 @@ def main(argv=None) -> int:
     if args.multi_gpu:
         return main_multi(args)
 
-    cases = load_cases(args.cases)
-    if args.only:
-        cases = [c for c in cases if args.only in c["id"]]
-        if not cases:
-            print(f"no case id contains {args.only!r}", file=sys.stderr)
-            return 2
+    cases = _only(load_cases(args.cases), args.only, "case")
+    if cases is None:
+        return 2
     rows, skipped = [], []
     header = f"{'case':<46} {'metric':<21} {'published GiB':>13} {'predicted GiB':>13} {'error':>8}  stack"
     print(header)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 from typing import Any, Callable
 
@@ -15,7 +14,7 @@ from memcheck.compat import tree_map_only
 from memcheck.choices import ANSWERS, NO_PADDING, PADDING, Choices
 from memcheck.cuda.gpus import GpuSpec, resolve_gpu
 from memcheck.engine.branches import traced_branches
-from memcheck.engine.setup import TracedRun, check_packed, set_up, with_step_precision
+from memcheck.engine.setup import TracedRun, check_packed, rank_threads, set_up, with_step_precision
 from memcheck.engine.summary import result, summarise
 from memcheck.enums import Device, Padding, Phase, Precision, StepOrder, Strategy
 from memcheck.errors import (
@@ -409,7 +408,8 @@ def _trace(run: TracedRun, job: Job, target: GpuSpec | None, loss_fn: LossFn, na
         # the model's .cuda() and torch.cuda.* never reach the GPU; a train_step's torch.autocast is emulated
         rank = run.rank_context() if run.rank_context is not None else contextlib.nullcontext()
         with redirect_cuda(target), tracer, regions, meta_autocast_queries(tracer, job.device), \
-                extensions.tracing(tracer, job.device), rank, rank_threads(job, tracer):
+                extensions.tracing(tracer, job.device), rank, \
+                rank_threads(min(job.gpus_per_node or job.world, job.world), job.device, tracer):
             return train(job.strategy_config, tracer, run.twin, run.batch, loss_fn, run.make_optimizer, steps,
                          autocast=run.autocast, scaler=run.scaler, accumulate=min(job.accumulate, 2),
                          evaluate=evaluate if run.eval_batch is not None else None, train_step=train_step,
@@ -426,31 +426,6 @@ def _trace(run: TracedRun, job: Job, target: GpuSpec | None, loss_fn: LossFn, na
         if exited is None:  # Ctrl-C, the time limit, memcheck's own ForwardDone
             raise
         raise TraceError(exited) from exc
-
-
-@contextlib.contextmanager
-def rank_threads(job: Job, tracer):
-    """On the CPU target with more than one rank a machine, trace with the intra-op threads each rank
-    gets: torchrun sets ``OMP_NUM_THREADS=1`` for every process when it starts more than one a node
-    and the variable is unset (torch/distributed/run.py, "Setting OMP_NUM_THREADS environment variable
-    for each process to be 1 in default"). The CPU rules read the running thread count: oneDNN's
-    convolution buffers, which the probes measure (memcheck.rules.cpu_kernels), are per thread, and so
-    are the batch-norm and attention kernels' (Wav2Vec2's grouped positional convolution's backward,
-    551,168 B on one thread and 1,108,224 B on two: a DDP job over two CPU ranks read +3.9% of its real
-    run, whose ranks ran one thread each). The process's count is restored on exit."""
-    per_node = min(job.gpus_per_node or job.world, job.world)
-    was = torch.get_num_threads()
-    if job.device is not Device.CPU or per_node <= 1 or "OMP_NUM_THREADS" in os.environ or was == 1:
-        yield
-        return
-    tracer.assume(f"CPU target, {per_node} ranks a machine: each runs 1 intra-op thread, as torchrun sets "
-                  "OMP_NUM_THREADS=1 when it starts more than one process a node (set OMP_NUM_THREADS to trace "
-                  "with another count)")
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(was)
 
 
 def _shorter_traces(model, batch, job: Job, target: GpuSpec | None, loss_fn: LossFn, name: str,

@@ -60,7 +60,7 @@ from memcheck import compat
 from memcheck.compat import tree_map_only
 from memcheck.choices import Choices
 from memcheck.engine.estimate import _translate, compiled_note, target_gpu
-from memcheck.engine.setup import DEFAULT_ARCH, TracedRun, describe_batch, dtype_name, model_dtype
+from memcheck.engine.setup import DEFAULT_ARCH, TracedRun, describe_batch, dtype_name, model_dtype, rank_threads
 from memcheck.engine.summary import result, summarise
 from memcheck.enums import Category, Device, Phase, Precision
 from memcheck.engine import launch as launches
@@ -99,7 +99,7 @@ class _Session:
     autocast: UserAutocast | None = None  # the script's own torch.autocast regions, emulated
     entered: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # extensions, at the 1st forward
     compiled: list = field(default_factory=list)  # what the script handed to torch.compile, by name
-    ddp: dict | None = None  # the settings of the DistributedDataParallel the script built, if it did
+    ddp: dict | None = None  # the settings of the DistributedDataParallel the traced model is, if it is one
     emulation: Any = None  # MetaDDP, built at the first training forward
 
     def __post_init__(self):
@@ -146,11 +146,11 @@ class _Session:
                 self.tracer.watch(model=module)
                 for opt in self.optimizers:  # adopted before the first forward (Lightning's closure)
                     self._outside(opt)
-                if self.ddp is not None:
+                if isinstance(module, _ScriptDDP):
                     from memcheck.training.strategies.ddp import MetaDDP
 
-                    inner = module.module if isinstance(module, _ScriptDDP) else module
-                    self.emulation = MetaDDP(self.tracer, inner, **self.ddp)
+                    self.ddp = module.memcheck_settings
+                    self.emulation = MetaDDP(self.tracer, module.module, **self.ddp)
             self.tracer.set_phase(self.steps_done, Phase.FORWARD)
         args, kwargs = self.twins_of((args, kwargs))
         if training:
@@ -226,7 +226,8 @@ class _ScriptDDP(torch.nn.parallel.DistributedDataParallel):
     """What ``DistributedDataParallel(module, ...)`` builds in a traced script: the module itself
     under the wrapper's name (``.module``, ``no_sync()``, ``isinstance`` as the script and its
     trainer expect), with no reducer and no process group of its own; the buckets are memcheck's
-    emulation (``_Session.emulation``), made with the settings given here."""
+    emulation (``_Session.emulation``), made with the settings given here (``memcheck_settings``) once
+    the wrapper's first training forward makes it the traced model."""
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
                  process_group=None, bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
@@ -236,9 +237,7 @@ class _ScriptDDP(torch.nn.parallel.DistributedDataParallel):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.static_graph = static_graph
-        session = _SESSION[0]
-        if session is not None:
-            session.ddp = dict(bucket_cap_mb=bucket_cap_mb, bucket_view=gradient_as_bucket_view)
+        self.memcheck_settings = dict(bucket_cap_mb=bucket_cap_mb, bucket_view=gradient_as_bucket_view)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -246,8 +245,6 @@ class _ScriptDDP(torch.nn.parallel.DistributedDataParallel):
     def _set_static_graph(self):
         self.static_graph = True
 
-
-_SESSION: list = [None]  # the session a _ScriptDDP reports to (memcheck run runs one script at a time)
 
 
 def _refuse(what: str, strategy: str):
@@ -258,7 +255,7 @@ def _refuse(what: str, strategy: str):
 
 
 @contextlib.contextmanager
-def _distributed(session: _Session, launch: launches.Launch):
+def _distributed(launch: launches.Launch):
     """The launcher's environment for rank 0, torch.distributed's process group as the fake
     backend, and the wrappers the script may build: DDP followed, FSDP refused (module docstring);
     all restored on exit, and a process group made here destroyed."""
@@ -268,12 +265,6 @@ def _distributed(session: _Session, launch: launches.Launch):
     from torch.nn.parallel import distributed as ddp_module
 
     saved_env, threads = dict(os.environ), torch.get_num_threads()  # accelerate's state sets OMP_NUM_THREADS=1
-    if launch.per_node > 1 and "OMP_NUM_THREADS" not in saved_env and session.job.device is Device.CPU:
-        # torchrun gives each of several processes a node one intra-op thread (torch/distributed/run.py),
-        # and the CPU rules read the running count (memcheck.engine.estimate.rank_threads)
-        torch.set_num_threads(1)
-        session.tracer.assume(f"CPU target, {launch.per_node} ranks a machine: each runs 1 intra-op thread, as "
-                              "torchrun sets OMP_NUM_THREADS=1 when it starts more than one process a node")
     os.environ.update(launch.env)
     made = []
     real_init = dist.init_process_group
@@ -297,11 +288,9 @@ def _distributed(session: _Session, launch: launches.Launch):
     originals = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     for mod, name, value in patches:
         setattr(mod, name, value)
-    _SESSION[0] = session
     try:
         yield
     finally:
-        _SESSION[0] = None
         for mod, name, value in originals:
             setattr(mod, name, value)
         if made and dist.is_initialized():
@@ -471,7 +460,8 @@ def run_script(argv: list[str], job: Job | None = None, *, progress=None, **sett
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.parent))
     try:
-        with redirect_cuda(target), tracer, _distributed(session, launch), _patched(session), _Moves(session):
+        with redirect_cuda(target), tracer, rank_threads(launch.per_node, job.device, tracer), \
+                _distributed(launch), _patched(session), _Moves(session):
             try:
                 stopped = _run(path, name, session)
             finally:

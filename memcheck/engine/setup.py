@@ -6,7 +6,9 @@ report states. ``memcheck.engine.estimate`` and ``memcheck run`` (``engine/scrip
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -266,3 +268,28 @@ def with_step_precision(run: TracedRun, job: Job) -> Job:
         return job.replace(precision=precision)
     except SettingError:  # e.g. autocast to fp16 over fp16 weights: reported as the job was given
         return job
+
+
+@contextlib.contextmanager
+def rank_threads(per_node: int, device: Device, tracer):
+    """On the CPU target with more than one rank a machine, trace with the intra-op threads each rank
+    gets: torchrun sets ``OMP_NUM_THREADS=1`` for every process when it starts more than one a node
+    and the variable is unset (torch/distributed/run.py, "Setting OMP_NUM_THREADS environment variable
+    for each process to be 1 in default"). The CPU rules read the running thread count: oneDNN's
+    convolution buffers, which the probes measure (memcheck.rules.cpu_kernels), are per thread, and so
+    are the batch-norm and attention kernels' (Wav2Vec2's grouped positional convolution's backward,
+    551,168 B on one thread and 1,108,224 B on two: a DDP job over two CPU ranks read +3.9% of its real
+    run, whose ranks ran one thread each). ``per_node``: the ranks a machine (a strategy's, or the launcher's
+    under ``memcheck run``). The process's count is restored on exit."""
+    was = torch.get_num_threads()
+    if device is not Device.CPU or per_node <= 1 or "OMP_NUM_THREADS" in os.environ or was == 1:
+        yield
+        return
+    tracer.assume(f"CPU target, {per_node} ranks a machine: each runs 1 intra-op thread, as torchrun sets "
+                  "OMP_NUM_THREADS=1 when it starts more than one process a node (set OMP_NUM_THREADS to trace "
+                  "with another count)")
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)

@@ -839,13 +839,14 @@ def render_plan(plan: Plan) -> str:
         lines.extend(continued("  TrainingArguments:", args, shell=False))
         lines.extend(continued("  Lightning:", _lightning_parts(plan, r), shell=False))
         accelerate, deepspeed = accelerate_config(plan, r), deepspeed_config(plan, r)
+        policy = _accelerate_policy(plan, r)
         if accelerate is not None:
             lines.append("  accelerate config (YAML; accelerate launch --config_file FILE):")
             lines.extend("    " + line for line in _yaml_lines(accelerate))
-        elif _accelerate_policy(plan, r) is not None and r.offload != "optimizer":
+        elif policy is not None and r.offload != "optimizer":
             lines.extend(_prose(f"  accelerate config: none is this job: accelerate's mixed_precision also gives "
-                                f"FSDP a policy in that dtype, the job of {_accelerate_policy(plan, r)} (plan "
-                                "with those flags for an accelerate or TrainingArguments launch)"))
+                                f"FSDP a policy in that dtype, the job of {policy} (plan with those flags for an "
+                                "accelerate or TrainingArguments launch)"))
         if deepspeed is not None:
             lines.append("  DeepSpeed config (JSON; TrainingArguments(deepspeed=FILE)):")
             lines.extend("    " + line for line in json.dumps(deepspeed, indent=2).splitlines())
